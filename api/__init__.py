@@ -1,0 +1,50 @@
+"""The REST API: a Flask app factory with its blueprints."""
+
+from __future__ import annotations
+
+import logging
+
+from celery import Celery
+from flask import Flask, Response, jsonify
+
+from api.errors import register_error_handlers
+from api.openapi import openapi_document
+from api.state import ApiState
+from runtime.bootstrap import Runtime
+from runtime.config import Settings
+from tasks.celery_app import make_celery
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    runtime: Runtime | None = None,
+    celery: Celery | None = None,
+) -> Flask:
+    settings = settings or (runtime.settings if runtime else Settings.from_env())
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    owned = runtime is None
+    runtime = runtime or Runtime.build(settings, pool_size=5)
+    celery = celery or make_celery(settings, register=False)
+    app.extensions["dar"] = ApiState(runtime, celery)
+    register_error_handlers(app)
+
+    from api.health import bp as health_bp
+    from api.runs import bp as runs_bp
+
+    app.register_blueprint(runs_bp, url_prefix="/api")
+    app.register_blueprint(health_bp)
+
+    @app.get("/api/openapi.json")
+    def openapi() -> Response:
+        return jsonify(openapi_document())
+
+    if owned:
+        import atexit
+
+        atexit.register(runtime.close)
+    return app

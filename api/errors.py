@@ -1,0 +1,68 @@
+"""Errors as JSON: ``{"error": {"code", "message", "field"?}}`` with the right status."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from flask import Flask, Response, jsonify
+from sqlalchemy.exc import OperationalError
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+
+from db.errors import DarError
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(DarError):
+    """The request cannot be served."""
+
+    def __init__(
+        self, status: int, message: str, *, code: str = "bad_request", field: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.field = field
+
+
+def invalid(field: str, message: str) -> ApiError:
+    return ApiError(400, f"{field}: {message}", code="invalid_field", field=field)
+
+
+def error_response(status: int, code: str, message: str, **extra: Any) -> tuple[Response, int]:
+    body: dict[str, Any] = {"code": code, "message": message}
+    body.update({k: v for k, v in extra.items() if v is not None})
+    return jsonify({"error": body}), status
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(ApiError)
+    def _api_error(e: ApiError) -> tuple[Response, int]:
+        return error_response(e.status, e.code, str(e), field=e.field)
+
+    @app.errorhandler(RequestEntityTooLarge)
+    def _too_large(e: RequestEntityTooLarge) -> tuple[Response, int]:
+        limit = app.config.get("MAX_CONTENT_LENGTH")
+        return error_response(
+            413,
+            "body_too_large",
+            f"request body is larger than the limit of {limit} bytes (DAR_MAX_BODY_BYTES)",
+        )
+
+    @app.errorhandler(HTTPException)
+    def _http(e: HTTPException) -> tuple[Response, int]:
+        status = e.code or 500
+        return error_response(
+            status, (e.name or "error").lower().replace(" ", "_"), e.description or ""
+        )
+
+    @app.errorhandler(OperationalError)
+    def _db_down(e: OperationalError) -> tuple[Response, int]:
+        log.error("database unavailable: %s", e.orig.__class__.__name__ if e.orig else e)
+        return error_response(503, "database_unavailable", "the database is not answering; retry")
+
+    @app.errorhandler(Exception)
+    def _unexpected(e: Exception) -> tuple[Response, int]:
+        log.exception("unhandled error")
+        return error_response(500, "internal_error", "internal error; see the server log")

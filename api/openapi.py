@@ -1,0 +1,257 @@
+"""The OpenAPI 3.1 document served at ``/api/openapi.json``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from db.records import RunStatus
+
+JsonObj = dict[str, Any]
+
+
+def _ref(name: str) -> JsonObj:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: JsonObj, description: str) -> JsonObj:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _error(description: str) -> JsonObj:
+    return _json(_ref("Error"), description)
+
+
+RUN_ID = {
+    "name": "run_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "format": "uuid"},
+}
+
+NULLABLE_STR = {"type": ["string", "null"]}
+NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
+
+
+def openapi_document() -> JsonObj:
+    statuses = [str(s) for s in RunStatus]
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Durable Agent Runtime",
+            "version": "0.1.0",
+            "description": "Submit, inspect and cancel durable agent runs.",
+        },
+        "paths": {
+            "/api/runs": {
+                "post": {
+                    "summary": "Submit a run",
+                    "operationId": "submitRun",
+                    "parameters": [
+                        {
+                            "name": "Idempotency-Key",
+                            "in": "header",
+                            "required": False,
+                            "description": "A retried submit with the same key returns the "
+                            "same run (200) instead of creating another.",
+                            "schema": {"type": "string", "minLength": 1, "maxLength": 200},
+                        }
+                    ],
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _ref("RunSubmission")}},
+                    },
+                    "responses": {
+                        "201": _json(_ref("RunAccepted"), "Run stored and queued"),
+                        "200": _json(_ref("RunAccepted"), "Idempotent replay: the earlier run"),
+                        "400": _error("Invalid field; the message names it"),
+                        "413": _error("Body larger than DAR_MAX_BODY_BYTES"),
+                        "415": _error("Body is not JSON"),
+                        "422": _error("Idempotency-Key reused with a different body"),
+                    },
+                },
+                "get": {
+                    "summary": "List runs, newest first",
+                    "operationId": "listRuns",
+                    "parameters": [
+                        {"name": "status", "in": "query", "schema": {"enum": statuses}},
+                        {
+                            "name": "limit",
+                            "in": "query",
+                            "schema": {"type": "integer", "minimum": 1, "maximum": 200},
+                        },
+                        {"name": "cursor", "in": "query", "schema": {"type": "string"}},
+                    ],
+                    "responses": {
+                        "200": _json(_ref("RunPage"), "A page of runs"),
+                        "400": _error("Invalid query parameter"),
+                    },
+                },
+            },
+            "/api/runs/{run_id}": {
+                "get": {
+                    "summary": "Get a run",
+                    "operationId": "getRun",
+                    "parameters": [RUN_ID],
+                    "responses": {
+                        "200": _json(_ref("Run"), "The run"),
+                        "404": _error("No such run"),
+                    },
+                }
+            },
+            "/api/runs/{run_id}/timeline": {
+                "get": {
+                    "summary": "The run's steps, in order, without request bodies",
+                    "operationId": "getTimeline",
+                    "parameters": [RUN_ID],
+                    "responses": {
+                        "200": _json({"type": "array", "items": _ref("Step")}, "The steps"),
+                        "404": _error("No such run"),
+                    },
+                }
+            },
+            "/api/runs/{run_id}/cancel": {
+                "post": {
+                    "summary": "Cancel a run (cooperative: a running step completes first)",
+                    "operationId": "cancelRun",
+                    "parameters": [RUN_ID],
+                    "responses": {
+                        "202": _json(_ref("CancelAccepted"), "Cancellation recorded"),
+                        "404": _error("No such run"),
+                        "409": _error("The run has already finished"),
+                    },
+                }
+            },
+            "/api/openapi.json": {
+                "get": {
+                    "summary": "This document",
+                    "operationId": "openapi",
+                    "responses": {"200": _json({"type": "object"}, "OpenAPI document")},
+                }
+            },
+            "/healthz": {
+                "get": {
+                    "summary": "Liveness: the process answers",
+                    "operationId": "healthz",
+                    "responses": {"200": _json({"type": "object"}, "Alive")},
+                }
+            },
+            "/readyz": {
+                "get": {
+                    "summary": "Readiness: PostgreSQL and Redis answer, migrations current",
+                    "operationId": "readyz",
+                    "responses": {
+                        "200": _json({"type": "object"}, "Ready"),
+                        "503": _json({"type": "object"}, "Not ready, with the reasons"),
+                    },
+                }
+            },
+        },
+        "components": {
+            "schemas": {
+                "RunSubmission": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["input"],
+                    "properties": {
+                        "input": {"type": "string", "minLength": 1},
+                        "tokenBudget": {"type": "integer", "minimum": 1},
+                        "timeoutSeconds": {"type": "integer", "minimum": 1},
+                        "model": {"type": "string", "maxLength": 200},
+                        "maxSteps": {"type": "integer", "minimum": 1, "maximum": 10000},
+                        "agent": {"type": "string"},
+                    },
+                },
+                "RunAccepted": {
+                    "type": "object",
+                    "required": ["id", "status"],
+                    "properties": {
+                        "id": {"type": "string", "format": "uuid"},
+                        "status": {"enum": statuses},
+                    },
+                },
+                "CancelAccepted": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "string", "format": "uuid"},
+                        "status": {"enum": statuses},
+                        "cancelRequested": {"type": "boolean"},
+                    },
+                },
+                "Run": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "string", "format": "uuid"},
+                        "agent": {"type": "string"},
+                        "status": {"enum": statuses},
+                        "input": {},
+                        "model": {"type": "string"},
+                        "maxSteps": {"type": "integer"},
+                        "tokenBudget": {"type": "integer"},
+                        "tokensUsed": {"type": "integer"},
+                        "inputTokens": {"type": "integer"},
+                        "outputTokens": {"type": "integer"},
+                        "cacheCreationInputTokens": {"type": "integer"},
+                        "cacheReadInputTokens": {"type": "integer"},
+                        "costUsd": {"type": "number"},
+                        "cancelRequested": {"type": "boolean"},
+                        "result": {},
+                        "error": NULLABLE_STR,
+                        "submittedBy": NULLABLE_STR,
+                        "deadlineAt": {"type": "string", "format": "date-time"},
+                        "runAt": {"type": "string", "format": "date-time"},
+                        "lockedBy": NULLABLE_STR,
+                        "leaseExpiresAt": NULLABLE_TIME,
+                        "createdAt": {"type": "string", "format": "date-time"},
+                        "updatedAt": {"type": "string", "format": "date-time"},
+                        "finishedAt": NULLABLE_TIME,
+                    },
+                },
+                "RunPage": {
+                    "type": "object",
+                    "properties": {
+                        "items": {"type": "array", "items": _ref("Run")},
+                        "nextCursor": NULLABLE_STR,
+                    },
+                },
+                "Step": {
+                    "type": "object",
+                    "properties": {
+                        "seq": {"type": "integer"},
+                        "stepKey": {"type": "string"},
+                        "kind": {"enum": ["MODEL", "TOOL"]},
+                        "status": {"enum": ["STARTED", "DONE", "ERROR"]},
+                        "toolName": NULLABLE_STR,
+                        "toolUseId": NULLABLE_STR,
+                        "model": NULLABLE_STR,
+                        "stopReason": NULLABLE_STR,
+                        "inputTokens": {"type": "integer"},
+                        "outputTokens": {"type": "integer"},
+                        "cacheCreationInputTokens": {"type": "integer"},
+                        "cacheReadInputTokens": {"type": "integer"},
+                        "costUsd": {"type": "number"},
+                        "latencyMs": {"type": ["integer", "null"]},
+                        "requestId": NULLABLE_STR,
+                        "error": NULLABLE_STR,
+                        "worker": NULLABLE_STR,
+                        "startedAt": {"type": "string", "format": "date-time"},
+                        "finishedAt": NULLABLE_TIME,
+                    },
+                },
+                "Error": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "required": ["code", "message"],
+                            "properties": {
+                                "code": {"type": "string"},
+                                "message": {"type": "string"},
+                                "field": {"type": "string"},
+                            },
+                        }
+                    },
+                },
+            }
+        },
+    }

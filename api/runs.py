@@ -1,0 +1,134 @@
+"""``/api/runs``: submit, list, inspect, timeline, cancel."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import uuid
+from datetime import datetime
+
+from flask import Blueprint, Response, jsonify, request, url_for
+
+from api.errors import ApiError, invalid
+from api.serialize import run_json, step_json
+from api.state import state
+from api.validation import json_body, parse_submission
+from db.errors import IdempotencyConflict, RunNotFound
+from db.records import Dispatch, NewRun, RunStatus
+from tasks.dispatch import send_drive
+
+bp = Blueprint("runs", __name__)
+
+MAX_PAGE = 200
+
+
+def parse_run_id(raw: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(raw)
+    except ValueError:
+        raise ApiError(
+            404, f"no run with id {raw!r} (run ids are UUIDs)", code="not_found"
+        ) from None
+
+
+def _cursor(created: datetime, run_id: uuid.UUID) -> str:
+    return base64.urlsafe_b64encode(f"{created.isoformat()}|{run_id}".encode()).decode()
+
+
+def _parse_cursor(raw: str) -> tuple[datetime, uuid.UUID]:
+    try:
+        created, rid = base64.urlsafe_b64decode(raw.encode()).decode().split("|")
+        return datetime.fromisoformat(created), uuid.UUID(rid)
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raise invalid("cursor", "is not a cursor this API returned (use nextCursor)") from None
+
+
+@bp.post("/runs")
+def submit() -> tuple[Response, int, dict[str, str]]:
+    s = state()
+    settings = s.runtime.settings
+    body = json_body(request)
+    sub = parse_submission(body, settings, s.runtime.agents)
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not (0 < len(key) <= 200):
+        raise invalid("Idempotency-Key", "must be 1 to 200 characters")
+    try:
+        run, created = s.runtime.store.create_run(
+            NewRun(
+                agent=sub.agent,
+                input=sub.input,
+                model=sub.model,
+                max_steps=sub.max_steps,
+                token_budget=sub.token_budget,
+                timeout_seconds=sub.timeout_seconds,
+                idempotency_key=key,
+                request_hash=sub.request_hash,
+            )
+        )
+    except IdempotencyConflict as e:
+        raise ApiError(422, str(e), code="idempotency_key_reused") from None
+    if created:
+        # After the commit: a broker outage leaves the run stored and marked for the reaper.
+        send_drive(s.celery, s.runtime.store, Dispatch(run.id, run.dispatch_token))
+    location = url_for("runs.get_run", run_id=str(run.id))
+    return (
+        jsonify({"id": str(run.id), "status": str(run.status)}),
+        201 if created else 200,
+        {"Location": location},
+    )
+
+
+@bp.get("/runs")
+def list_runs() -> Response:
+    s = state()
+    status = request.args.get("status")
+    if status is not None and status not in RunStatus.__members__:
+        raise invalid("status", f"must be one of {', '.join(RunStatus)}; got {status!r}")
+    raw_limit = request.args.get("limit", "50")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_PAGE:
+        raise invalid("limit", f"must be a whole number from 1 to {MAX_PAGE}")
+    limit = int(raw_limit)
+    raw_cursor = request.args.get("cursor")
+    before = _parse_cursor(raw_cursor) if raw_cursor else None
+    runs = s.runtime.store.list_runs(status=status, limit=limit + 1, before=before)
+    page = runs[:limit]
+    next_cursor = _cursor(page[-1].created_at, page[-1].id) if len(runs) > limit else None
+    return jsonify({"items": [run_json(r) for r in page], "nextCursor": next_cursor})
+
+
+@bp.get("/runs/<run_id>")
+def get_run(run_id: str) -> Response:
+    try:
+        return jsonify(run_json(state().runtime.store.get_run(parse_run_id(run_id))))
+    except RunNotFound as e:
+        raise ApiError(404, str(e), code="not_found") from None
+
+
+@bp.get("/runs/<run_id>/timeline")
+def timeline(run_id: str) -> Response:
+    store = state().runtime.store
+    rid = parse_run_id(run_id)
+    try:
+        store.get_run(rid)
+    except RunNotFound as e:
+        raise ApiError(404, str(e), code="not_found") from None
+    return jsonify([step_json(s) for s in store.steps(rid)])
+
+
+@bp.post("/runs/<run_id>/cancel")
+def cancel(run_id: str) -> tuple[Response, int]:
+    store = state().runtime.store
+    rid = parse_run_id(run_id)
+    status = store.cancel(rid)
+    if status is None:
+        try:
+            run = store.get_run(rid)
+        except RunNotFound as e:
+            raise ApiError(404, str(e), code="not_found") from None
+        raise ApiError(
+            409,
+            f"run {rid} has already finished ({run.status}); only QUEUED, RUNNING or "
+            "NEEDS_ATTENTION runs can be cancelled",
+            code="already_finished",
+        )
+    return jsonify({"id": str(rid), "status": str(status), "cancelRequested": True}), 202

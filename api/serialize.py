@@ -1,0 +1,65 @@
+"""Runs and steps as the REST API shows them (camelCase, ISO times, no request bodies)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from db.records import Run, Step
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value else None
+
+
+def run_json(run: Run) -> dict[str, Any]:
+    return {
+        "id": str(run.id),
+        "agent": run.agent,
+        "status": str(run.status),
+        "input": run.input,
+        "model": run.model,
+        "maxSteps": run.max_steps,
+        "tokenBudget": run.token_budget,
+        "tokensUsed": run.tokens_used,
+        "inputTokens": run.usage.input_tokens,
+        "outputTokens": run.usage.output_tokens,
+        "cacheCreationInputTokens": run.usage.cache_creation_input_tokens,
+        "cacheReadInputTokens": run.usage.cache_read_input_tokens,
+        "costUsd": float(run.cost_usd),
+        "cancelRequested": run.cancel_requested,
+        "result": run.result,
+        "error": run.error,
+        "submittedBy": run.submitted_by,
+        "deadlineAt": _iso(run.deadline_at),
+        "runAt": _iso(run.run_at),
+        "lockedBy": run.locked_by,
+        "leaseExpiresAt": _iso(run.locked_until),
+        "createdAt": _iso(run.created_at),
+        "updatedAt": _iso(run.updated_at),
+        "finishedAt": _iso(run.finished_at),
+    }
+
+
+def step_json(step: Step) -> dict[str, Any]:
+    return {
+        "seq": step.seq,
+        "stepKey": step.step_key,
+        "kind": str(step.kind),
+        "status": str(step.status),
+        "toolName": step.tool_name,
+        "toolUseId": step.tool_use_id,
+        "model": step.model,
+        "stopReason": step.stop_reason,
+        "inputTokens": step.usage.input_tokens,
+        "outputTokens": step.usage.output_tokens,
+        "cacheCreationInputTokens": step.usage.cache_creation_input_tokens,
+        "cacheReadInputTokens": step.usage.cache_read_input_tokens,
+        "costUsd": float(step.cost_usd),
+        "latencyMs": step.latency_ms,
+        "requestId": step.request_id,
+        "error": step.error,
+        "worker": step.worker,
+        "startedAt": _iso(step.started_at),
+        "finishedAt": _iso(step.finished_at),
+    }

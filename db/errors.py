@@ -1,0 +1,42 @@
+"""The project's exceptions. One root for ordinary errors; lease loss is a BaseException.
+
+Each class's docstring is its default message.
+"""
+
+from __future__ import annotations
+
+
+class DarError(Exception):
+    """Durable Agent Runtime error."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class RunNotFound(DarError):
+    """No run with this id."""
+
+
+class InvalidTransition(DarError):
+    """The run is not in a state that allows this."""
+
+
+class IdempotencyConflict(DarError):
+    """This Idempotency-Key was used before with a different request body."""
+
+
+class MigrationsPending(DarError):
+    """The database schema is not at the current migration."""
+
+
+class LeaseLost(BaseException):
+    """This worker no longer holds the run's lease: another worker has taken it over.
+
+    A ``BaseException`` so that no ``except Exception`` in user code (a tool, a durable
+    function) can swallow it: the step must be abandoned without writing.
+    """
+
+    def __init__(self, run_id: object, detail: str = "") -> None:
+        self.run_id = run_id
+        msg = f"lease on run {run_id} lost"
+        super().__init__(f"{msg}: {detail}" if detail else msg)

@@ -1,0 +1,206 @@
+-- Every SQL statement of the system, named once. Loaded by db/queries.py; only db/store.py
+-- and db/demo.py use them. Parameters are SQLAlchemy ":name" binds.
+--
+-- The fence: every write a worker makes after claiming is conditioned on
+--   locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING'
+-- and the caller raises LeaseLost (rolling back) when it matches no row. Times come from the
+-- database's clock (now()), never the worker's.
+
+-- create_run --
+-- A new QUEUED run. With an idempotency key that exists already nothing is inserted and the
+-- caller reads the existing run instead.
+INSERT INTO run (id, agent, input, model, max_steps, token_budget, deadline_at,
+                 dispatch_token, idempotency_key, request_hash, submitted_by)
+VALUES (:id, :agent, CAST(:input AS jsonb), :model, :max_steps, :token_budget,
+        now() + make_interval(secs => :timeout_seconds), :token, :idempotency_key,
+        :request_hash, :submitted_by)
+ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+RETURNING *;
+
+-- get_run_by_idempotency_key --
+SELECT * FROM run WHERE idempotency_key = :idempotency_key;
+
+-- get_run --
+SELECT * FROM run WHERE id = :id;
+
+-- claim_run --
+-- Claim one run for the drive_run message carrying its current dispatch token. A stale or
+-- duplicated message, a run whose lease is live, a timer not yet due: no row. Bumps the
+-- fencing token (lease_epoch) and counts claims since the last checkpoint.
+WITH target AS (
+    SELECT id FROM run
+    WHERE id = :id AND dispatch_token = :token
+      AND status IN ('QUEUED', 'RUNNING') AND run_at <= now()
+      AND (locked_until IS NULL OR locked_until < now())
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE run r
+SET status = 'RUNNING', locked_by = :worker,
+    locked_until = now() + make_interval(secs => :lease_seconds),
+    lease_epoch = r.lease_epoch + 1,
+    claims_without_progress = r.claims_without_progress + 1,
+    updated_at = now()
+FROM target WHERE r.id = target.id
+RETURNING r.*, now() AS db_now;
+
+-- claim_next_run --
+-- Claim whichever run is due, for a driver that polls instead of taking messages: QUEUED
+-- rows, and RUNNING rows whose lease has lapsed. Concurrent claimers skip each other's rows.
+WITH next AS (
+    SELECT id FROM run
+    WHERE status IN ('QUEUED', 'RUNNING') AND run_at <= now()
+      AND (locked_until IS NULL OR locked_until < now())
+    ORDER BY run_at
+    FOR UPDATE SKIP LOCKED
+    LIMIT 1
+)
+UPDATE run r
+SET status = 'RUNNING', locked_by = :worker,
+    locked_until = now() + make_interval(secs => :lease_seconds),
+    lease_epoch = r.lease_epoch + 1,
+    claims_without_progress = r.claims_without_progress + 1,
+    updated_at = now()
+FROM next WHERE r.id = next.id
+RETURNING r.*, now() AS db_now;
+
+-- renew_leases --
+-- The heartbeat: extend every lease this worker still holds, one statement for all of them.
+-- Returns the runs still held; any missing from the answer were taken over.
+UPDATE run r
+SET locked_until = now() + make_interval(secs => :lease_seconds)
+FROM unnest(CAST(:ids AS uuid[]), CAST(:epochs AS bigint[])) AS held(id, epoch)
+WHERE r.id = held.id AND r.lease_epoch = held.epoch
+  AND r.locked_by = :worker AND r.status = 'RUNNING'
+RETURNING r.id;
+
+-- advance_run --
+-- Commit a step's effect on the run: add its tokens and cost, reset the no-progress counter,
+-- and hand the lease on to the next drive_run message (a new dispatch token). Fenced.
+UPDATE run
+SET tokens_used = tokens_used + :total_tokens,
+    input_tokens = input_tokens + :input_tokens,
+    output_tokens = output_tokens + :output_tokens,
+    cache_creation_input_tokens = cache_creation_input_tokens + :cache_creation_input_tokens,
+    cache_read_input_tokens = cache_read_input_tokens + :cache_read_input_tokens,
+    cost_usd = cost_usd + :cost_usd,
+    claims_without_progress = 0,
+    locked_by = NULL, locked_until = NULL,
+    dispatch_token = :next_token, dispatched_at = now(),
+    updated_at = now()
+WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING';
+
+-- insert_model_step --
+INSERT INTO run_step (run_id, seq, step_key, kind, status, model, request, prompt_hash,
+                      response, stop_reason, input_tokens, output_tokens,
+                      cache_creation_input_tokens, cache_read_input_tokens, cost_usd,
+                      latency_ms, request_id, worker, lease_epoch, started_at, finished_at)
+VALUES (:id, :seq, :step_key, 'MODEL', 'DONE', :model, CAST(:request AS jsonb), :prompt_hash,
+        CAST(:response AS jsonb), :stop_reason, :input_tokens, :output_tokens,
+        :cache_creation_input_tokens, :cache_read_input_tokens, :cost_usd,
+        :latency_ms, :request_id, :worker, :epoch,
+        now() - make_interval(secs => :latency_ms / 1000.0), now());
+
+-- start_tool_step --
+-- Write the tool step STARTED before the tool runs. Fenced: no row when the lease is gone.
+INSERT INTO run_step (run_id, seq, step_key, kind, status, tool_name, tool_use_id,
+                      worker, lease_epoch)
+SELECT r.id, :seq, :step_key, 'TOOL', 'STARTED', :tool_name, :tool_use_id, :worker, :epoch
+FROM run r
+WHERE r.id = :id AND r.locked_by = :worker AND r.lease_epoch = :epoch AND r.status = 'RUNNING'
+RETURNING seq;
+
+-- finish_tool_step --
+UPDATE run_step
+SET status = :status, response = CAST(:response AS jsonb), latency_ms = :latency_ms,
+    error = :error, worker = :worker, lease_epoch = :epoch, finished_at = now()
+WHERE run_id = :id AND step_key = :step_key AND status = 'STARTED';
+
+-- finish_run --
+-- End the run (or park it for a human, NEEDS_ATTENTION), releasing the lease. Fenced.
+UPDATE run
+SET status = :status, result = CAST(:result AS jsonb), error = :error,
+    locked_by = NULL, locked_until = NULL,
+    finished_at = CASE WHEN :status = 'NEEDS_ATTENTION' THEN NULL ELSE now() END,
+    updated_at = now()
+WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING'
+RETURNING status;
+
+-- cancel_run --
+-- Cooperative cancel. A run no worker holds (queued, between steps, parked) ends at once; a
+-- run whose lease is live notices at its next guard.
+UPDATE run
+SET cancel_requested = true,
+    status = CASE WHEN locked_until IS NULL OR locked_until < now()
+                  THEN 'CANCELLED' ELSE status END,
+    error = CASE WHEN locked_until IS NULL OR locked_until < now()
+                 THEN 'cancelled by request' ELSE error END,
+    finished_at = CASE WHEN locked_until IS NULL OR locked_until < now()
+                       THEN now() ELSE finished_at END,
+    locked_by = CASE WHEN locked_until IS NULL OR locked_until < now()
+                     THEN NULL ELSE locked_by END,
+    updated_at = now()
+WHERE id = :id AND status IN ('QUEUED', 'RUNNING', 'NEEDS_ATTENTION')
+RETURNING status;
+
+-- list_steps --
+SELECT * FROM run_step WHERE run_id = :id ORDER BY seq;
+
+-- list_runs --
+-- Newest first, keyset-paginated on (created_at, id).
+SELECT * FROM run
+WHERE (CAST(:status AS text) IS NULL OR status = :status)
+  AND (CAST(:before_created AS timestamptz) IS NULL
+       OR (created_at, id) < (CAST(:before_created AS timestamptz), CAST(:before_id AS uuid)))
+ORDER BY created_at DESC, id DESC
+LIMIT :limit;
+
+-- redispatch_due --
+-- The reaper's sweep: runs that no worker holds and whose last message is presumed lost
+-- (older than :redispatch_after seconds), whose lease lapsed since the last dispatch, or whose
+-- timer came due since. Each gets a new dispatch token, which makes every older message stale.
+-- Safe with two reapers: SKIP LOCKED, and the condition is false once dispatched_at moves.
+WITH due AS (
+    SELECT id FROM run
+    WHERE status IN ('QUEUED', 'RUNNING') AND run_at <= now()
+      AND (locked_until IS NULL OR locked_until < now())
+      AND dispatched_at < GREATEST(
+            COALESCE(locked_until, '-infinity'::timestamptz),
+            run_at,
+            now() - make_interval(secs => :redispatch_after))
+    ORDER BY run_at
+    FOR UPDATE SKIP LOCKED
+    LIMIT :limit
+)
+UPDATE run r SET dispatch_token = gen_random_uuid(), dispatched_at = now()
+FROM due WHERE r.id = due.id
+RETURNING r.id, r.dispatch_token;
+
+-- mark_undispatched --
+-- The message for this token could not be sent (broker down): let the next sweep send it.
+UPDATE run SET dispatched_at = '-infinity'
+WHERE id = :id AND dispatch_token = :token;
+
+-- count_runs_by_status --
+SELECT status, count(*) AS n FROM run GROUP BY status;
+
+-- count_stale_leases --
+SELECT count(*) FROM run WHERE status = 'RUNNING' AND locked_until < now();
+
+-- current_migration --
+SELECT version_num FROM dar_alembic_version;
+
+-- seed_acme_tickets --
+INSERT INTO acme_ticket (id, title, status, priority, assignee, customer, due_at)
+VALUES (:id, :title, :status, :priority, :assignee, :customer,
+        now() + make_interval(days => :due_in_days))
+ON CONFLICT (id) DO NOTHING;
+
+-- list_acme_tickets --
+SELECT id, title, status, priority, assignee, customer, due_at, due_at < now() AS overdue
+FROM acme_ticket
+WHERE (CAST(:status AS text) IS NULL OR status = :status)
+  AND (CAST(:priority AS text) IS NULL OR priority = :priority)
+  AND (CAST(:assignee AS text) IS NULL OR assignee = :assignee)
+  AND (CAST(:overdue AS boolean) IS NULL OR (due_at < now()) = CAST(:overdue AS boolean))
+ORDER BY due_at, id
+LIMIT :limit;

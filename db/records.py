@@ -1,0 +1,160 @@
+"""Records read from the store: frozen dataclasses and string enums."""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+
+class RunStatus(enum.StrEnum):
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    TIMED_OUT = "TIMED_OUT"
+    NEEDS_ATTENTION = "NEEDS_ATTENTION"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset(
+    {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.TIMED_OUT}
+)
+
+
+class StepKind(enum.StrEnum):
+    MODEL = "MODEL"
+    TOOL = "TOOL"
+
+
+class StepStatus(enum.StrEnum):
+    STARTED = "STARTED"
+    DONE = "DONE"
+    ERROR = "ERROR"
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+    @property
+    def total(self) -> int:
+        """Tokens counted against the budget: everything the model read or wrote."""
+        return (
+            self.input_tokens
+            + self.output_tokens
+            + self.cache_creation_input_tokens
+            + self.cache_read_input_tokens
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    id: uuid.UUID
+    agent: str
+    status: RunStatus
+    input: Any
+    model: str
+    max_steps: int
+    token_budget: int
+    tokens_used: int
+    usage: Usage
+    cost_usd: Decimal
+    deadline_at: datetime
+    run_at: datetime
+    locked_by: str | None
+    locked_until: datetime | None
+    lease_epoch: int
+    dispatch_token: uuid.UUID
+    claims_without_progress: int
+    cancel_requested: bool
+    result: Any
+    error: str | None
+    submitted_by: str | None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A run this worker now holds: the fence for every write it makes."""
+
+    run: Run
+    worker: str
+    epoch: int
+    db_now: datetime
+
+    @property
+    def run_id(self) -> uuid.UUID:
+        return self.run.id
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    run_id: uuid.UUID
+    seq: int
+    step_key: str
+    kind: StepKind
+    status: StepStatus
+    tool_name: str | None
+    tool_use_id: str | None
+    model: str | None
+    prompt_hash: str | None
+    response: Any
+    stop_reason: str | None
+    usage: Usage
+    cost_usd: Decimal
+    latency_ms: int | None
+    request_id: str | None
+    error: str | None
+    worker: str | None
+    lease_epoch: int
+    started_at: datetime
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class NewRun:
+    agent: str
+    input: Any
+    model: str
+    max_steps: int
+    token_budget: int
+    timeout_seconds: int
+    idempotency_key: str | None = None
+    request_hash: str | None = None
+    submitted_by: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCheckpoint:
+    seq: int
+    step_key: str
+    model: str
+    prompt_hash: str
+    request: Any
+    response: Any
+    stop_reason: str | None
+    usage: Usage
+    cost_usd: Decimal
+    latency_ms: int
+    request_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """A drive_run message to send: the run and the token it must carry."""
+
+    run_id: uuid.UUID
+    token: uuid.UUID

@@ -1,0 +1,152 @@
+"""The tables, as SQLAlchemy Core. Alembic migrations must produce exactly this schema
+(``tests/integration/test_migrations.py`` compares them)."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    Numeric,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP, UUID
+
+metadata = MetaData()
+
+TZ = TIMESTAMP(timezone=True)
+
+RUN_STATUSES = (
+    "QUEUED",
+    "RUNNING",
+    "SUCCEEDED",
+    "FAILED",
+    "CANCELLED",
+    "TIMED_OUT",
+    "NEEDS_ATTENTION",
+)
+
+run = Table(
+    "run",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True),
+    Column("agent", Text, nullable=False),
+    Column("status", Text, nullable=False, server_default=text("'QUEUED'")),
+    # The run's input as JSON: a string for the agent loop, any JSON for durable functions.
+    Column("input", JSONB, nullable=False),
+    Column("model", Text, nullable=False),
+    Column("max_steps", Integer, nullable=False),
+    Column("token_budget", BigInteger, nullable=False),
+    Column("tokens_used", BigInteger, nullable=False, server_default=text("0")),
+    Column("input_tokens", BigInteger, nullable=False, server_default=text("0")),
+    Column("output_tokens", BigInteger, nullable=False, server_default=text("0")),
+    Column("cache_creation_input_tokens", BigInteger, nullable=False, server_default=text("0")),
+    Column("cache_read_input_tokens", BigInteger, nullable=False, server_default=text("0")),
+    Column("cost_usd", Numeric(18, 8), nullable=False, server_default=text("0")),
+    Column("deadline_at", TZ, nullable=False),
+    # When the run may next be worked on; a durable timer when in the future.
+    Column("run_at", TZ, nullable=False, server_default=text("now()")),
+    # The lease: holder, expiry, and the fencing token bumped on every claim.
+    Column("locked_by", Text),
+    Column("locked_until", TZ),
+    Column("lease_epoch", BigInteger, nullable=False, server_default=text("0")),
+    # The dispatch token: only a drive_run message carrying the current token may claim the
+    # run, so stale and duplicated messages run nothing and never start a second chain.
+    Column("dispatch_token", UUID(as_uuid=True), nullable=False),
+    Column("dispatched_at", TZ, nullable=False, server_default=text("now()")),
+    # Claims since the last checkpoint: a run that keeps killing its worker is failed.
+    Column("claims_without_progress", Integer, nullable=False, server_default=text("0")),
+    Column("cancel_requested", Boolean, nullable=False, server_default=text("false")),
+    Column("result", JSONB),
+    Column("error", Text),
+    Column("idempotency_key", Text),
+    Column("request_hash", Text),
+    Column("submitted_by", Text),
+    Column("created_at", TZ, nullable=False, server_default=text("now()")),
+    Column("updated_at", TZ, nullable=False, server_default=text("now()")),
+    Column("finished_at", TZ),
+    CheckConstraint(
+        "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES) + ")",
+        name="run_status_ck",
+    ),
+)
+
+# The claim and reaper scan only live rows.
+Index(
+    "run_claim_idx",
+    run.c.run_at,
+    postgresql_where=text("status IN ('QUEUED', 'RUNNING')"),
+)
+Index(
+    "run_idempotency_uk",
+    run.c.idempotency_key,
+    unique=True,
+    postgresql_where=text("idempotency_key IS NOT NULL"),
+)
+Index("run_status_created_idx", run.c.status, run.c.created_at.desc(), run.c.id.desc())
+Index("run_created_idx", run.c.created_at.desc(), run.c.id.desc())
+
+run_step = Table(
+    "run_step",
+    metadata,
+    Column("run_id", UUID(as_uuid=True), ForeignKey("run.id", ondelete="CASCADE"), nullable=False),
+    Column("seq", Integer, nullable=False),
+    # Deterministic and unique per run: model steps by turn, tool steps by tool_use id.
+    Column("step_key", Text, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("status", Text, nullable=False),
+    Column("tool_name", Text),
+    Column("tool_use_id", Text),
+    Column("model", Text),
+    # The full request is optional (DAR_STORE_REQUESTS); its hash is always kept.
+    Column("request", JSONB),
+    Column("prompt_hash", Text),
+    Column("response", JSONB),
+    Column("stop_reason", Text),
+    Column("input_tokens", Integer, nullable=False, server_default=text("0")),
+    Column("output_tokens", Integer, nullable=False, server_default=text("0")),
+    Column("cache_creation_input_tokens", Integer, nullable=False, server_default=text("0")),
+    Column("cache_read_input_tokens", Integer, nullable=False, server_default=text("0")),
+    Column("cost_usd", Numeric(18, 8), nullable=False, server_default=text("0")),
+    Column("latency_ms", Integer),
+    Column("request_id", Text),
+    Column("error", Text),
+    Column("worker", Text),
+    Column("lease_epoch", BigInteger, nullable=False),
+    Column("started_at", TZ, nullable=False, server_default=text("now()")),
+    Column("finished_at", TZ),
+    PrimaryKeyConstraint("run_id", "seq", name="run_step_pkey"),
+    CheckConstraint("kind IN ('MODEL', 'TOOL')", name="run_step_kind_ck"),
+    CheckConstraint("status IN ('STARTED', 'DONE', 'ERROR')", name="run_step_status_ck"),
+)
+
+Index("run_step_key_uk", run_step.c.run_id, run_step.c.step_key, unique=True)
+Index(
+    "step_tool_uk",
+    run_step.c.run_id,
+    run_step.c.tool_use_id,
+    unique=True,
+    postgresql_where=text("kind = 'TOOL'"),
+)
+
+# The acme demo's tickets: a real table the demo agent's tool reads.
+acme_ticket = Table(
+    "acme_ticket",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("title", Text, nullable=False),
+    Column("status", Text, nullable=False),
+    Column("priority", Text, nullable=False),
+    Column("assignee", Text),
+    Column("customer", Text, nullable=False),
+    Column("due_at", TZ, nullable=False),
+    Column("created_at", TZ, nullable=False, server_default=text("now()")),
+)

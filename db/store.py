@@ -1,0 +1,377 @@
+"""The store: the only code that executes SQL against the run tables.
+
+Every method is one named statement from ``queries.sql`` (or a few in one transaction).
+Writes made by a worker after claiming are fenced on (holder, lease epoch) and raise
+:class:`LeaseLost`, rolling the transaction back, when the worker no longer holds the run.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import Connection, Engine, RowMapping
+
+from db.errors import IdempotencyConflict, LeaseLost, RunNotFound
+from db.queries import QUERIES as Q
+from db.records import (
+    Claim,
+    Dispatch,
+    ModelCheckpoint,
+    NewRun,
+    Run,
+    RunStatus,
+    Step,
+    StepKind,
+    StepStatus,
+    Usage,
+)
+
+
+def _json(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _run(row: RowMapping) -> Run:
+    return Run(
+        id=row["id"],
+        agent=row["agent"],
+        status=RunStatus(row["status"]),
+        input=row["input"],
+        model=row["model"],
+        max_steps=row["max_steps"],
+        token_budget=row["token_budget"],
+        tokens_used=row["tokens_used"],
+        usage=Usage(
+            row["input_tokens"],
+            row["output_tokens"],
+            row["cache_creation_input_tokens"],
+            row["cache_read_input_tokens"],
+        ),
+        cost_usd=row["cost_usd"],
+        deadline_at=row["deadline_at"],
+        run_at=row["run_at"],
+        locked_by=row["locked_by"],
+        locked_until=row["locked_until"],
+        lease_epoch=row["lease_epoch"],
+        dispatch_token=row["dispatch_token"],
+        claims_without_progress=row["claims_without_progress"],
+        cancel_requested=row["cancel_requested"],
+        result=row["result"],
+        error=row["error"],
+        submitted_by=row["submitted_by"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        finished_at=row["finished_at"],
+    )
+
+
+def _step(row: RowMapping) -> Step:
+    return Step(
+        run_id=row["run_id"],
+        seq=row["seq"],
+        step_key=row["step_key"],
+        kind=StepKind(row["kind"]),
+        status=StepStatus(row["status"]),
+        tool_name=row["tool_name"],
+        tool_use_id=row["tool_use_id"],
+        model=row["model"],
+        prompt_hash=row["prompt_hash"],
+        response=row["response"],
+        stop_reason=row["stop_reason"],
+        usage=Usage(
+            row["input_tokens"],
+            row["output_tokens"],
+            row["cache_creation_input_tokens"],
+            row["cache_read_input_tokens"],
+        ),
+        cost_usd=row["cost_usd"],
+        latency_ms=row["latency_ms"],
+        request_id=row["request_id"],
+        error=row["error"],
+        worker=row["worker"],
+        lease_epoch=row["lease_epoch"],
+        started_at=row["started_at"],
+        finished_at=row["finished_at"],
+    )
+
+
+def _fence(claim: Claim) -> dict[str, Any]:
+    return {"id": claim.run_id, "worker": claim.worker, "epoch": claim.epoch}
+
+
+class RunStore:
+    """All reads and writes of runs and steps."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    # -- submitting ---------------------------------------------------------------------
+
+    def create_run(self, new: NewRun) -> tuple[Run, bool]:
+        """Insert a QUEUED run. Returns ``(run, created)``; with an idempotency key seen
+        before, the existing run and ``False`` (or :class:`IdempotencyConflict` when the
+        earlier request differed)."""
+        params = {
+            "id": uuid.uuid4(),
+            "agent": new.agent,
+            "input": _json(new.input),
+            "model": new.model,
+            "max_steps": new.max_steps,
+            "token_budget": new.token_budget,
+            "timeout_seconds": new.timeout_seconds,
+            "token": uuid.uuid4(),
+            "idempotency_key": new.idempotency_key,
+            "request_hash": new.request_hash,
+            "submitted_by": new.submitted_by,
+        }
+        with self.engine.begin() as conn:
+            row = conn.execute(Q["create_run"], params).mappings().first()
+            if row is not None:
+                return _run(row), True
+            existing = (
+                conn.execute(
+                    Q["get_run_by_idempotency_key"], {"idempotency_key": new.idempotency_key}
+                )
+                .mappings()
+                .one()
+            )
+        if existing["request_hash"] != new.request_hash:
+            raise IdempotencyConflict(
+                f"Idempotency-Key {new.idempotency_key!r} was used for run {existing['id']} "
+                "with a different request body; use a new key for a new request"
+            )
+        return _run(existing), False
+
+    # -- reading ------------------------------------------------------------------------
+
+    def get_run(self, run_id: uuid.UUID) -> Run:
+        with self.engine.connect() as conn:
+            row = conn.execute(Q["get_run"], {"id": run_id}).mappings().first()
+        if row is None:
+            raise RunNotFound(f"no run with id {run_id}")
+        return _run(row)
+
+    def steps(self, run_id: uuid.UUID) -> list[Step]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(Q["list_steps"], {"id": run_id}).mappings().all()
+        return [_step(r) for r in rows]
+
+    def list_runs(
+        self,
+        *,
+        status: str | None = None,
+        limit: int = 50,
+        before: tuple[datetime, uuid.UUID] | None = None,
+    ) -> list[Run]:
+        params = {
+            "status": status,
+            "limit": limit,
+            "before_created": before[0] if before else None,
+            "before_id": before[1] if before else None,
+        }
+        with self.engine.connect() as conn:
+            rows = conn.execute(Q["list_runs"], params).mappings().all()
+        return [_run(r) for r in rows]
+
+    def count_runs_by_status(self) -> dict[str, int]:
+        with self.engine.connect() as conn:
+            return {r.status: r.n for r in conn.execute(Q["count_runs_by_status"])}
+
+    def count_stale_leases(self) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(Q["count_stale_leases"]).scalar_one())
+
+    # -- claiming and the lease ---------------------------------------------------------
+
+    def _claimed(self, row: RowMapping | None, worker: str) -> Claim | None:
+        if row is None:
+            return None
+        run = _run(row)
+        return Claim(run=run, worker=worker, epoch=run.lease_epoch, db_now=row["db_now"])
+
+    def claim(
+        self, run_id: uuid.UUID, token: uuid.UUID, worker: str, lease_s: float
+    ) -> Claim | None:
+        """Claim the run for the message carrying ``token``; ``None`` when the message is
+        stale or duplicated, the lease is live, or the run is not due."""
+        with self.engine.begin() as conn:
+            row = (
+                conn.execute(
+                    Q["claim_run"],
+                    {"id": run_id, "token": token, "worker": worker, "lease_seconds": lease_s},
+                )
+                .mappings()
+                .first()
+            )
+        return self._claimed(row, worker)
+
+    def claim_next(self, worker: str, lease_s: float) -> Claim | None:
+        """Claim any due run (QUEUED, or RUNNING with a lapsed lease)."""
+        with self.engine.begin() as conn:
+            row = (
+                conn.execute(Q["claim_next_run"], {"worker": worker, "lease_seconds": lease_s})
+                .mappings()
+                .first()
+            )
+        return self._claimed(row, worker)
+
+    def renew_leases(
+        self, worker: str, held: Iterable[tuple[uuid.UUID, int]], lease_seconds: float
+    ) -> set[uuid.UUID]:
+        """Extend the leases this worker holds; returns the run ids still held."""
+        pairs = list(held)
+        if not pairs:
+            return set()
+        with self.engine.begin() as conn:
+            rows = conn.execute(
+                Q["renew_leases"],
+                {
+                    "worker": worker,
+                    "lease_seconds": lease_seconds,
+                    "ids": [p[0] for p in pairs],
+                    "epochs": [p[1] for p in pairs],
+                },
+            )
+            return {r.id for r in rows}
+
+    # -- checkpoints (fenced) -----------------------------------------------------------
+
+    @staticmethod
+    def _advance(
+        conn: Connection, claim: Claim, usage: Usage, cost: Decimal, next_token: uuid.UUID
+    ) -> None:
+        owned = conn.execute(
+            Q["advance_run"],
+            {
+                **_fence(claim),
+                "total_tokens": usage.total,
+                "input_tokens": usage.input_tokens,
+                "output_tokens": usage.output_tokens,
+                "cache_creation_input_tokens": usage.cache_creation_input_tokens,
+                "cache_read_input_tokens": usage.cache_read_input_tokens,
+                "cost_usd": cost,
+                "next_token": next_token,
+            },
+        ).rowcount
+        if owned == 0:
+            raise LeaseLost(claim.run_id, "checkpoint refused by the fence")
+
+    def checkpoint_model(self, claim: Claim, step: ModelCheckpoint) -> Dispatch:
+        """Step row, token counters and lease hand-over in one transaction."""
+        token = uuid.uuid4()
+        with self.engine.begin() as conn:
+            self._advance(conn, claim, step.usage, step.cost_usd, token)
+            conn.execute(
+                Q["insert_model_step"],
+                {
+                    **_fence(claim),
+                    "seq": step.seq,
+                    "step_key": step.step_key,
+                    "model": step.model,
+                    "request": _json(step.request),
+                    "prompt_hash": step.prompt_hash,
+                    "response": _json(step.response),
+                    "stop_reason": step.stop_reason,
+                    "input_tokens": step.usage.input_tokens,
+                    "output_tokens": step.usage.output_tokens,
+                    "cache_creation_input_tokens": step.usage.cache_creation_input_tokens,
+                    "cache_read_input_tokens": step.usage.cache_read_input_tokens,
+                    "cost_usd": step.cost_usd,
+                    "latency_ms": step.latency_ms,
+                    "request_id": step.request_id,
+                },
+            )
+        return Dispatch(claim.run_id, token)
+
+    def start_tool(
+        self, claim: Claim, *, seq: int, step_key: str, tool_name: str, tool_use_id: str
+    ) -> None:
+        """Record the tool step STARTED before the tool runs."""
+        with self.engine.begin() as conn:
+            row = conn.execute(
+                Q["start_tool_step"],
+                {
+                    **_fence(claim),
+                    "seq": seq,
+                    "step_key": step_key,
+                    "tool_name": tool_name,
+                    "tool_use_id": tool_use_id,
+                },
+            ).first()
+            if row is None:
+                raise LeaseLost(claim.run_id, "tool start refused by the fence")
+
+    def finish_tool(
+        self,
+        claim: Claim,
+        *,
+        step_key: str,
+        status: StepStatus,
+        output: Any,
+        latency_ms: int,
+        error: str | None = None,
+    ) -> Dispatch:
+        """Record the tool's result and hand the lease on, in one transaction."""
+        token = uuid.uuid4()
+        with self.engine.begin() as conn:
+            self._advance(conn, claim, Usage(), Decimal(0), token)
+            updated = conn.execute(
+                Q["finish_tool_step"],
+                {
+                    **_fence(claim),
+                    "step_key": step_key,
+                    "status": str(status),
+                    "response": _json(output),
+                    "latency_ms": latency_ms,
+                    "error": error,
+                },
+            ).rowcount
+            if updated != 1:
+                raise RuntimeError(f"tool step {step_key} of run {claim.run_id} is not STARTED")
+        return Dispatch(claim.run_id, token)
+
+    def finish(
+        self,
+        claim: Claim,
+        status: RunStatus,
+        *,
+        result: Any = None,
+        error: str | None = None,
+    ) -> None:
+        """End the run (or park it NEEDS_ATTENTION) and release the lease. Fenced."""
+        with self.engine.begin() as conn:
+            row = conn.execute(
+                Q["finish_run"],
+                {**_fence(claim), "status": str(status), "result": _json(result), "error": error},
+            ).first()
+            if row is None:
+                raise LeaseLost(claim.run_id, "finish refused by the fence")
+
+    # -- control ------------------------------------------------------------------------
+
+    def cancel(self, run_id: uuid.UUID) -> RunStatus | None:
+        """Request cancellation. Returns the status after the request, or ``None`` when the
+        run does not exist or has already finished."""
+        with self.engine.begin() as conn:
+            row = conn.execute(Q["cancel_run"], {"id": run_id}).first()
+        return RunStatus(row.status) if row else None
+
+    # -- dispatch bookkeeping -----------------------------------------------------------
+
+    def redispatch_due(self, *, redispatch_after: float, limit: int = 500) -> list[Dispatch]:
+        """Give a fresh dispatch token to every run whose message is presumed lost, whose
+        lease lapsed, or whose timer came due. The caller sends one message for each."""
+        with self.engine.begin() as conn:
+            rows = conn.execute(
+                Q["redispatch_due"], {"redispatch_after": redispatch_after, "limit": limit}
+            ).all()
+        return [Dispatch(r.id, r.dispatch_token) for r in rows]
+
+    def mark_undispatched(self, dispatch: Dispatch) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(Q["mark_undispatched"], {"id": dispatch.run_id, "token": dispatch.token})

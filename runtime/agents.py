@@ -1,0 +1,68 @@
+"""Agents: a name, a system prompt, tools and limits, registered in Python."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from db.errors import DarError
+from runtime.tools import Tool
+
+
+class UnknownAgent(DarError):
+    """No agent with this name is registered."""
+
+
+class AgentConfigError(DarError):
+    """An agent is misconfigured."""
+
+
+@dataclass(frozen=True)
+class Agent:
+    name: str
+    system_prompt: str
+    tools: tuple[Tool, ...] = ()
+    model: str | None = None
+    """The model to use; ``None`` takes DAR_DEFAULT_MODEL."""
+    max_tokens: int | None = None
+    max_steps: int | None = None
+    tools_by_name: dict[str, Tool] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_name: dict[str, Tool] = {}
+        for t in self.tools:
+            if t.name in by_name:
+                raise AgentConfigError(f"agent {self.name!r} declares tool {t.name!r} twice")
+            by_name[t.name] = t
+        object.__setattr__(self, "tools_by_name", by_name)
+
+    def tool_definitions(self) -> list[dict[str, Any]]:
+        return [t.definition() for t in self.tools]
+
+
+class AgentRegistry:
+    def __init__(self, agents: Iterable[Agent] = ()) -> None:
+        self._agents: dict[str, Agent] = {}
+        for a in agents:
+            self.register(a)
+
+    def register(self, agent: Agent) -> Agent:
+        if agent.name in self._agents:
+            raise AgentConfigError(f"two agents are registered under the name {agent.name!r}")
+        self._agents[agent.name] = agent
+        return agent
+
+    def get(self, name: str) -> Agent:
+        try:
+            return self._agents[name]
+        except KeyError:
+            raise UnknownAgent(
+                f"unknown agent {name!r}; known agents: {', '.join(sorted(self._agents)) or 'none'}"
+            ) from None
+
+    def names(self) -> list[str]:
+        return sorted(self._agents)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._agents

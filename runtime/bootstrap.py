@@ -1,0 +1,99 @@
+"""Builds the runtime's parts from settings: one place that wires them, no singletons."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+
+from sqlalchemy import Engine
+
+from db.demo import TicketStore
+from db.engine import make_engine
+from db.store import RunStore
+from runtime.acme import acme_agent
+from runtime.agents import AgentConfigError, AgentRegistry
+from runtime.config import Settings
+from runtime.driver import Driver
+from runtime.heartbeat import Heartbeat
+from runtime.llm.base import LlmClient
+from runtime.llm.demo import DemoModel
+from runtime.pricing import PriceTable
+
+log = logging.getLogger(__name__)
+
+
+def build_llm(settings: Settings) -> LlmClient:
+    """The model client: Claude when ANTHROPIC_API_KEY is set, else the offline demo model."""
+    if not settings.anthropic_api_key:
+        return DemoModel(latency_ms=settings.demo_latency_ms)
+    from runtime.llm.factory import anthropic_client
+
+    return anthropic_client(settings)
+
+
+def load_agents(settings: Settings, tickets: TicketStore) -> AgentRegistry:
+    """The built-in demo agent, then each module of DAR_AGENT_MODULES, whose
+    ``register(registry)`` adds its agents."""
+    registry = AgentRegistry([acme_agent(tickets)])
+    for name in settings.agent_modules:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            raise AgentConfigError(
+                f"DAR_AGENT_MODULES names {name!r}, which fails to import: {e}"
+            ) from e
+        register = getattr(module, "register", None)
+        if not callable(register):
+            raise AgentConfigError(
+                f"agent module {name!r} has no register(registry) function to call"
+            )
+        register(registry)
+    if settings.default_agent not in registry:
+        raise AgentConfigError(
+            f"DAR_DEFAULT_AGENT is {settings.default_agent!r}, which is not registered; "
+            f"known agents: {', '.join(registry.names())}"
+        )
+    return registry
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    engine: Engine
+    store: RunStore
+    tickets: TicketStore
+    agents: AgentRegistry
+    llm: LlmClient
+    pricing: PriceTable
+
+    @classmethod
+    def build(
+        cls, settings: Settings, *, llm: LlmClient | None = None, pool_size: int = 10
+    ) -> Runtime:
+        engine = make_engine(settings.require_database_url(), pool_size=pool_size)
+        tickets = TicketStore(engine)
+        return cls(
+            settings=settings,
+            engine=engine,
+            store=RunStore(engine),
+            tickets=tickets,
+            agents=load_agents(settings, tickets),
+            llm=llm or build_llm(settings),
+            pricing=PriceTable.from_json(os.environ.get("DAR_PRICES")),
+        )
+
+    def driver(self, *, worker: str | None = None, heartbeat: Heartbeat | None = None) -> Driver:
+        return Driver(
+            store=self.store,
+            agents=self.agents,
+            llm=self.llm,
+            settings=self.settings,
+            pricing=self.pricing,
+            heartbeat=heartbeat,
+            worker=worker,
+        )
+
+    def close(self) -> None:
+        self.engine.dispose()

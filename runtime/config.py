@@ -1,0 +1,133 @@
+"""Configuration from the environment. Every setting is documented in the README.
+
+``Settings.from_env()`` reads it once; everything else takes a ``Settings`` as an argument.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from db.errors import DarError
+
+
+class ConfigError(DarError):
+    """Invalid configuration."""
+
+
+def _get(env: Mapping[str, str], name: str, default: str) -> str:
+    value = env.get(name, "").strip()
+    return value if value else default
+
+
+def _num(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0) -> float:
+    raw = _get(env, name, str(default))
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{name} must be at least {minimum}, got {raw!r}")
+    return value
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
+    value = _num(env, name, default, minimum=minimum)
+    if value != int(value):
+        raise ConfigError(f"{name} must be a whole number, got {value}")
+    return int(value)
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = _get(env, name, "1" if default else "0").lower()
+    if raw in {"1", "true", "yes", "on"}:
+        return True
+    if raw in {"0", "false", "no", "off"}:
+        return False
+    raise ConfigError(f"{name} must be true or false, got {raw!r}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str | None = None
+    redis_url: str | None = None
+    anthropic_api_key: str | None = field(default=None, repr=False)
+    anthropic_base_url: str | None = None
+    default_model: str = "claude-sonnet-4-5"
+    default_agent: str = "acme-tickets"
+    agent_modules: tuple[str, ...] = ()
+    max_tokens: int = 4096
+    default_max_steps: int = 50
+    lease_seconds: float = 15.0
+    heartbeat_seconds: float = 5.0
+    redispatch_after_seconds: float = 30.0
+    reaper_interval_seconds: float = 2.0
+    max_claims_without_progress: int = 3
+    store_requests: bool = False
+    demo_latency_ms: int = 1500
+    queue: str = "dar"
+    visibility_timeout_seconds: float = 3600.0
+    max_body_bytes: int = 1_048_576
+    max_input_chars: int = 100_000
+    default_token_budget: int = 100_000
+    max_token_budget: int = 10_000_000
+    default_timeout_seconds: int = 600
+    max_timeout_seconds: int = 7 * 86400
+    worker_name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        e: Mapping[str, str] = os.environ if env is None else env
+        modules = tuple(m.strip() for m in _get(e, "DAR_AGENT_MODULES", "").split(",") if m.strip())
+        lease = _num(e, "DAR_LEASE_SECONDS", 15.0, minimum=1)
+        settings = cls(
+            database_url=e.get("DATABASE_URL") or None,
+            redis_url=e.get("REDIS_URL") or None,
+            anthropic_api_key=e.get("ANTHROPIC_API_KEY") or None,
+            anthropic_base_url=e.get("ANTHROPIC_BASE_URL") or None,
+            default_model=_get(e, "DAR_DEFAULT_MODEL", cls.default_model),
+            default_agent=_get(e, "DAR_DEFAULT_AGENT", cls.default_agent),
+            agent_modules=modules,
+            max_tokens=_int(e, "DAR_MAX_TOKENS", cls.max_tokens, minimum=1),
+            default_max_steps=_int(e, "DAR_DEFAULT_MAX_STEPS", cls.default_max_steps, minimum=1),
+            lease_seconds=lease,
+            heartbeat_seconds=_num(e, "DAR_HEARTBEAT_SECONDS", lease / 3, minimum=0.1),
+            redispatch_after_seconds=_num(e, "DAR_REDISPATCH_AFTER_SECONDS", 30.0, minimum=1),
+            reaper_interval_seconds=_num(e, "DAR_REAPER_INTERVAL_SECONDS", 2.0, minimum=0.1),
+            max_claims_without_progress=_int(e, "DAR_MAX_CLAIMS_WITHOUT_PROGRESS", 3, minimum=1),
+            store_requests=_bool(e, "DAR_STORE_REQUESTS", False),
+            demo_latency_ms=_int(e, "DAR_DEMO_LATENCY_MS", 1500),
+            queue=_get(e, "DAR_QUEUE", "dar"),
+            visibility_timeout_seconds=_num(e, "DAR_VISIBILITY_TIMEOUT_SECONDS", 3600, minimum=60),
+            max_body_bytes=_int(e, "DAR_MAX_BODY_BYTES", 1_048_576, minimum=1024),
+            max_input_chars=_int(e, "DAR_MAX_INPUT_CHARS", 100_000, minimum=1),
+            default_token_budget=_int(e, "DAR_DEFAULT_TOKEN_BUDGET", 100_000, minimum=1),
+            max_token_budget=_int(e, "DAR_MAX_TOKEN_BUDGET", 10_000_000, minimum=1),
+            default_timeout_seconds=_int(e, "DAR_DEFAULT_TIMEOUT_SECONDS", 600, minimum=1),
+            max_timeout_seconds=_int(e, "DAR_MAX_TIMEOUT_SECONDS", 7 * 86400, minimum=1),
+            worker_name=_get(e, "DAR_WORKER_NAME", f"{socket.gethostname()}:{os.getpid()}"),
+        )
+        if settings.heartbeat_seconds >= settings.lease_seconds:
+            raise ConfigError(
+                f"DAR_HEARTBEAT_SECONDS ({settings.heartbeat_seconds}) must be shorter than "
+                f"DAR_LEASE_SECONDS ({settings.lease_seconds}) or leases lapse between beats"
+            )
+        return settings
+
+    def require_database_url(self) -> str:
+        if not self.database_url:
+            raise ConfigError(
+                "DATABASE_URL is not set: point it at PostgreSQL "
+                "(postgresql://user@host:5432/db), or use `dar dev`, which starts one"
+            )
+        return self.database_url
+
+    def require_redis_url(self) -> str:
+        if not self.redis_url:
+            raise ConfigError(
+                "REDIS_URL is not set: point it at Redis (redis://host:6379/0), "
+                "or use `dar dev`, which starts one"
+            )
+        return self.redis_url

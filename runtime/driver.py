@@ -1,0 +1,312 @@
+"""The driver: claim a run, execute exactly one checkpointed step, hand the run on.
+
+It knows no Celery and no HTTP: a Celery task, a test or a plain loop calls
+:meth:`Driver.drive` (for a dispatched message) or :meth:`Driver.drive_next` (poll), and sends
+the returned :class:`Dispatch`, if any, only after this call has returned, that is after the
+step has been committed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextvars
+import enum
+import hashlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from db.errors import LeaseLost
+from db.records import Claim, Dispatch, ModelCheckpoint, RunStatus, Step, StepStatus
+from db.store import RunStore
+from runtime.agents import Agent, AgentRegistry, UnknownAgent
+from runtime.config import Settings
+from runtime.guard import guard
+from runtime.heartbeat import Heartbeat, HeldLease
+from runtime.llm.base import LlmClient, LlmError, LlmRequest
+from runtime.logctx import log_context, set_step
+from runtime.pricing import PriceTable
+from runtime.replay import Conversation, model_step_key, replay, tool_step_key
+from runtime.tools import ToolContext, render_output
+
+log = logging.getLogger(__name__)
+
+_tool_pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="dar-tool")
+
+
+class Outcome(enum.StrEnum):
+    CONTINUE = "CONTINUE"
+    """A step was committed; send ``dispatch`` to run the next one."""
+    FINISHED = "FINISHED"
+    """The run ended (or is parked for a human); nothing to send."""
+    DROPPED = "DROPPED"
+    """The message was stale or duplicated, or the run is held by a live lease: nothing ran."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    outcome: Outcome
+    dispatch: Dispatch | None = None
+    status: RunStatus | None = None
+
+
+def short(run_id: uuid.UUID) -> str:
+    return str(run_id)[:8]
+
+
+def prompt_hash(body: dict[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class Driver:
+    def __init__(
+        self,
+        *,
+        store: RunStore,
+        agents: AgentRegistry,
+        llm: LlmClient,
+        settings: Settings,
+        pricing: PriceTable | None = None,
+        heartbeat: Heartbeat | None = None,
+        worker: str | None = None,
+    ) -> None:
+        self.store = store
+        self.agents = agents
+        self.llm = llm
+        self.settings = settings
+        self.pricing = pricing or PriceTable.from_json(None)
+        self.worker = worker or settings.worker_name
+        self.heartbeat = heartbeat or Heartbeat(
+            store,
+            self.worker,
+            lease_seconds=settings.lease_seconds,
+            interval_seconds=settings.heartbeat_seconds,
+        )
+
+    # -- entry points -------------------------------------------------------------------
+
+    def drive(self, run_id: uuid.UUID, token: uuid.UUID) -> StepResult:
+        """Handle one drive_run message: at most one step."""
+        claim = self.store.claim(run_id, token, self.worker, self.settings.lease_seconds)
+        if claim is None:
+            log.debug("run=%s message dropped (stale, duplicate, or lease held)", short(run_id))
+            return StepResult(Outcome.DROPPED)
+        return self.execute(claim)
+
+    def drive_next(self) -> StepResult | None:
+        """Claim whichever run is due and execute one step; ``None`` when nothing is due."""
+        claim = self.store.claim_next(self.worker, self.settings.lease_seconds)
+        return None if claim is None else self.execute(claim)
+
+    # -- one step -----------------------------------------------------------------------
+
+    def execute(self, claim: Claim) -> StepResult:
+        run = claim.run
+        with (
+            log_context(run_id=str(run.id), worker=self.worker, step_seq="-"),
+            self.heartbeat.hold(claim) as lease,
+        ):
+            steps = self.store.steps(run.id)
+            next_seq = len(steps) + 1
+            if run.claims_without_progress > self.settings.max_claims_without_progress:
+                return self._finish(
+                    claim,
+                    RunStatus.FAILED,
+                    error=(
+                        f"the run stopped its worker {run.claims_without_progress - 1} times "
+                        f"at seq={next_seq} without completing a step; giving up "
+                        f"(DAR_MAX_CLAIMS_WITHOUT_PROGRESS="
+                        f"{self.settings.max_claims_without_progress})"
+                    ),
+                )
+            if run.claims_without_progress > 1:
+                log.info("run=%s resumed at seq=%d", short(run.id), self._resume_seq(steps))
+            try:
+                agent = self.agents.get(run.agent)
+            except UnknownAgent as e:
+                return self._finish(claim, RunStatus.FAILED, error=str(e))
+
+            conversation = replay(run.input, steps)
+            stop = guard(
+                run,
+                now=claim.db_now,
+                steps_taken=len(steps),
+                next_is_model=not conversation.pending and not conversation.finished,
+            )
+            if stop is not None:
+                return self._finish(claim, stop.status, error=stop.reason)
+            if conversation.pending:
+                return self._tool_step(claim, agent, conversation.pending[0], steps, lease)
+            if conversation.finished:
+                return self._finish(claim, RunStatus.SUCCEEDED, result=conversation.final_text)
+            return self._model_step(claim, agent, conversation, next_seq, lease)
+
+    @staticmethod
+    def _resume_seq(steps: list[Step]) -> int:
+        started = [s.seq for s in steps if s.status is StepStatus.STARTED]
+        return started[0] if started else len(steps) + 1
+
+    def _finish(
+        self, claim: Claim, status: RunStatus, *, result: Any = None, error: str | None = None
+    ) -> StepResult:
+        self.store.finish(claim, status, result=result, error=error)
+        run = self.store.get_run(claim.run_id)
+        detail = f" reason={error}" if error else ""
+        log.info("run=%s %s tokens=%d%s", short(run.id), status, run.tokens_used, detail)
+        return StepResult(Outcome.FINISHED, status=status)
+
+    # -- model step ---------------------------------------------------------------------
+
+    def _request(self, claim: Claim, agent: Agent, conversation: Conversation) -> LlmRequest:
+        system = (
+            [
+                {
+                    "type": "text",
+                    "text": agent.system_prompt,
+                    "cache_control": {"type": "ephemeral"},
+                }
+            ]
+            if agent.system_prompt
+            else []
+        )
+        return LlmRequest(
+            model=claim.run.model,
+            max_tokens=agent.max_tokens or self.settings.max_tokens,
+            system=system,
+            tools=agent.tool_definitions(),
+            messages=conversation.messages,
+        )
+
+    def _model_step(
+        self,
+        claim: Claim,
+        agent: Agent,
+        conversation: Conversation,
+        seq: int,
+        lease: HeldLease,
+    ) -> StepResult:
+        set_step(seq)
+        request = self._request(claim, agent, conversation)
+        body = request.to_json()
+        started = time.monotonic()
+        try:
+            response = self.llm.send(request)
+        except LlmError as e:
+            rid = f" (request id {e.request_id})" if e.request_id else ""
+            status = "I/O error or timeout" if e.status == -1 else f"HTTP {e.status}"
+            return self._finish(
+                claim, RunStatus.FAILED, error=f"model call failed: {status}: {e}{rid}"
+            )
+        latency_ms = int((time.monotonic() - started) * 1000)
+        if lease.lost.is_set():
+            raise LeaseLost(claim.run_id, "heartbeat found the lease taken over")
+        cost = self.pricing.cost(response.model or request.model, response.usage)
+        dispatch = self.store.checkpoint_model(
+            claim,
+            ModelCheckpoint(
+                seq=seq,
+                step_key=model_step_key(conversation.model_turns + 1),
+                model=response.model or request.model,
+                prompt_hash=prompt_hash(body),
+                request=body if self.settings.store_requests else None,
+                response=response.content,
+                stop_reason=response.stop_reason,
+                usage=response.usage,
+                cost_usd=cost,
+                latency_ms=latency_ms,
+                request_id=response.request_id,
+            ),
+        )
+        log.info(
+            "run=%s seq=%d MODEL stop=%s in=%d out=%d latency=%dms",
+            short(claim.run_id),
+            seq,
+            response.stop_reason,
+            response.usage.input_tokens,
+            response.usage.output_tokens,
+            latency_ms,
+        )
+        return StepResult(Outcome.CONTINUE, dispatch=dispatch)
+
+    # -- tool step ----------------------------------------------------------------------
+
+    def _tool_step(
+        self,
+        claim: Claim,
+        agent: Agent,
+        use: dict[str, Any],
+        steps: list[Step],
+        lease: HeldLease,
+    ) -> StepResult:
+        tool_use_id: str = use["id"]
+        name: str = use["name"]
+        key = tool_step_key(tool_use_id)
+        existing = next((s for s in steps if s.step_key == key), None)
+        tool = agent.tools_by_name.get(name)
+        rid = short(claim.run_id)
+
+        if existing is not None:  # STARTED by a worker that stopped before recording it
+            seq = existing.seq
+            set_step(seq)
+            if tool is not None and not tool.idempotent:
+                return self._finish(
+                    claim,
+                    RunStatus.NEEDS_ATTENTION,
+                    error=(
+                        f"tool {name!r} (tool_use id {tool_use_id}, seq={seq}) was started but "
+                        "its worker stopped before recording a result, and the tool is not "
+                        "declared idempotent, so it was not run again: check whether its "
+                        "effect happened, then resolve the run"
+                    ),
+                )
+        else:
+            seq = len(steps) + 1
+            set_step(seq)
+            self.store.start_tool(
+                claim, seq=seq, step_key=key, tool_name=name, tool_use_id=tool_use_id
+            )
+            log.info("run=%s seq=%d TOOL %s id=%s started", rid, seq, name, tool_use_id)
+
+        started = time.monotonic()
+        status = StepStatus.DONE
+        error: str | None = None
+        if tool is None:
+            status = StepStatus.ERROR
+            known = ", ".join(sorted(agent.tools_by_name)) or "none"
+            output = f"error: unknown tool {name!r}; known tools: {known}"
+            error = output
+        else:
+            context = ToolContext(run_id=claim.run_id, tool_use_id=tool_use_id)
+            future = _tool_pool.submit(
+                contextvars.copy_context().run, tool.invoke, dict(use.get("input") or {}), context
+            )
+            try:
+                output = render_output(future.result(timeout=tool.timeout_seconds))
+            except concurrent.futures.TimeoutError:
+                status = StepStatus.ERROR
+                output = f"error: tool {name!r} timed out after {tool.timeout_seconds:g}s"
+                error = output
+            except Exception as e:  # a failing tool is information for the model
+                status = StepStatus.ERROR
+                output = f"error: {type(e).__name__}: {e}"
+                error = output
+        latency_ms = int((time.monotonic() - started) * 1000)
+        if lease.lost.is_set():
+            raise LeaseLost(claim.run_id, "heartbeat found the lease taken over")
+        dispatch = self.store.finish_tool(
+            claim,
+            step_key=key,
+            status=status,
+            output=output,
+            latency_ms=latency_ms,
+            error=error,
+        )
+        verdict = "done" if status is StepStatus.DONE else "error"
+        log.info(
+            "run=%s seq=%d TOOL %s id=%s %s %dms", rid, seq, name, tool_use_id, verdict, latency_ms
+        )
+        return StepResult(Outcome.CONTINUE, dispatch=dispatch)

@@ -1,0 +1,83 @@
+"""Run-scoped logging: the run, step and worker of the current code path, on every record.
+
+The driver sets the context with :func:`log_context`; :class:`ContextFilter` copies it onto
+each log record as ``run_id``, ``step_seq`` and ``worker`` (``"-"`` when not in a run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
+
+_context: ContextVar[dict[str, Any] | None] = ContextVar("dar_log_context", default=None)
+
+FIELDS = ("run_id", "step_seq", "worker")
+
+
+@contextlib.contextmanager
+def log_context(**values: Any) -> Iterator[None]:
+    merged = {**(_context.get() or {}), **values}
+    token = _context.set(merged)
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+def set_step(seq: int) -> None:
+    current = _context.get()
+    if current is not None:
+        current["step_seq"] = seq
+
+
+class ContextFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        ctx = _context.get() or {}
+        for name in FIELDS:
+            if not hasattr(record, name):
+                setattr(record, name, ctx.get(name, "-"))
+        return True
+
+
+CONSOLE_FORMAT = "%(asctime)s %(levelname)-5s %(worker)s %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line with the run context and any ``event`` extra."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for name in (*FIELDS, "event"):
+            value = getattr(record, name, None)
+            if value not in (None, "-"):
+                out[name] = str(value)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def configure_logging(fmt: str = "console", level: str = "INFO") -> None:
+    """Install the context filter and a console or JSON handler on the root logger."""
+    handler = logging.StreamHandler()
+    handler.addFilter(ContextFilter())
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter(CONSOLE_FORMAT))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    # Libraries that would print request bodies or headers at DEBUG stay at WARNING.
+    for noisy in ("anthropic", "httpx", "httpx2", "httpcore", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,0 +1,130 @@
+"""Tools: plain Python functions the model may call.
+
+A tool gets its input as keyword arguments and, if it declares a parameter annotated
+:class:`ToolContext`, the context: the run and the ``tool_use`` id, its idempotency key.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import types
+import typing
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+JsonObj = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolContext:
+    run_id: uuid.UUID
+    tool_use_id: str
+
+    @property
+    def idempotency_key(self) -> str:
+        """Stable across re-executions of the same call: pass it downstream."""
+        return self.tool_use_id
+
+
+_JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+def _schema_for(annotation: Any) -> JsonObj:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return _schema_for(args[0])
+        return {"anyOf": [_schema_for(a) for a in args]}
+    if origin is typing.Literal:
+        return {"enum": list(typing.get_args(annotation))}
+    if origin in (list, tuple) or annotation in (list, tuple):
+        item_args = typing.get_args(annotation)
+        return (
+            {"type": "array", "items": _schema_for(item_args[0])}
+            if item_args
+            else {"type": "array"}
+        )
+    if origin is dict or annotation is dict:
+        return {"type": "object"}
+    if annotation in _JSON_TYPES:
+        return {"type": _JSON_TYPES[annotation]}
+    return {}
+
+
+def schema_from_signature(fn: Callable[..., Any]) -> JsonObj:
+    """A JSON schema for a function's keyword arguments, from its type hints."""
+    hints = typing.get_type_hints(fn)
+    properties: JsonObj = {}
+    required: list[str] = []
+    for name, param in inspect.signature(fn).parameters.items():
+        annotation = hints.get(name, Any)
+        if annotation is ToolContext:
+            continue
+        properties[name] = _schema_for(annotation)
+        if param.default is inspect.Parameter.empty:
+            required.append(name)
+    schema: JsonObj = {"type": "object", "properties": properties}
+    if required:
+        schema["required"] = required
+    return schema
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    fn: Callable[..., Any]
+    input_schema: JsonObj = field(default_factory=dict)
+    idempotent: bool = False
+    """Safe to execute again with the same idempotency key after a crash."""
+    timeout_seconds: float = 60.0
+
+    def definition(self) -> JsonObj:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "input_schema": self.input_schema,
+        }
+
+    def invoke(self, arguments: JsonObj, context: ToolContext) -> Any:
+        hints = typing.get_type_hints(self.fn)
+        kwargs = dict(arguments)
+        for name in inspect.signature(self.fn).parameters:
+            if hints.get(name) is ToolContext:
+                kwargs[name] = context
+        return self.fn(**kwargs)
+
+
+def tool(
+    fn: Callable[..., Any] | None = None,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    input_schema: JsonObj | None = None,
+    idempotent: bool = False,
+    timeout_seconds: float = 60.0,
+) -> Any:
+    """Declare a tool: ``@tool`` or ``@tool(idempotent=True, ...)`` on a function."""
+
+    def wrap(f: Callable[..., Any]) -> Tool:
+        return Tool(
+            name=name or f.__name__,
+            description=description or inspect.getdoc(f) or "",
+            fn=f,
+            input_schema=input_schema or schema_from_signature(f),
+            idempotent=idempotent,
+            timeout_seconds=timeout_seconds,
+        )
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def render_output(value: Any) -> str:
+    """Tool output as the model sees it: strings as they are, anything else as JSON."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, default=str, ensure_ascii=False)

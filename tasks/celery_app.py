@@ -1,0 +1,60 @@
+"""The Celery app, configured for a durable system.
+
+- late acks and reject-on-worker-lost: a message is acknowledged only after its step ran;
+- prefetch 1: a worker reserves no more than it runs;
+- no result backend: PostgreSQL holds every result;
+- a visibility timeout above the longest step, so Redis does not redeliver a message whose
+  step is still running (a redelivered message would be dropped by its stale token anyway);
+- short broker timeouts and few publish retries, so a dead Redis never hangs the API: the
+  run is stored and the reaper sends its message later.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from runtime.config import Settings
+
+DRIVE_RUN = "dar.drive_run"
+REAP = "dar.reap"
+
+
+def make_celery(settings: Settings, *, register: bool = True) -> Celery:
+    app = Celery("dar", broker=settings.require_redis_url(), set_as_current=False)
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_ignore_result=True,
+        result_backend=None,
+        task_serializer="json",
+        accept_content=["json"],
+        task_default_queue=settings.queue,
+        task_routes={DRIVE_RUN: {"queue": settings.queue}, REAP: {"queue": settings.queue}},
+        broker_connection_retry_on_startup=True,
+        broker_connection_timeout=3,
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout_seconds,
+            "socket_timeout": 5,
+            "socket_connect_timeout": 3,
+        },
+        task_publish_retry=True,
+        task_publish_retry_policy={
+            "max_retries": 2,
+            "interval_start": 0,
+            "interval_step": 0.2,
+            "interval_max": 0.5,
+        },
+        worker_hijack_root_logger=False,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        beat_schedule={
+            "reap": {"task": REAP, "schedule": settings.reaper_interval_seconds},
+        },
+    )
+    app.conf.dar_settings = settings
+    if register:
+        from tasks.drive import register_tasks
+
+        register_tasks(app)
+    return app

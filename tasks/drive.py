@@ -1,0 +1,90 @@
+"""The two tasks: ``dar.drive_run`` (one step of one run) and ``dar.reap`` (the sweep)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+
+from celery import Celery
+
+from runtime.bootstrap import Runtime
+from runtime.config import Settings
+from runtime.driver import Driver
+from runtime.heartbeat import Heartbeat
+from tasks.celery_app import DRIVE_RUN, REAP
+from tasks.dispatch import send_drive
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerState:
+    """What one worker process builds once, lazily, after any fork."""
+
+    runtime: Runtime
+    heartbeat: Heartbeat
+    driver: Driver
+
+
+_state: dict[int, WorkerState] = {}
+_state_lock = threading.Lock()
+
+
+def worker_state(app: Celery) -> WorkerState:
+    key = id(app)
+    state = _state.get(key)
+    if state is not None:
+        return state
+    with _state_lock:
+        state = _state.get(key)
+        if state is None:
+            settings: Settings = app.conf.dar_settings
+            runtime: Runtime | None = getattr(app, "dar_runtime", None)
+            if runtime is None:
+                runtime = Runtime.build(settings)
+            worker = settings.worker_name
+            heartbeat = Heartbeat(
+                runtime.store,
+                worker,
+                lease_seconds=settings.lease_seconds,
+                interval_seconds=settings.heartbeat_seconds,
+            )
+            heartbeat.start()
+            state = WorkerState(runtime, heartbeat, runtime.driver(heartbeat=heartbeat))
+            _state[key] = state
+            log.info("worker %s ready (pid %d)", worker, os.getpid())
+    return state
+
+
+def _forget_state_after_fork() -> None:
+    # A forked child must build its own engine and heartbeat thread.
+    _state.clear()
+
+
+os.register_at_fork(after_in_child=_forget_state_after_fork)
+
+
+def register_tasks(app: Celery) -> None:
+    @app.task(name=DRIVE_RUN, ignore_result=True)
+    def drive_run(run_id: str, token: str) -> str:
+        """Execute at most one step of the run, commit it, then send the next message."""
+        state = worker_state(app)
+        result = state.driver.drive(uuid.UUID(run_id), uuid.UUID(token))
+        if result.dispatch is not None:
+            send_drive(app, state.runtime.store, result.dispatch)
+        return str(result.outcome)
+
+    @app.task(name=REAP, ignore_result=True)
+    def reap() -> int:
+        """Re-send drive_run for runs whose message was lost, whose lease lapsed, or whose
+        timer is due. Safe to run from two beats at once."""
+        state = worker_state(app)
+        settings = state.runtime.settings
+        due = state.runtime.store.redispatch_due(redispatch_after=settings.redispatch_after_seconds)
+        for d in due:
+            log.info("run=%s re-dispatched by the reaper", str(d.run_id)[:8])
+            send_drive(app, state.runtime.store, d)
+        return len(due)

@@ -1,0 +1,1 @@
+"""Test doubles that stand in for external services (no network beyond loopback)."""

@@ -1,0 +1,614 @@
+"""A fake Anthropic Messages API on loopback, for tests. Standard library only.
+
+    with FakeMessagesApi() as fake:
+        fake.then_tool_use("toolu_1", "lookup", {"q": "x"}).then_text("done")
+        client = AnthropicClient(base_url=fake.url, api_key="test")
+        ...
+        assert fake.calls == 2
+
+* ``POST /v1/messages`` answers from a script (a FIFO of :class:`Reply`), one entry per
+  request: message turns, error statuses with Anthropic-shaped bodies and optional
+  ``retry-after`` headers, a body that drips out slowly, a connection reset.
+* Every request is validated first, like the real API (see :func:`validate_request`); a
+  violation is answered with 400 ``invalid_request_error`` and does NOT consume the script.
+* Every request (path, headers, raw body, parsed JSON, the status answered) is logged in
+  :attr:`FakeMessagesApi.requests`; :attr:`FakeMessagesApi.calls` counts model calls.
+* When the script is empty the fake answers 400 ``fake script exhausted`` (non-retryable,
+  so a test that under-scripts fails at once), unless a default responder is set:
+  ``default_responder=True`` answers every extra call with an ``end_turn`` text turn, or
+  pass a callable ``(request_json) -> Reply`` to compute answers for long runs.
+
+Ids are deterministic: the n-th request (1-based) gets ``msg_fake_000n`` and the
+``request-id`` header ``req_fake_000n``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import Any, Literal
+
+JsonObj = dict[str, Any]
+
+DEFAULT_USAGE: JsonObj = {
+    "input_tokens": 10,
+    "output_tokens": 5,
+    "cache_creation_input_tokens": 0,
+    "cache_read_input_tokens": 0,
+}
+
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def dumps(obj: object) -> bytes:
+    """How the fake serialises JSON (compact, UTF-8, key order kept)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+# --- replies ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One scripted answer. Build it with the helpers below or the ``then_*`` methods."""
+
+    kind: Literal["message", "error", "reset"]
+    status: int = 200
+    body: JsonObj | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    drip_chunk: int = 0  # > 0: send the body this many bytes at a time ...
+    drip_interval: float = 0.0  # ... sleeping this long between chunks
+
+
+def message(
+    content: list[JsonObj],
+    stop_reason: str | None = "end_turn",
+    *,
+    usage: Mapping[str, Any] | None = None,
+) -> Reply:
+    """An assistant turn with these content blocks, sent exactly as given."""
+    body: JsonObj = {
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": None,
+        "usage": dict(DEFAULT_USAGE if usage is None else usage),
+    }
+    return Reply("message", body=body)
+
+
+def text(value: str = "Done.", *, usage: Mapping[str, Any] | None = None) -> Reply:
+    return message([{"type": "text", "text": value}], "end_turn", usage=usage)
+
+
+def tool_uses(
+    calls: Iterable[tuple[str, str, JsonObj]],
+    *,
+    preamble: str | None = None,
+    usage: Mapping[str, Any] | None = None,
+) -> Reply:
+    """A ``tool_use`` turn; several calls make parallel tool uses."""
+    content: list[JsonObj] = [{"type": "text", "text": preamble}] if preamble else []
+    content += [
+        {"type": "tool_use", "id": tool_id, "name": name, "input": tool_input}
+        for tool_id, name, tool_input in calls
+    ]
+    return message(content, "tool_use", usage=usage)
+
+
+def error(
+    status: int,
+    message_text: str | None = None,
+    *,
+    error_type: str | None = None,
+    error_code: str | None = None,
+    retry_after: str | float | None = None,
+    retry_after_ms: str | float | None = None,
+) -> Reply:
+    """An error status with an Anthropic-shaped body:
+    ``{"type": "error", "error": {"type", "message", "details"?}, "request_id"}``."""
+    err: JsonObj = {
+        "type": error_type or ERROR_TYPES.get(status, "api_error"),
+        "message": message_text or f"fake error {status}",
+    }
+    if error_code is not None:
+        err["details"] = {"error_code": error_code}
+    headers: list[tuple[str, str]] = []
+    if retry_after is not None:
+        headers.append(("retry-after", _header_number(retry_after)))
+    if retry_after_ms is not None:
+        headers.append(("retry-after-ms", _header_number(retry_after_ms)))
+    return Reply(
+        "error", status=status, body={"type": "error", "error": err}, headers=tuple(headers)
+    )
+
+
+def _header_number(value: str | float) -> str:
+    if isinstance(value, str):
+        return value
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def slow(reply: Reply, *, chunk: int = 8, interval: float = 0.2) -> Reply:
+    """``reply``, with headers at once and the body ``chunk`` bytes per ``interval``."""
+    return Reply(
+        reply.kind,
+        status=reply.status,
+        body=reply.body,
+        headers=reply.headers,
+        drip_chunk=chunk,
+        drip_interval=interval,
+    )
+
+
+def reset() -> Reply:
+    """Read the request, then reset the TCP connection (RST) without answering."""
+    return Reply("reset")
+
+
+# --- validation ---------------------------------------------------------------------------
+
+
+def _blocks(msg: JsonObj) -> list[JsonObj]:
+    content = msg.get("content")
+    if isinstance(content, list):
+        return [b for b in content if isinstance(b, dict)]
+    return []
+
+
+def validate_request(body: object) -> str | None:
+    """The first rule ``body`` breaks, as the API would word it, or ``None`` if it is valid.
+
+    Checked: ``model`` and ``max_tokens`` present; ``messages`` a non-empty list; the first
+    message from ``user``; roles alternate; every ``tool_use`` of an assistant turn answered
+    by a ``tool_result`` in the very next (user) message, all of them, before any other
+    block; no ``tool_result`` whose id was not a ``tool_use`` of the previous message.
+    """
+    if not isinstance(body, dict):
+        return "request body must be a JSON object"
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        return "model: Field required"
+    max_tokens = body.get("max_tokens")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        return "max_tokens: Field required"
+    if max_tokens < 1:
+        return "max_tokens: Input should be greater than or equal to 1"
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return "messages: Field required"
+    if not messages:
+        return "messages: at least one message is required"
+    previous_role: str | None = None
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            return f"messages.{i}: Input should be a valid dictionary"
+        role = msg.get("role")
+        if role not in ("user", "assistant"):
+            return f"messages.{i}.role: Input should be 'user' or 'assistant'"
+        content = msg.get("content")
+        if not isinstance(content, str | list) or (isinstance(content, list) and not content):
+            return f"messages.{i}: all messages must have non-empty content"
+        if i == 0 and role != "user":
+            return 'messages: first message must use the "user" role'
+        if role == previous_role:
+            return (
+                'messages: roles must alternate between "user" and "assistant", '
+                f'but found multiple "{role}" roles in a row'
+            )
+        previous_role = role
+    for i, msg in enumerate(messages):
+        if msg["role"] == "assistant":
+            problem = _check_answered(messages, i)
+        else:
+            problem = _check_results(messages, i)
+        if problem:
+            return problem
+    return None
+
+
+def _tool_use_ids(msg: JsonObj) -> list[str]:
+    return [str(b.get("id")) for b in _blocks(msg) if b.get("type") == "tool_use"]
+
+
+def _check_answered(messages: list[JsonObj], i: int) -> str | None:
+    uses = _tool_use_ids(messages[i])
+    if not uses:
+        return None
+    if len(set(uses)) != len(uses):
+        return f"messages.{i}.content: `tool_use` ids must be unique"
+    following = _blocks(messages[i + 1]) if i + 1 < len(messages) else []
+    answered = {str(b.get("tool_use_id")) for b in following if b.get("type") == "tool_result"}
+    missing = [u for u in uses if u not in answered]
+    if missing:
+        return (
+            f"messages.{i + 1}: `tool_use` ids were found without `tool_result` blocks "
+            f"immediately after: {', '.join(missing)}. Each `tool_use` block must have a "
+            "corresponding `tool_result` block in the next message."
+        )
+    return None
+
+
+def _check_results(messages: list[JsonObj], i: int) -> str | None:
+    blocks = _blocks(messages[i])
+    uses = set(_tool_use_ids(messages[i - 1])) if i > 0 else set()
+    seen_other = False
+    for j, block in enumerate(blocks):
+        if block.get("type") != "tool_result":
+            seen_other = True
+            continue
+        tool_use_id = str(block.get("tool_use_id"))
+        if tool_use_id not in uses:
+            return (
+                f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` "
+                f"blocks: {tool_use_id}. Each `tool_result` block must have a corresponding "
+                "`tool_use` block in the previous message."
+            )
+        if seen_other:
+            return (
+                f"messages.{i}.content.{j}: `tool_result` blocks must come first in the "
+                "user message that answers `tool_use` blocks"
+            )
+    return None
+
+
+# --- the server ---------------------------------------------------------------------------
+
+
+@dataclass
+class RecordedRequest:
+    """One request as received, and the status it was answered with (``0`` for a reset)."""
+
+    method: str
+    path: str
+    headers: dict[str, str]  # names in lower case
+    body: bytes
+    json: Any
+    status: int = 0
+    response_body: bytes = b""
+
+
+@dataclass
+class _State:
+    script: deque[Reply] = field(default_factory=deque)
+    requests: list[RecordedRequest] = field(default_factory=list)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, fake: FakeMessagesApi) -> None:
+        self.fake = fake
+        self.to_reset: set[socket.socket] = set()
+        super().__init__(("127.0.0.1", 0), _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that hung up mid-answer is expected here (timeouts); stay quiet
+
+    def shutdown_request(self, request: Any) -> None:
+        if request in self.to_reset:
+            # Skip the SHUT_WR (a FIN) of the default: with SO_LINGER 0 the close sends RST.
+            self.to_reset.discard(request)
+            self.close_request(request)
+            return
+        super().shutdown_request(request)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # keep test output clean
+
+    def do_GET(self) -> None:
+        self._answer_error(404, "not_found_error", f"Not found: {self.path}", None, 0)
+
+    def do_POST(self) -> None:
+        fake = self.server.fake
+        length = int(self.headers.get("content-length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            parsed: Any = json.loads(raw) if raw else None
+        except ValueError:
+            parsed = None
+        record = RecordedRequest(
+            method="POST",
+            path=self.path,
+            headers={k.lower(): v for k, v in self.headers.items()},
+            body=raw,
+            json=parsed,
+        )
+        number = fake._record(record)
+        if self.path.split("?")[0] != "/v1/messages":
+            self._answer_error(404, "not_found_error", f"Not found: {self.path}", record, number)
+            return
+        if fake.api_key is not None and record.headers.get("x-api-key") != fake.api_key:
+            self._answer_error(401, "authentication_error", "invalid x-api-key", record, number)
+            return
+        problem = validate_request(parsed) if parsed is not None else "invalid JSON body"
+        if problem:
+            self._answer_error(400, "invalid_request_error", problem, record, number)
+            return
+        reply = fake._next_reply(parsed)
+        if reply is None:
+            self._answer_error(
+                400, "invalid_request_error", "fake script exhausted: no reply left", record, number
+            )
+            return
+        if reply.kind == "reset":
+            self._reset()
+            return
+        body = dict(reply.body or {})
+        if reply.kind == "message":
+            body = {
+                "id": f"msg_fake_{number:04d}",
+                "type": "message",
+                "role": "assistant",
+                "model": parsed.get("model"),
+                **body,
+            }
+        else:
+            body["request_id"] = f"req_fake_{number:04d}"
+        self._send(reply.status, body, reply, record, number)
+
+    def _answer_error(
+        self,
+        status: int,
+        error_type: str,
+        text: str,
+        record: RecordedRequest | None,
+        number: int,
+    ) -> None:
+        reply = error(status, text, error_type=error_type)
+        body = dict(reply.body or {})
+        body["request_id"] = f"req_fake_{number:04d}"
+        self._send(status, body, reply, record, number)
+
+    def _send(
+        self,
+        status: int,
+        body: JsonObj,
+        reply: Reply,
+        record: RecordedRequest | None,
+        number: int,
+    ) -> None:
+        payload = dumps(body)
+        if record is not None:
+            record.status = status
+            record.response_body = payload
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(payload)))
+        self.send_header("request-id", f"req_fake_{number:04d}")
+        for name, value in reply.headers:
+            self.send_header(name, value)
+        self.end_headers()
+        if reply.drip_chunk <= 0:
+            self.wfile.write(payload)
+            return
+        closing = self.server.fake._closing
+        try:
+            for start in range(0, len(payload), reply.drip_chunk):
+                if closing.is_set():
+                    self.close_connection = True
+                    return
+                self.wfile.write(payload[start : start + reply.drip_chunk])
+                self.wfile.flush()
+                if closing.wait(reply.drip_interval):
+                    self.close_connection = True
+                    return
+        except OSError:  # the client gave up (timeout) and closed the connection
+            self.close_connection = True
+
+    def _reset(self) -> None:
+        sock = self.connection
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.server.to_reset.add(sock)
+        self.close_connection = True
+
+
+class FakeMessagesApi:
+    """The fake server. Use as a context manager; :attr:`url` is the SDK's ``base_url``.
+
+    ``default_responder``: ``False`` (an empty script answers 400), ``True`` (an empty script
+    answers an ``end_turn`` text turn), or a callable ``(request_json) -> Reply``.
+    ``api_key``: when set, requests without this ``x-api-key`` get 401.
+    """
+
+    def __init__(
+        self,
+        *,
+        default_responder: bool | Callable[[JsonObj], Reply] = False,
+        api_key: str | None = None,
+    ) -> None:
+        self.default_responder = default_responder
+        self.api_key = api_key
+        self._lock = threading.Lock()
+        self._state = _State()
+        self._closing = threading.Event()
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # lifecycle
+
+    def start(self) -> FakeMessagesApi:
+        if self._server is not None:
+            return self
+        self._closing.clear()
+        self._server = _Server(self)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="fake-messages-api",
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._closing.set()
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._server = None
+        self._thread = None
+
+    def __enter__(self) -> FakeMessagesApi:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        if self._server is None:
+            raise RuntimeError("the fake Messages API is not running")
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    # script
+
+    def then(self, *replies: Reply) -> FakeMessagesApi:
+        with self._lock:
+            self._state.script.extend(replies)
+        return self
+
+    def then_text(
+        self, value: str = "Done.", *, usage: Mapping[str, Any] | None = None
+    ) -> FakeMessagesApi:
+        return self.then(text(value, usage=usage))
+
+    def then_tool_use(
+        self,
+        tool_id: str,
+        name: str,
+        tool_input: JsonObj,
+        *,
+        preamble: str | None = None,
+        usage: Mapping[str, Any] | None = None,
+    ) -> FakeMessagesApi:
+        return self.then(tool_uses([(tool_id, name, tool_input)], preamble=preamble, usage=usage))
+
+    def then_tool_uses(
+        self,
+        calls: Iterable[tuple[str, str, JsonObj]],
+        *,
+        preamble: str | None = None,
+        usage: Mapping[str, Any] | None = None,
+    ) -> FakeMessagesApi:
+        return self.then(tool_uses(calls, preamble=preamble, usage=usage))
+
+    def then_message(
+        self,
+        content: list[JsonObj],
+        stop_reason: str | None = "end_turn",
+        *,
+        usage: Mapping[str, Any] | None = None,
+    ) -> FakeMessagesApi:
+        return self.then(message(content, stop_reason, usage=usage))
+
+    def then_error(
+        self,
+        status: int,
+        message_text: str | None = None,
+        *,
+        error_type: str | None = None,
+        error_code: str | None = None,
+        retry_after: str | float | None = None,
+        retry_after_ms: str | float | None = None,
+    ) -> FakeMessagesApi:
+        return self.then(
+            error(
+                status,
+                message_text,
+                error_type=error_type,
+                error_code=error_code,
+                retry_after=retry_after,
+                retry_after_ms=retry_after_ms,
+            )
+        )
+
+    def then_slow_text(
+        self, value: str = "Done.", *, chunk: int = 8, interval: float = 0.2
+    ) -> FakeMessagesApi:
+        return self.then(slow(text(value), chunk=chunk, interval=interval))
+
+    def then_reset(self) -> FakeMessagesApi:
+        return self.then(reset())
+
+    @property
+    def pending(self) -> int:
+        """Scripted replies not yet used."""
+        with self._lock:
+            return len(self._state.script)
+
+    # request log
+
+    @property
+    def requests(self) -> list[RecordedRequest]:
+        """Every request received, in order (a copy of the log)."""
+        with self._lock:
+            return list(self._state.requests)
+
+    @property
+    def calls(self) -> int:
+        """Model calls received: ``POST /v1/messages`` requests, rejected ones included."""
+        return sum(1 for r in self.requests if r.path.split("?")[0] == "/v1/messages")
+
+    def bodies(self) -> list[Any]:
+        """The parsed JSON body of every model call, in order."""
+        return [r.json for r in self.requests if r.path.split("?")[0] == "/v1/messages"]
+
+    # handler side
+
+    def _record(self, record: RecordedRequest) -> int:
+        with self._lock:
+            self._state.requests.append(record)
+            return len(self._state.requests)
+
+    def _next_reply(self, request_json: JsonObj) -> Reply | None:
+        with self._lock:
+            if self._state.script:
+                return self._state.script.popleft()
+        if self.default_responder is True:
+            return text("Done.")
+        if callable(self.default_responder):
+            return self.default_responder(request_json)
+        return None
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()

@@ -1,0 +1,74 @@
+"""Helpers shared by tests: submitting runs, expiring leases, driving a run to the end."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sqlalchemy import Engine, text
+
+from db.records import Dispatch, NewRun, Run
+from db.store import RunStore
+from runtime.agents import Agent, AgentRegistry
+from runtime.driver import Driver, Outcome
+from runtime.tools import Tool
+
+
+class SimulatedCrash(BaseException):  # noqa: N818 - named for what it simulates
+    """The process died here: not caught by the runtime, so the lease stays held."""
+
+
+def submit(
+    store: RunStore,
+    text_input: str = "find x",
+    *,
+    agent: str = "test-agent",
+    token_budget: int = 10_000,
+    max_steps: int = 50,
+    timeout_seconds: int = 300,
+    model: str = "claude-sonnet-4-5",
+) -> tuple[Run, Dispatch]:
+    run, _ = store.create_run(
+        NewRun(
+            agent=agent,
+            input=text_input,
+            model=model,
+            max_steps=max_steps,
+            token_budget=token_budget,
+            timeout_seconds=timeout_seconds,
+        )
+    )
+    return run, Dispatch(run.id, run.dispatch_token)
+
+
+def expire_lease(engine: Engine, run_id: uuid.UUID) -> None:
+    """What waiting out the lease would do, without the wait (test-only SQL): the lease
+    lapsed a second ago, after the run's last dispatch, as it would in real time."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE run SET locked_until = now() - interval '1 second',"
+                " dispatched_at = LEAST(dispatched_at, now() - interval '2 seconds')"
+                " WHERE id = :id"
+            ),
+            {"id": run_id},
+        )
+
+
+def register_agent(registry: AgentRegistry, *tools: Tool, name: str = "test-agent") -> Agent:
+    return registry.register(Agent(name=name, system_prompt="You are a test agent.", tools=tools))
+
+
+def drive_to_end(driver: Driver, dispatch: Dispatch, max_steps: int = 100) -> list[Any]:
+    """Follow the chain of dispatches, as the Celery task would, until the run ends."""
+    outcomes = []
+    current: Dispatch | None = dispatch
+    for _ in range(max_steps):
+        if current is None:
+            return outcomes
+        result = driver.drive(current.run_id, current.token)
+        outcomes.append(result.outcome)
+        if result.outcome is Outcome.DROPPED:
+            return outcomes
+        current = result.dispatch
+    raise AssertionError("run did not finish")
