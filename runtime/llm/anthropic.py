@@ -192,6 +192,11 @@ class AnthropicClient:
             raise LlmError(f"connection error: {type(e).__name__}: {e}", status=-1) from e
         except anthropic.AnthropicError as e:  # credentials, configuration: not transient
             raise LlmError(f"model call failed: {e}", status=-1, retryable=False) from e
+        except TypeError as e:
+            # The SDK raises a bare TypeError, at request time, when it finds no credentials.
+            if "authentication" not in str(e):
+                raise
+            raise LlmError(f"no Anthropic credentials: {e}", status=-1, retryable=False) from e
         return _response(payload, request_id, request)
 
 

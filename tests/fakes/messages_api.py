@@ -341,7 +341,11 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path.split("?")[0] != "/v1/messages":
             self._answer_error(404, "not_found_error", f"Not found: {self.path}", record, number)
             return
-        if fake.api_key is not None and record.headers.get("x-api-key") != fake.api_key:
+        if fake.api_key is not None and fake.api_key not in (
+            record.headers.get("x-api-key"),
+            # SDK 2.x sends the API key as a bearer token.
+            (record.headers.get("authorization") or "").removeprefix("Bearer "),
+        ):
             self._answer_error(401, "authentication_error", "invalid x-api-key", record, number)
             return
         problem = validate_request(parsed) if parsed is not None else "invalid JSON body"
@@ -431,7 +435,8 @@ class FakeMessagesApi:
 
     ``default_responder``: ``False`` (an empty script answers 400), ``True`` (an empty script
     answers an ``end_turn`` text turn), or a callable ``(request_json) -> Reply``.
-    ``api_key``: when set, requests without this ``x-api-key`` get 401.
+    ``api_key``: when set, requests that carry this key neither as ``x-api-key`` nor as
+    ``Authorization: Bearer`` get 401.
     """
 
     def __init__(

@@ -5,6 +5,8 @@ from __future__ import annotations
 from db.errors import LeaseLost
 from db.records import RunStatus, StepKind, StepStatus
 from runtime.bootstrap import Runtime
+from runtime.driver import Driver
+from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import ToolContext, tool
 from tests.support import SimulatedCrash, drive_to_end, expire_lease, register_agent, submit
@@ -78,23 +80,33 @@ def test_resumed_run_does_not_repeat_model_calls(runtime: Runtime, llm: Scripted
 def test_worker_whose_lease_was_taken_over_writes_nothing(
     runtime: Runtime, llm: ScriptedLlm
 ) -> None:
-    # Calls are answered in order: B calls the model first, A (waking late) second.
+    # Calls are answered in order: A's call starts first but B's is answered first.
     llm.then_text("from B", 10, 1).then_text("from A", 10, 1)
     register_agent(runtime.agents)
     run, dispatch = submit(runtime.store)
-    claim_a = runtime.store.claim(run.id, dispatch.token, "worker-A", 30)
-    assert claim_a is not None
 
-    # A stalls (GC pause, SIGSTOP) past its lease; the reaper re-dispatches; B claims.
-    expire_lease(runtime.engine, run.id)
-    (redispatch,) = runtime.store.redispatch_due(redispatch_after=3600)
-    result_b = runtime.driver(worker="worker-B").drive(redispatch.run_id, redispatch.token)
-    assert result_b.dispatch is not None
+    def stall_past_the_lease() -> None:
+        # While A waits on the model (a GC pause, SIGSTOP), its lease lapses, the reaper
+        # re-dispatches, and worker B completes the same step.
+        expire_lease(runtime.engine, run.id)
+        (redispatch,) = runtime.store.redispatch_due(redispatch_after=3600)
+        result_b = runtime.driver(worker="worker-B").drive(redispatch.run_id, redispatch.token)
+        assert result_b.dispatch is not None
 
-    # A wakes up and tries to checkpoint its model step: fenced out, nothing written.
-    worker_a = runtime.driver(worker="worker-A")
+    class StallingModel:
+        def send(self, request: LlmRequest) -> LlmResponse:
+            stall_past_the_lease()
+            return llm.send(request)
+
+    worker_a = Driver(
+        store=runtime.store,
+        agents=runtime.agents,
+        llm=StallingModel(),
+        settings=runtime.settings,
+        worker="worker-A",
+    )
     try:
-        worker_a.execute(claim_a)
+        worker_a.drive(dispatch.run_id, dispatch.token)
     except LeaseLost:
         pass
     else:
@@ -103,8 +115,8 @@ def test_worker_whose_lease_was_taken_over_writes_nothing(
     assert len(steps) == 1
     assert steps[0].worker == "worker-B"
     assert steps[0].response == [{"type": "text", "text": "from B"}]
-    assert runtime.store.get_run(run.id).tokens_used == 11
-    assert len(llm.requests) == 2, "A did call the model; only its write was refused"
+    assert runtime.store.get_run(run.id).tokens_used == 11, "A's tokens were not counted"
+    assert len(llm.requests) == 2, "A did call the model; only its checkpoint was refused"
 
 
 def test_same_worker_name_does_not_defeat_the_fence(runtime: Runtime, llm: ScriptedLlm) -> None:
