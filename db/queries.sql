@@ -177,7 +177,7 @@ RETURNING r.id, r.dispatch_token;
 
 -- mark_undispatched --
 -- The message for this token could not be sent (broker down): let the next sweep send it.
-UPDATE run SET dispatched_at = '-infinity'
+UPDATE run SET dispatched_at = 'epoch'
 WHERE id = :id AND dispatch_token = :token;
 
 -- count_runs_by_status --

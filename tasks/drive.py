@@ -29,46 +29,47 @@ class WorkerState:
     driver: Driver
 
 
-_state: dict[int, WorkerState] = {}
 _state_lock = threading.Lock()
 
 
 def worker_state(app: Celery) -> WorkerState:
-    key = id(app)
-    state = _state.get(key)
-    if state is not None:
-        return state
+    """This process's state for ``app``, built on first use. Kept on the app with the pid
+    that built it, so a forked child builds its own engine and heartbeat thread."""
+    held: tuple[int, WorkerState] | None = getattr(app, "dar_state", None)
+    if held is not None and held[0] == os.getpid():
+        return held[1]
     with _state_lock:
-        state = _state.get(key)
-        if state is None:
-            settings: Settings = app.conf.dar_settings
-            runtime: Runtime | None = getattr(app, "dar_runtime", None)
-            if runtime is None:
-                runtime = Runtime.build(settings)
-            worker = settings.worker_name
-            heartbeat = Heartbeat(
-                runtime.store,
-                worker,
-                lease_seconds=settings.lease_seconds,
-                interval_seconds=settings.heartbeat_seconds,
-            )
-            heartbeat.start()
-            state = WorkerState(runtime, heartbeat, runtime.driver(heartbeat=heartbeat))
-            _state[key] = state
-            log.info("worker %s ready (pid %d)", worker, os.getpid())
-    return state
+        held = getattr(app, "dar_state", None)
+        if held is not None and held[0] == os.getpid():
+            return held[1]
+        settings: Settings = app.conf.dar_settings
+        runtime: Runtime | None = getattr(app, "dar_runtime", None)
+        if runtime is None:
+            runtime = Runtime.build(settings)
+        heartbeat = Heartbeat(
+            runtime.store,
+            settings.worker_name,
+            lease_seconds=settings.lease_seconds,
+            interval_seconds=settings.heartbeat_seconds,
+        )
+        heartbeat.start()
+        state = WorkerState(runtime, heartbeat, runtime.driver(heartbeat=heartbeat))
+        app.dar_state = (os.getpid(), state)
+        log.info("worker %s ready (pid %d)", settings.worker_name, os.getpid())
+        return state
 
 
-def _forget_state_after_fork() -> None:
-    # A forked child must build its own engine and heartbeat thread.
-    _state.clear()
-
-
-os.register_at_fork(after_in_child=_forget_state_after_fork)
+def stop_worker_state(app: Celery) -> None:
+    held: tuple[int, WorkerState] | None = getattr(app, "dar_state", None)
+    if held is not None and held[0] == os.getpid():
+        held[1].heartbeat.stop()
+        if getattr(app, "dar_runtime", None) is None:
+            held[1].runtime.close()
+    app.dar_state = None
 
 
 def register_tasks(app: Celery) -> None:
-    @app.task(name=DRIVE_RUN, ignore_result=True)
+    @app.task(name=DRIVE_RUN, ignore_result=True, shared=False)
     def drive_run(run_id: str, token: str) -> str:
         """Execute at most one step of the run, commit it, then send the next message."""
         state = worker_state(app)
@@ -77,7 +78,7 @@ def register_tasks(app: Celery) -> None:
             send_drive(app, state.runtime.store, result.dispatch)
         return str(result.outcome)
 
-    @app.task(name=REAP, ignore_result=True)
+    @app.task(name=REAP, ignore_result=True, shared=False)
     def reap() -> int:
         """Re-send drive_run for runs whose message was lost, whose lease lapsed, or whose
         timer is due. Safe to run from two beats at once."""

@@ -8,7 +8,7 @@ from typing import Any
 from celery import Celery, signals
 
 from runtime.logctx import configure_logging
-from tasks.drive import _state
+from tasks.drive import stop_worker_state
 
 
 def connect_signals(app: Celery) -> None:
@@ -20,6 +20,4 @@ def connect_signals(app: Celery) -> None:
 
     @signals.worker_shutdown.connect(weak=False)
     def _stop_heartbeats(**_: Any) -> None:
-        for state in list(_state.values()):
-            state.heartbeat.stop()
-            state.runtime.close()
+        stop_worker_state(app)

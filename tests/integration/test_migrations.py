@@ -1,0 +1,65 @@
+"""Migrations produce exactly the schema the code declares, and are safe to run at once."""
+
+from __future__ import annotations
+
+import threading
+
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from db.engine import make_engine
+from db.migrate import VERSION_TABLE, check_current, current_revision, head_revision, upgrade
+from db.schema import metadata
+
+
+def test_migrated_schema_matches_the_tables(database_url: str) -> None:
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            ctx = MigrationContext.configure(
+                conn, opts={"compare_type": True, "version_table": VERSION_TABLE}
+            )
+            assert compare_metadata(ctx, metadata) == []
+        assert current_revision(engine) == head_revision()
+        check_current(engine)
+    finally:
+        engine.dispose()
+
+
+def test_two_processes_migrating_at_once_is_safe(pg_admin_url: str) -> None:
+    name = "dar_concurrent_migrate"
+    admin = create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(pg_admin_url).set(database=name).render_as_string(hide_password=False)
+    engines = [make_engine(url) for _ in range(4)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(engines))
+
+    def migrate(i: int) -> None:
+        barrier.wait()
+        try:
+            upgrade(engines[i])
+        except BaseException as e:
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=migrate, args=(i,)) for i in range(len(engines))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert errors == []
+        assert current_revision(engines[0]) == head_revision()
+        with engines[0].connect() as conn:
+            versions = conn.execute(text(f"SELECT count(*) FROM {VERSION_TABLE}")).scalar_one()
+        assert versions == 1
+    finally:
+        for e in engines:
+            e.dispose()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

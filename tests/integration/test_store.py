@@ -1,0 +1,202 @@
+"""The store against real PostgreSQL: claims, fencing, cancel, the reaper's sweep."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from decimal import Decimal
+
+import pytest
+
+from db.errors import LeaseLost
+from db.records import ModelCheckpoint, RunStatus, StepStatus, Usage
+from runtime.bootstrap import Runtime
+from runtime.llm.scripted import ScriptedLlm
+from tests.support import expire_lease, register_agent, submit
+
+
+def _checkpoint(seq: int = 1) -> ModelCheckpoint:
+    return ModelCheckpoint(
+        seq=seq,
+        step_key=f"model:{seq}",
+        model="m",
+        prompt_hash="h",
+        request=None,
+        response=[{"type": "text", "text": "hi"}],
+        stop_reason="end_turn",
+        usage=Usage(7, 3, 2, 1),
+        cost_usd=Decimal("0.001"),
+        latency_ms=5,
+        request_id="req_1",
+    )
+
+
+def test_eight_concurrent_claimers_never_claim_the_same_run(runtime: Runtime) -> None:
+    runs = {submit(runtime.store)[0].id for _ in range(20)}
+    claimed: list[uuid.UUID] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(8)
+
+    def claimer(n: int) -> None:
+        barrier.wait()
+        while True:
+            claim = runtime.store.claim_next(f"claimer-{n}", 30)
+            if claim is None:
+                return
+            with lock:
+                claimed.append(claim.run_id)
+
+    threads = [threading.Thread(target=claimer, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(claimed) == sorted(runs), "every run claimed exactly once"
+
+
+def test_claim_needs_the_current_token_and_a_free_lease(runtime: Runtime) -> None:
+    run, dispatch = submit(runtime.store)
+    assert runtime.store.claim(run.id, uuid.uuid4(), "w", 30) is None, "stale token"
+    claim = runtime.store.claim(run.id, dispatch.token, "w", 30)
+    assert claim is not None and claim.epoch == 1
+    assert claim.run.status is RunStatus.RUNNING
+    assert runtime.store.claim(run.id, dispatch.token, "w2", 30) is None, "lease is live"
+    assert runtime.store.claim_next("w3", 30) is None, "a live lease is never taken"
+
+
+def test_checkpoint_commits_step_tokens_and_hands_the_lease_on(runtime: Runtime) -> None:
+    run, dispatch = submit(runtime.store)
+    claim = runtime.store.claim(run.id, dispatch.token, "w", 30)
+    assert claim is not None
+    nxt = runtime.store.checkpoint_model(claim, _checkpoint())
+    after = runtime.store.get_run(run.id)
+    assert after.tokens_used == 13
+    assert after.usage == Usage(7, 3, 2, 1)
+    assert after.cost_usd == Decimal("0.001")
+    assert after.locked_by is None and after.locked_until is None
+    assert after.dispatch_token == nxt.token != dispatch.token
+    assert after.claims_without_progress == 0
+    # The old message is now stale; the new one claims.
+    assert runtime.store.claim(run.id, dispatch.token, "w", 30) is None
+    assert runtime.store.claim(run.id, nxt.token, "w", 30) is not None
+
+
+def test_fenced_checkpoint_rolls_back_everything(runtime: Runtime) -> None:
+    run, dispatch = submit(runtime.store)
+    stale = runtime.store.claim(run.id, dispatch.token, "w", 30)
+    assert stale is not None
+    expire_lease(runtime.engine, run.id)
+    (redispatch,) = runtime.store.redispatch_due(redispatch_after=3600)
+    assert runtime.store.claim(run.id, redispatch.token, "w", 30) is not None
+    with pytest.raises(LeaseLost):
+        runtime.store.checkpoint_model(stale, _checkpoint())
+    with pytest.raises(LeaseLost):
+        runtime.store.start_tool(stale, seq=1, step_key="tool:t", tool_name="x", tool_use_id="t")
+    with pytest.raises(LeaseLost):
+        runtime.store.finish(stale, RunStatus.SUCCEEDED)
+    assert runtime.store.steps(run.id) == []
+    after = runtime.store.get_run(run.id)
+    assert after.tokens_used == 0
+    assert after.status is RunStatus.RUNNING
+
+
+def test_heartbeat_renews_only_leases_still_held(runtime: Runtime) -> None:
+    run1, d1 = submit(runtime.store)
+    run2, d2 = submit(runtime.store)
+    c1 = runtime.store.claim(run1.id, d1.token, "w", 2)
+    c2 = runtime.store.claim(run2.id, d2.token, "w", 2)
+    assert c1 is not None and c2 is not None
+    expire_lease(runtime.engine, run2.id)
+    (redispatch,) = runtime.store.redispatch_due(redispatch_after=3600)
+    assert runtime.store.claim(run2.id, redispatch.token, "other", 30) is not None
+    held = runtime.store.renew_leases("w", [(c1.run_id, c1.epoch), (c2.run_id, c2.epoch)], 60)
+    assert held == {run1.id}
+    renewed = runtime.store.get_run(run1.id)
+    assert renewed.locked_until is not None
+    assert (renewed.locked_until - c1.db_now).total_seconds() > 50
+
+
+def test_cancel_queued_ends_it_at_once(runtime: Runtime) -> None:
+    run, dispatch = submit(runtime.store)
+    assert runtime.store.cancel(run.id) is RunStatus.CANCELLED
+    cancelled = runtime.store.get_run(run.id)
+    assert cancelled.status is RunStatus.CANCELLED
+    assert cancelled.finished_at is not None
+    assert runtime.store.claim(run.id, dispatch.token, "w", 30) is None
+    assert runtime.store.cancel(run.id) is None, "a finished run cannot be cancelled"
+    assert runtime.store.cancel(uuid.uuid4()) is None
+
+
+def test_cancel_running_is_noticed_by_the_next_guard(runtime: Runtime, llm: ScriptedLlm) -> None:
+    llm.then_tool_use("toolu_1", "noop").then_text("never")
+    register_agent(runtime.agents)
+    run, dispatch = submit(runtime.store)
+    claim = runtime.store.claim(run.id, dispatch.token, "worker-A", 30)
+    assert claim is not None
+    # The lease is live: cancel only sets the flag.
+    assert runtime.store.cancel(run.id) is RunStatus.RUNNING
+    result = runtime.driver().execute(claim)  # the step in flight completes...
+    assert result.dispatch is not None
+    result = runtime.driver().drive(run.id, result.dispatch.token)  # ...the next one stops
+    after = runtime.store.get_run(run.id)
+    assert after.status is RunStatus.CANCELLED
+    assert after.error == "cancelled by request"
+    assert len(llm.requests) == 1, "no model call after the cancel was noticed"
+    assert [s.status for s in runtime.store.steps(run.id)] == [StepStatus.DONE]
+
+
+def test_reaper_skips_live_leases_and_fresh_messages(runtime: Runtime) -> None:
+    run, dispatch = submit(runtime.store)
+    assert runtime.store.redispatch_due(redispatch_after=30) == [], "message is fresh"
+    claim = runtime.store.claim(run.id, dispatch.token, "w", 30)
+    assert claim is not None
+    assert runtime.store.redispatch_due(redispatch_after=0) == [], "lease is live"
+    expire_lease(runtime.engine, run.id)
+    first = runtime.store.redispatch_due(redispatch_after=30)
+    assert [d.run_id for d in first] == [run.id]
+    # A second reaper (two beats) right after finds nothing to do.
+    assert runtime.store.redispatch_due(redispatch_after=30) == []
+    assert runtime.store.get_run(run.id).dispatch_token == first[0].token
+
+
+def test_two_reapers_at_once_dispatch_each_run_once(runtime: Runtime) -> None:
+    for _ in range(30):
+        run, _d = submit(runtime.store)
+        runtime.store.mark_undispatched(_d)
+    results: list[list[uuid.UUID]] = []
+    barrier = threading.Barrier(2)
+
+    def reaper() -> None:
+        barrier.wait()
+        results.append([d.run_id for d in runtime.store.redispatch_due(redispatch_after=30)])
+
+    threads = [threading.Thread(target=reaper) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    all_ids = results[0] + results[1]
+    assert len(all_ids) == 30
+    assert len(set(all_ids)) == 30, "no run dispatched by both reapers"
+
+
+def test_a_run_that_keeps_killing_its_worker_ends_failed(
+    runtime: Runtime, llm: ScriptedLlm
+) -> None:
+    register_agent(runtime.agents)
+    run, dispatch = submit(runtime.store)
+    limit = runtime.settings.max_claims_without_progress
+    token = dispatch.token
+    for _ in range(limit):
+        claim = runtime.store.claim(run.id, token, "w", 30)
+        assert claim is not None
+        # the worker dies here, every time
+        expire_lease(runtime.engine, run.id)
+        (redispatch,) = runtime.store.redispatch_due(redispatch_after=3600)
+        token = redispatch.token
+    result = runtime.driver().drive(run.id, token)
+    assert result.status is RunStatus.FAILED
+    failed = runtime.store.get_run(run.id)
+    assert failed.status is RunStatus.FAILED
+    assert failed.error is not None and f"{limit} times" in failed.error
+    assert llm.requests == []
