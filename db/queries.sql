@@ -196,11 +196,13 @@ VALUES (:id, :title, :status, :priority, :assignee, :customer,
 ON CONFLICT (id) DO NOTHING;
 
 -- list_acme_tickets --
-SELECT id, title, status, priority, assignee, customer, due_at, due_at < now() AS overdue
+SELECT id, title, status, priority, assignee, customer, due_at,
+       (due_at < now() AND status <> 'closed') AS overdue
 FROM acme_ticket
 WHERE (CAST(:status AS text) IS NULL OR status = :status)
   AND (CAST(:priority AS text) IS NULL OR priority = :priority)
   AND (CAST(:assignee AS text) IS NULL OR assignee = :assignee)
-  AND (CAST(:overdue AS boolean) IS NULL OR (due_at < now()) = CAST(:overdue AS boolean))
+  AND (CAST(:overdue AS boolean) IS NULL
+       OR (due_at < now() AND status <> 'closed') = CAST(:overdue AS boolean))
 ORDER BY due_at, id
 LIMIT :limit;

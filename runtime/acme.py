@@ -24,7 +24,7 @@ def list_tickets_tool(tickets: TicketStore) -> Tool:
         limit: int = 20,
     ) -> list[dict[str, Any]]:
         """List acme support tickets, most urgent due date first. Every filter is optional:
-        status, priority, assignee, and overdue (true: due date in the past)."""
+        status, priority, assignee, and overdue (true: not closed and due date in the past)."""
         return tickets.list(
             status=status,
             priority=priority,

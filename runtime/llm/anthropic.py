@@ -133,6 +133,10 @@ class AnthropicClient:
     The response's content blocks are returned as the JSON the API sent (no SDK model in
     between), so unknown or future block types and fields survive and replay sends back
     exactly what it received.
+
+    Missing credentials raise a non-retryable :class:`LlmError`: from the constructor when
+    the SDK resolves a credential source that fails (say ``ANTHROPIC_CONFIG_DIR`` without a
+    profile), from :meth:`send` when it finds none at all.
     """
 
     def __init__(
@@ -147,14 +151,17 @@ class AnthropicClient:
             raise ValueError("timeout_seconds must be positive")
         quiet_sdk_loggers()
         self.timeout_seconds = timeout_seconds
-        self._client = anthropic.Anthropic(
-            api_key=api_key,
-            base_url=base_url,
-            max_retries=0,
-            timeout=anthropic.Timeout(
-                timeout_seconds, connect=min(connect_timeout_seconds, timeout_seconds)
-            ),
-        )
+        try:
+            self._client = anthropic.Anthropic(
+                api_key=api_key,
+                base_url=base_url,
+                max_retries=0,
+                timeout=anthropic.Timeout(
+                    timeout_seconds, connect=min(connect_timeout_seconds, timeout_seconds)
+                ),
+            )
+        except anthropic.AnthropicError as e:  # e.g. a configured credentials profile is missing
+            raise LlmError(f"no usable Anthropic credentials: {e}", retryable=False) from e
 
     @property
     def base_url(self) -> str:
