@@ -1,0 +1,109 @@
+"""End to end, real processes: API (gunicorn), two Celery workers, beat, PostgreSQL, Redis.
+A worker is SIGKILLed in the middle of a model step; the other worker finishes the run from
+its last checkpoint, and every step appears exactly once."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from api.devstack import DevStack
+from api.embedded import free_port
+from db.engine import make_engine
+from db.records import RunStatus, StepKind, StepStatus
+from db.store import RunStore
+from runtime.config import Settings
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+
+@pytest.fixture
+def stack(
+    database_url: str, redis_url: str, settings: Settings, tmp_path: Path
+) -> Iterator[DevStack]:
+    log_path = tmp_path / "stack.log"
+    with log_path.open("wb") as log:
+        s = DevStack(
+            data_dir=tmp_path,
+            port=free_port(),
+            workers=2,
+            concurrency=4,
+            env={
+                **{k: v for k, v in __import__("os").environ.items()},
+                "DATABASE_URL": database_url,
+                "REDIS_URL": redis_url,
+                "DAR_QUEUE": settings.queue,
+                "DAR_LEASE_SECONDS": "3",
+                "DAR_HEARTBEAT_SECONDS": "1",
+                "DAR_REAPER_INTERVAL_SECONDS": "0.5",
+                "DAR_DEMO_LATENCY_MS": "2500",
+                "ANTHROPIC_API_KEY": "",
+            },
+            output=log,
+        )
+        try:
+            s.start(timeout=60)
+            yield s
+        finally:
+            s.stop()
+            print(log_path.read_text(errors="replace")[-20000:])
+
+
+def test_sigkill_mid_step_resumes_on_the_other_worker(stack: DevStack) -> None:
+    engine = make_engine(stack.database_url, pool_size=2)
+    store = RunStore(engine)
+    try:
+        status, accepted = stack.request(
+            "POST",
+            "/api/runs",
+            {"input": "Which acme tickets are overdue?", "tokenBudget": 50000},
+        )
+        assert status == 201, accepted
+        run_id = uuid.UUID(accepted["id"])
+
+        # Wait until the second model call (seq 3) is in flight: two steps done, lease held.
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, "the run never reached its second model call"
+            run = store.get_run(run_id)
+            if len(store.steps(run_id)) == 2 and run.locked_by and run.locked_until:
+                break
+            time.sleep(0.05)
+        victim = run.locked_by
+        epoch_at_kill = run.lease_epoch
+        stack.kill(victim)
+        killed_at = time.monotonic()
+        survivor = next(n for n in stack.processes if n.startswith("worker-") and n != victim)
+
+        while True:
+            assert time.monotonic() < killed_at + 60, "the run was not resumed"
+            run = store.get_run(run_id)
+            if run.status.terminal:
+                break
+            time.sleep(0.1)
+        recovered_in = time.monotonic() - killed_at
+        print(f"killed {victim} mid-step; run finished on {survivor} {recovered_in:.1f}s later")
+
+        assert run.status is RunStatus.SUCCEEDED, run.error
+        steps = store.steps(run_id)
+        assert [(s.seq, s.kind, s.status) for s in steps] == [
+            (1, StepKind.MODEL, StepStatus.DONE),
+            (2, StepKind.TOOL, StepStatus.DONE),
+            (3, StepKind.MODEL, StepStatus.DONE),
+        ]
+        assert len({s.step_key for s in steps}) == 3, "each step appears once"
+        assert steps[2].worker == survivor, "the step in flight was redone by the survivor"
+        assert steps[2].lease_epoch > epoch_at_kill, "under a new lease"
+        assert run.tokens_used == sum(s.usage.total for s in steps)
+        _, timeline = stack.request("GET", f"/api/runs/{run_id}/timeline")
+        assert [(t["seq"], t["kind"], t["status"]) for t in timeline] == [
+            (1, "MODEL", "DONE"),
+            (2, "TOOL", "DONE"),
+            (3, "MODEL", "DONE"),
+        ]
+    finally:
+        engine.dispose()
