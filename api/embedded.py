@@ -48,7 +48,7 @@ class EmbeddedPostgres:
                     "pip install 'durable-agent-runtime[embedded]' or set DATABASE_URL"
                 ) from e
             self.data_dir.mkdir(parents=True, exist_ok=True)
-            self._server = pgserver.get_server(self.data_dir, cleanup_mode="stop")
+            self._server = pgserver.get_server(self.data_dir, cleanup_mode="stop")  # type: ignore[attr-defined]
         url: str = self._server.get_uri()
         log.info("embedded PostgreSQL running (data in %s)", self.data_dir)
         return url

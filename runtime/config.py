@@ -66,6 +66,11 @@ class Settings:
     reaper_interval_seconds: float = 2.0
     max_claims_without_progress: int = 3
     store_requests: bool = False
+    model_timeout_seconds: float = 120.0
+    retry_max_attempts: int = 5
+    retry_base_seconds: float = 0.5
+    retry_cap_seconds: float = 30.0
+    long_wait_seconds: float = 5.0
     demo_latency_ms: int = 1500
     queue: str = "dar"
     visibility_timeout_seconds: float = 3600.0
@@ -98,6 +103,11 @@ class Settings:
             reaper_interval_seconds=_num(e, "DAR_REAPER_INTERVAL_SECONDS", 2.0, minimum=0.1),
             max_claims_without_progress=_int(e, "DAR_MAX_CLAIMS_WITHOUT_PROGRESS", 3, minimum=1),
             store_requests=_bool(e, "DAR_STORE_REQUESTS", False),
+            model_timeout_seconds=_num(e, "DAR_MODEL_TIMEOUT_SECONDS", 120.0, minimum=1),
+            retry_max_attempts=_int(e, "DAR_RETRY_MAX_ATTEMPTS", 5, minimum=1),
+            retry_base_seconds=_num(e, "DAR_RETRY_BASE_SECONDS", 0.5, minimum=0),
+            retry_cap_seconds=_num(e, "DAR_RETRY_CAP_SECONDS", 30.0, minimum=0),
+            long_wait_seconds=_num(e, "DAR_LONG_WAIT_SECONDS", 5.0, minimum=0),
             demo_latency_ms=_int(e, "DAR_DEMO_LATENCY_MS", 1500),
             queue=_get(e, "DAR_QUEUE", "dar"),
             visibility_timeout_seconds=_num(e, "DAR_VISIBILITY_TIMEOUT_SECONDS", 3600, minimum=60),

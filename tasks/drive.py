@@ -37,11 +37,13 @@ def worker_state(app: Celery) -> WorkerState:
     that built it, so a forked child builds its own engine and heartbeat thread."""
     held: tuple[int, WorkerState] | None = getattr(app, "dar_state", None)
     if held is not None and held[0] == os.getpid():
-        return held[1]
+        state: WorkerState = held[1]
+        return state
     with _state_lock:
         held = getattr(app, "dar_state", None)
         if held is not None and held[0] == os.getpid():
-            return held[1]
+            state = held[1]
+            return state
         settings: Settings = app.conf.dar_settings
         runtime: Runtime | None = getattr(app, "dar_runtime", None)
         if runtime is None:
@@ -54,7 +56,7 @@ def worker_state(app: Celery) -> WorkerState:
         )
         heartbeat.start()
         state = WorkerState(runtime, heartbeat, runtime.driver(heartbeat=heartbeat))
-        app.dar_state = (os.getpid(), state)
+        setattr(app, "dar_state", (os.getpid(), state))  # noqa: B010 - Celery has no slot
         log.info("worker %s ready (pid %d)", settings.worker_name, os.getpid())
         return state
 
@@ -65,7 +67,7 @@ def stop_worker_state(app: Celery) -> None:
         held[1].heartbeat.stop()
         if getattr(app, "dar_runtime", None) is None:
             held[1].runtime.close()
-    app.dar_state = None
+    setattr(app, "dar_state", None)  # noqa: B010
 
 
 def register_tasks(app: Celery) -> None:

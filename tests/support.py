@@ -14,7 +14,7 @@ from runtime.driver import Driver, Outcome
 from runtime.tools import Tool
 
 
-class SimulatedCrash(BaseException):  # noqa: N818 - named for what it simulates
+class SimulatedCrash(BaseException):
     """The process died here: not caught by the runtime, so the lease stays held."""
 
 

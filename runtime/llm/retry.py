@@ -248,6 +248,10 @@ class RetryingLlmClient:
 
 DEFAULT_LLM_THREADS = 64
 
+HTTP_TIMEOUT_MARGIN_SECONDS = 5.0
+"""How far above a :class:`TimeLimitedLlmClient`'s limit to set the wrapped HTTP client's own
+timeout: ``AnthropicClient(timeout_seconds=step + HTTP_TIMEOUT_MARGIN_SECONDS)``."""
+
 
 class _SharedPool:
     """One bounded thread pool per process for time-limited model calls, made on first use.
@@ -293,8 +297,9 @@ class TimeLimitedLlmClient:
     must be set slightly above ``timeout_seconds`` (``AnthropicClient`` also enforces it as a
     total deadline on reading the body), so the abandoned call does end and its thread
     returns to the pool. The pool's threads are ordinary (non-daemon) threads: interpreter
-    exit waits for such a call, bounded by that HTTP timeout. Logging context
-    (``contextvars``) is carried into the pool thread.
+    exit waits for such a call, bounded by that HTTP timeout. The limit includes any time
+    spent queued for a free pool thread. Logging context (``contextvars``) is carried into
+    the pool thread.
     """
 
     def __init__(

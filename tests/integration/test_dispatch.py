@@ -116,7 +116,8 @@ def test_stale_message_after_redispatch_is_dropped(
     # The "lost" message turns up after all: stale, it runs nothing.
     assert celery_app.tasks[DRIVE_RUN].run(str(run.id), str(dispatch.token)) == "DROPPED"
     assert celery_app.tasks[DRIVE_RUN].run(*queued) == "CONTINUE"
-    assert llm.requests and len(llm.requests) == 1
+    assert llm.requests
+    assert len(llm.requests) == 1
 
 
 def test_reaper_redispatches_a_run_whose_worker_died(

@@ -129,7 +129,8 @@ def test_same_worker_name_does_not_defeat_the_fence(runtime: Runtime, llm: Scrip
     expire_lease(runtime.engine, run.id)
     (redispatch,) = runtime.store.redispatch_due(redispatch_after=3600)
     fresh = runtime.store.claim(redispatch.run_id, redispatch.token, "worker-A", 30)
-    assert fresh is not None and fresh.epoch == stale.epoch + 1
+    assert fresh is not None
+    assert fresh.epoch == stale.epoch + 1
     try:
         runtime.driver(worker="worker-A").execute(stale)
     except LeaseLost:

@@ -58,7 +58,8 @@ def test_claim_needs_the_current_token_and_a_free_lease(runtime: Runtime) -> Non
     run, dispatch = submit(runtime.store)
     assert runtime.store.claim(run.id, uuid.uuid4(), "w", 30) is None, "stale token"
     claim = runtime.store.claim(run.id, dispatch.token, "w", 30)
-    assert claim is not None and claim.epoch == 1
+    assert claim is not None
+    assert claim.epoch == 1
     assert claim.run.status is RunStatus.RUNNING
     assert runtime.store.claim(run.id, dispatch.token, "w2", 30) is None, "lease is live"
     assert runtime.store.claim_next("w3", 30) is None, "a live lease is never taken"
@@ -73,7 +74,8 @@ def test_checkpoint_commits_step_tokens_and_hands_the_lease_on(runtime: Runtime)
     assert after.tokens_used == 13
     assert after.usage == Usage(7, 3, 2, 1)
     assert after.cost_usd == Decimal("0.001")
-    assert after.locked_by is None and after.locked_until is None
+    assert after.locked_by is None
+    assert after.locked_until is None
     assert after.dispatch_token == nxt.token != dispatch.token
     assert after.claims_without_progress == 0
     # The old message is now stale; the new one claims.
@@ -105,7 +107,8 @@ def test_heartbeat_renews_only_leases_still_held(runtime: Runtime) -> None:
     run2, d2 = submit(runtime.store)
     c1 = runtime.store.claim(run1.id, d1.token, "w", 2)
     c2 = runtime.store.claim(run2.id, d2.token, "w", 2)
-    assert c1 is not None and c2 is not None
+    assert c1 is not None
+    assert c2 is not None
     expire_lease(runtime.engine, run2.id)
     (redispatch,) = runtime.store.redispatch_due(redispatch_after=3600)
     assert runtime.store.claim(run2.id, redispatch.token, "other", 30) is not None
@@ -161,7 +164,7 @@ def test_reaper_skips_live_leases_and_fresh_messages(runtime: Runtime) -> None:
 
 def test_two_reapers_at_once_dispatch_each_run_once(runtime: Runtime) -> None:
     for _ in range(30):
-        run, _d = submit(runtime.store)
+        _run, _d = submit(runtime.store)
         runtime.store.mark_undispatched(_d)
     results: list[list[uuid.UUID]] = []
     barrier = threading.Barrier(2)
@@ -198,5 +201,6 @@ def test_a_run_that_keeps_killing_its_worker_ends_failed(
     assert result.status is RunStatus.FAILED
     failed = runtime.store.get_run(run.id)
     assert failed.status is RunStatus.FAILED
-    assert failed.error is not None and f"{limit} times" in failed.error
+    assert failed.error is not None
+    assert f"{limit} times" in failed.error
     assert llm.requests == []

@@ -1,0 +1,12 @@
+FROM python:3.11-slim
+WORKDIR /app
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+COPY pyproject.toml README.md ./
+COPY db ./db
+COPY runtime ./runtime
+COPY tasks ./tasks
+COPY api ./api
+RUN pip install . && useradd --create-home dar
+USER dar
+EXPOSE 8080 5555
+CMD ["sh", "-c", "gunicorn --bind 0.0.0.0:${PORT:-8080} --workers ${WEB_CONCURRENCY:-2} --threads 4 --access-logfile - api.wsgi:app"]
