@@ -155,6 +155,11 @@ def openapi_document() -> JsonObj:
                     "properties": {
                         "input": {"type": "string", "minLength": 1},
                         "tokenBudget": {"type": "integer", "minimum": 1},
+                        "costBudgetUsd": {
+                            "type": "number",
+                            "exclusiveMinimum": 0,
+                            "maximum": 100000,
+                        },
                         "timeoutSeconds": {"type": "integer", "minimum": 1},
                         "model": {"type": "string", "maxLength": 200},
                         "maxSteps": {"type": "integer", "minimum": 1, "maximum": 10000},
@@ -193,6 +198,10 @@ def openapi_document() -> JsonObj:
                         "cacheCreationInputTokens": {"type": "integer"},
                         "cacheReadInputTokens": {"type": "integer"},
                         "costUsd": {"type": "number"},
+                        "costBudgetUsd": {"type": ["number", "null"]},
+                        "unrecordedTokens": {"type": "integer"},
+                        "unrecordedCostUsd": {"type": "number"},
+                        "waitReason": NULLABLE_STR,
                         "cancelRequested": {"type": "boolean"},
                         "result": {},
                         "error": NULLABLE_STR,

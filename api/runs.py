@@ -61,6 +61,7 @@ def submit() -> tuple[Response, int, dict[str, str]]:
                 max_steps=sub.max_steps,
                 token_budget=sub.token_budget,
                 timeout_seconds=sub.timeout_seconds,
+                cost_budget_usd=sub.cost_budget_usd,
                 idempotency_key=key,
                 request_hash=sub.request_hash,
             )

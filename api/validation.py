@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from flask import Request
@@ -14,7 +15,15 @@ from api.errors import ApiError, invalid
 from runtime.agents import AgentRegistry
 from runtime.config import Settings
 
-SUBMIT_FIELDS = ("input", "tokenBudget", "timeoutSeconds", "model", "maxSteps", "agent")
+SUBMIT_FIELDS = (
+    "input",
+    "tokenBudget",
+    "costBudgetUsd",
+    "timeoutSeconds",
+    "model",
+    "maxSteps",
+    "agent",
+)
 
 
 def json_body(request: Request) -> dict[str, Any]:
@@ -56,6 +65,7 @@ class Submission:
     token_budget: int
     timeout_seconds: int
     request_hash: str
+    cost_budget_usd: Decimal | None = None
 
 
 def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegistry) -> Submission:
@@ -107,6 +117,13 @@ def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegi
     max_steps = _int_field(
         body, "maxSteps", agent.max_steps or settings.default_max_steps, 1, 10_000, "at most 10000"
     )
+    cost_budget = body.get("costBudgetUsd")
+    if cost_budget is not None and (
+        isinstance(cost_budget, bool)
+        or not isinstance(cost_budget, int | float)
+        or not 0 < cost_budget <= 100_000
+    ):
+        raise invalid("costBudgetUsd", "must be a number of US dollars above 0 (at most 100000)")
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return Submission(
         agent=agent_name,
@@ -116,4 +133,5 @@ def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegi
         token_budget=token_budget,
         timeout_seconds=timeout,
         request_hash=hashlib.sha256(canonical.encode()).hexdigest(),
+        cost_budget_usd=Decimal(str(cost_budget)) if cost_budget is not None else None,
     )

@@ -9,11 +9,11 @@
 -- create_run --
 -- A new QUEUED run. With an idempotency key that exists already nothing is inserted and the
 -- caller reads the existing run instead.
-INSERT INTO run (id, agent, input, model, max_steps, token_budget, deadline_at,
-                 dispatch_token, idempotency_key, request_hash, submitted_by)
+INSERT INTO run (id, agent, input, model, max_steps, token_budget, cost_budget_usd,
+                 deadline_at, dispatch_token, idempotency_key, request_hash, submitted_by)
 VALUES (:id, :agent, CAST(:input AS jsonb), :model, :max_steps, :token_budget,
-        now() + make_interval(secs => :timeout_seconds), :token, :idempotency_key,
-        :request_hash, :submitted_by)
+        :cost_budget_usd, now() + make_interval(secs => :timeout_seconds), :token,
+        :idempotency_key, :request_hash, :submitted_by)
 ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING *;
 
@@ -86,8 +86,33 @@ SET tokens_used = tokens_used + :total_tokens,
     claims_without_progress = 0,
     locked_by = NULL, locked_until = NULL,
     dispatch_token = :next_token, dispatched_at = now(),
+    wait_reason = NULL,
     updated_at = now()
 WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING';
+
+-- schedule_run --
+-- A durable timer: the step could not run now (rate limited, overloaded). Release the lease
+-- and set run_at; no worker slot waits. When a countdown message is sent for the due time,
+-- dispatched_at is that time, so the reaper only steps in if the message is lost; otherwise
+-- the reaper sends it when the timer is due. Fenced.
+UPDATE run
+SET run_at = now() + make_interval(secs => :delay_seconds),
+    dispatched_at = CASE WHEN :message_at_due
+                         THEN now() + make_interval(secs => :delay_seconds) ELSE now() END,
+    dispatch_token = :next_token,
+    locked_by = NULL, locked_until = NULL,
+    claims_without_progress = 0,
+    wait_reason = :reason,
+    updated_at = now()
+WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING';
+
+-- record_unrecorded_usage --
+-- A model call was billed but its checkpoint was refused (lease lost, run ended meanwhile).
+-- Not fenced on purpose: the money was spent whoever holds the run now.
+UPDATE run
+SET unrecorded_tokens = unrecorded_tokens + :total_tokens,
+    unrecorded_cost_usd = unrecorded_cost_usd + :cost_usd
+WHERE id = :id;
 
 -- insert_model_step --
 INSERT INTO run_step (run_id, seq, step_key, kind, status, model, request, prompt_hash,

@@ -70,8 +70,12 @@ class Run:
     tokens_used: int
     usage: Usage
     cost_usd: Decimal
+    cost_budget_usd: Decimal | None
+    unrecorded_tokens: int
+    unrecorded_cost_usd: Decimal
     deadline_at: datetime
     run_at: datetime
+    wait_reason: str | None
     locked_by: str | None
     locked_until: datetime | None
     lease_epoch: int
@@ -132,6 +136,7 @@ class NewRun:
     max_steps: int
     token_budget: int
     timeout_seconds: int
+    cost_budget_usd: Decimal | None = None
     idempotency_key: str | None = None
     request_hash: str | None = None
     submitted_by: str | None = None
@@ -154,7 +159,9 @@ class ModelCheckpoint:
 
 @dataclass(frozen=True, slots=True)
 class Dispatch:
-    """A drive_run message to send: the run and the token it must carry."""
+    """A drive_run message to send: the run and the token it must carry, and how long to
+    hold it back (a durable timer's countdown)."""
 
     run_id: uuid.UUID
     token: uuid.UUID
+    delay_seconds: float = 0.0

@@ -51,9 +51,15 @@ run = Table(
     Column("cache_creation_input_tokens", BigInteger, nullable=False, server_default=text("0")),
     Column("cache_read_input_tokens", BigInteger, nullable=False, server_default=text("0")),
     Column("cost_usd", Numeric(18, 8), nullable=False, server_default=text("0")),
+    Column("cost_budget_usd", Numeric(18, 8)),
+    # Usage that was billed but could not be checkpointed (lease lost meanwhile): counted
+    # against the budgets and in the run's cost, never as a step.
+    Column("unrecorded_tokens", BigInteger, nullable=False, server_default=text("0")),
+    Column("unrecorded_cost_usd", Numeric(18, 8), nullable=False, server_default=text("0")),
     Column("deadline_at", TZ, nullable=False),
     # When the run may next be worked on; a durable timer when in the future.
     Column("run_at", TZ, nullable=False, server_default=text("now()")),
+    Column("wait_reason", Text),
     # The lease: holder, expiry, and the fencing token bumped on every claim.
     Column("locked_by", Text),
     Column("locked_until", TZ),

@@ -53,8 +53,12 @@ def _run(row: RowMapping) -> Run:
             row["cache_read_input_tokens"],
         ),
         cost_usd=row["cost_usd"],
+        cost_budget_usd=row["cost_budget_usd"],
+        unrecorded_tokens=row["unrecorded_tokens"],
+        unrecorded_cost_usd=row["unrecorded_cost_usd"],
         deadline_at=row["deadline_at"],
         run_at=row["run_at"],
+        wait_reason=row["wait_reason"],
         locked_by=row["locked_by"],
         locked_until=row["locked_until"],
         lease_epoch=row["lease_epoch"],
@@ -123,6 +127,7 @@ class RunStore:
             "model": new.model,
             "max_steps": new.max_steps,
             "token_budget": new.token_budget,
+            "cost_budget_usd": new.cost_budget_usd,
             "timeout_seconds": new.timeout_seconds,
             "token": uuid.uuid4(),
             "idempotency_key": new.idempotency_key,
@@ -287,6 +292,34 @@ class RunStore:
                 },
             )
         return Dispatch(claim.run_id, token)
+
+    def schedule(
+        self, claim: Claim, delay_seconds: float, *, reason: str, message_at_due: bool
+    ) -> Dispatch:
+        """Park the run on a durable timer and release the lease. Fenced."""
+        token = uuid.uuid4()
+        with self.engine.begin() as conn:
+            owned = conn.execute(
+                Q["schedule_run"],
+                {
+                    **_fence(claim),
+                    "delay_seconds": delay_seconds,
+                    "message_at_due": message_at_due,
+                    "next_token": token,
+                    "reason": reason,
+                },
+            ).rowcount
+            if owned == 0:
+                raise LeaseLost(claim.run_id, "timer refused by the fence")
+        return Dispatch(claim.run_id, token, delay_seconds)
+
+    def record_unrecorded_usage(self, run_id: uuid.UUID, usage: Usage, cost: Decimal) -> None:
+        """Count a billed model call whose checkpoint was refused against the run."""
+        with self.engine.begin() as conn:
+            conn.execute(
+                Q["record_unrecorded_usage"],
+                {"id": run_id, "total_tokens": usage.total, "cost_usd": cost},
+            )
 
     def start_tool(
         self, claim: Claim, *, seq: int, step_key: str, tool_name: str, tool_use_id: str

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from dataclasses import dataclass
 
 from sqlalchemy import Engine
@@ -81,7 +80,7 @@ class Runtime:
             tickets=tickets,
             agents=load_agents(settings, tickets),
             llm=llm or build_llm(settings),
-            pricing=PriceTable.from_json(os.environ.get("DAR_PRICES")),
+            pricing=PriceTable.from_json(settings.prices_json),
         )
 
     def driver(self, *, worker: str | None = None, heartbeat: Heartbeat | None = None) -> Driver:

@@ -49,6 +49,13 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"{name} must be true or false, got {raw!r}")
 
 
+def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = _get(env, name, default).lower()
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     database_url: str | None = None
@@ -71,6 +78,10 @@ class Settings:
     retry_base_seconds: float = 0.5
     retry_cap_seconds: float = 30.0
     long_wait_seconds: float = 5.0
+    max_countdown_seconds: float = 60.0
+    on_max_tokens: str = "fail"
+    strict_budget: bool = False
+    prices_json: str | None = None
     demo_latency_ms: int = 1500
     queue: str = "dar"
     visibility_timeout_seconds: float = 3600.0
@@ -108,6 +119,10 @@ class Settings:
             retry_base_seconds=_num(e, "DAR_RETRY_BASE_SECONDS", 0.5, minimum=0),
             retry_cap_seconds=_num(e, "DAR_RETRY_CAP_SECONDS", 30.0, minimum=0),
             long_wait_seconds=_num(e, "DAR_LONG_WAIT_SECONDS", 5.0, minimum=0),
+            max_countdown_seconds=_num(e, "DAR_MAX_COUNTDOWN_SECONDS", 60.0, minimum=0),
+            on_max_tokens=_choice(e, "DAR_ON_MAX_TOKENS", "fail", ("fail", "continue")),
+            strict_budget=_bool(e, "DAR_STRICT_BUDGET", False),
+            prices_json=e.get("DAR_PRICES") or None,
             demo_latency_ms=_int(e, "DAR_DEMO_LATENCY_MS", 1500),
             queue=_get(e, "DAR_QUEUE", "dar"),
             visibility_timeout_seconds=_num(e, "DAR_VISIBILITY_TIMEOUT_SECONDS", 3600, minimum=60),
@@ -119,6 +134,11 @@ class Settings:
             max_timeout_seconds=_int(e, "DAR_MAX_TIMEOUT_SECONDS", 7 * 86400, minimum=1),
             worker_name=_get(e, "DAR_WORKER_NAME", f"{socket.gethostname()}:{os.getpid()}"),
         )
+        if settings.max_countdown_seconds >= settings.visibility_timeout_seconds:
+            raise ConfigError(
+                "DAR_MAX_COUNTDOWN_SECONDS must be below DAR_VISIBILITY_TIMEOUT_SECONDS: a "
+                "Celery countdown longer than the visibility timeout gets redelivered"
+            )
         if settings.heartbeat_seconds >= settings.lease_seconds:
             raise ConfigError(
                 f"DAR_HEARTBEAT_SECONDS ({settings.heartbeat_seconds}) must be shorter than "

@@ -17,16 +17,18 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from db.errors import LeaseLost
-from db.records import Claim, Dispatch, ModelCheckpoint, RunStatus, Step, StepStatus
+from db.records import Claim, Dispatch, ModelCheckpoint, RunStatus, Step, StepStatus, Usage
 from db.store import RunStore
 from runtime.agents import Agent, AgentRegistry, UnknownAgent
 from runtime.config import Settings
 from runtime.guard import guard
 from runtime.heartbeat import Heartbeat, HeldLease
-from runtime.llm.base import LlmClient, LlmError, LlmRequest
+from runtime.llm.base import LlmClient, LlmError, LlmRequest, LlmResponse
+from runtime.llm.retry import RetryLater
 from runtime.logctx import log_context, set_step
 from runtime.pricing import PriceTable
 from runtime.replay import Conversation, model_step_key, replay, tool_step_key
@@ -44,6 +46,8 @@ class Outcome(enum.StrEnum):
     """The run ended (or is parked for a human); nothing to send."""
     DROPPED = "DROPPED"
     """The message was stale or duplicated, or the run is held by a live lease: nothing ran."""
+    WAITING = "WAITING"
+    """The run is parked on a durable timer; ``dispatch`` (if any) is sent with its delay."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,12 @@ class StepResult:
 
 def short(run_id: uuid.UUID) -> str:
     return str(run_id)[:8]
+
+
+def estimate_tokens(body: dict[str, Any]) -> int:
+    """A deliberately high estimate of a request's input tokens (about 3 characters per
+    token; real English text averages nearer 4)."""
+    return len(json.dumps(body, separators=(",", ":"), ensure_ascii=False)) // 3 + 1
 
 
 def prompt_hash(body: dict[str, Any]) -> str:
@@ -131,19 +141,42 @@ class Driver:
                 return self._finish(claim, RunStatus.FAILED, error=str(e))
 
             conversation = replay(run.input, steps)
-            stop = guard(
-                run,
-                now=claim.db_now,
-                steps_taken=len(steps),
-                next_is_model=not conversation.pending and not conversation.finished,
-            )
+            halt = self._halt_reason(conversation)
+            next_is_model = not conversation.pending and not conversation.finished and not halt
+            stop = guard(run, now=claim.db_now, steps_taken=len(steps), next_is_model=next_is_model)
             if stop is not None:
                 return self._finish(claim, stop.status, error=stop.reason)
             if conversation.pending:
                 return self._tool_step(claim, agent, conversation.pending[0], steps, lease)
             if conversation.finished:
                 return self._finish(claim, RunStatus.SUCCEEDED, result=conversation.final_text)
+            if halt:
+                return self._finish(claim, RunStatus.FAILED, error=halt)
             return self._model_step(claim, agent, conversation, next_seq, lease)
+
+    def _halt_reason(self, conversation: Conversation) -> str | None:
+        """Why the last model turn ends the run without success, or ``None`` when the next
+        step is a model call (first call, tool results to send, or a turn to continue)."""
+        stop = conversation.stop_reason
+        if stop in (None, "tool_use", "pause_turn") or conversation.finished:
+            return None
+        if stop == "max_tokens":
+            if conversation.last_turn_has_tool_use:
+                return (
+                    "the model's response was cut off by max_tokens in the middle of a tool "
+                    "call; the truncated call was not executed (raise DAR_MAX_TOKENS)"
+                )
+            if self.settings.on_max_tokens == "continue":
+                return None
+            return (
+                "the model's response was cut off by max_tokens (raise DAR_MAX_TOKENS, or set "
+                "DAR_ON_MAX_TOKENS=continue to let the model continue its answer)"
+            )
+        if stop == "refusal":
+            return "the model refused to continue (stop_reason=refusal)"
+        if stop == "model_context_window_exceeded":
+            return "the conversation no longer fits in the model's context window"
+        return f"the model stopped with an unexpected stop_reason {stop!r}"
 
     @staticmethod
     def _resume_seq(steps: list[Step]) -> int:
@@ -192,9 +225,15 @@ class Driver:
         set_step(seq)
         request = self._request(claim, agent, conversation)
         body = request.to_json()
+        if self.settings.strict_budget:
+            refusal = self._strict_budget_refusal(claim, request, body)
+            if refusal:
+                return self._finish(claim, RunStatus.FAILED, error=refusal)
         started = time.monotonic()
         try:
             response = self.llm.send(request)
+        except RetryLater as e:
+            return self._wait(claim, seq, e, started)
         except LlmError as e:
             rid = f" (request id {e.request_id})" if e.request_id else ""
             status = "I/O error or timeout" if e.status == -1 else f"HTTP {e.status}"
@@ -202,10 +241,40 @@ class Driver:
                 claim, RunStatus.FAILED, error=f"model call failed: {status}: {e}{rid}"
             )
         latency_ms = int((time.monotonic() - started) * 1000)
-        if lease.lost.is_set():
-            raise LeaseLost(claim.run_id, "heartbeat found the lease taken over")
         cost = self.pricing.cost(response.model or request.model, response.usage)
-        dispatch = self.store.checkpoint_model(
+        try:
+            if lease.lost.is_set():
+                raise LeaseLost(claim.run_id, "heartbeat found the lease taken over")
+            dispatch = self._checkpoint_model(
+                claim, conversation, seq, request, body, response, cost, latency_ms
+            )
+        except LeaseLost:
+            # The call was billed: count it against the run even though it is not a step.
+            self.store.record_unrecorded_usage(claim.run_id, response.usage, cost)
+            raise
+        log.info(
+            "run=%s seq=%d MODEL stop=%s in=%d out=%d latency=%dms",
+            short(claim.run_id),
+            seq,
+            response.stop_reason,
+            response.usage.input_tokens,
+            response.usage.output_tokens,
+            latency_ms,
+        )
+        return StepResult(Outcome.CONTINUE, dispatch=dispatch)
+
+    def _checkpoint_model(
+        self,
+        claim: Claim,
+        conversation: Conversation,
+        seq: int,
+        request: LlmRequest,
+        body: dict[str, Any],
+        response: LlmResponse,
+        cost: Decimal,
+        latency_ms: int,
+    ) -> Dispatch:
+        return self.store.checkpoint_model(
             claim,
             ModelCheckpoint(
                 seq=seq,
@@ -221,16 +290,60 @@ class Driver:
                 request_id=response.request_id,
             ),
         )
+
+    def _wait(self, claim: Claim, seq: int, e: RetryLater, started: float) -> StepResult:
+        """The model asked us to come back later: a durable timer, not a sleeping worker."""
+        elapsed = time.monotonic() - started
+        remaining = (claim.run.deadline_at - claim.db_now).total_seconds() - elapsed
+        if e.delay_seconds >= remaining:
+            return self._finish(
+                claim,
+                RunStatus.TIMED_OUT,
+                error=(
+                    f"model call failed ({e.error}) and the retry it asks for in "
+                    f"{e.delay_seconds:.1f}s would pass the run's deadline"
+                ),
+            )
+        message_at_due = e.delay_seconds <= self.settings.max_countdown_seconds
+        status = "I/O error" if e.status == -1 else f"HTTP {e.status}"
+        dispatch = self.store.schedule(
+            claim,
+            e.delay_seconds,
+            reason=f"model call {status}; retrying in {e.delay_seconds:.1f}s",
+            message_at_due=message_at_due,
+        )
         log.info(
-            "run=%s seq=%d MODEL stop=%s in=%d out=%d latency=%dms",
+            "run=%s seq=%d MODEL %s; waiting %.1fs on a durable timer",
             short(claim.run_id),
             seq,
-            response.stop_reason,
-            response.usage.input_tokens,
-            response.usage.output_tokens,
-            latency_ms,
+            status,
+            e.delay_seconds,
         )
-        return StepResult(Outcome.CONTINUE, dispatch=dispatch)
+        return StepResult(Outcome.WAITING, dispatch=dispatch if message_at_due else None)
+
+    def _strict_budget_refusal(
+        self, claim: Claim, request: LlmRequest, body: dict[str, Any]
+    ) -> str | None:
+        """In strict mode, refuse a model call whose worst case could cross a budget."""
+        run = claim.run
+        worst_in = estimate_tokens(body)
+        worst = Usage(input_tokens=worst_in, output_tokens=request.max_tokens)
+        spent = run.tokens_used + run.unrecorded_tokens
+        if spent + worst.total > run.token_budget:
+            return (
+                f"strict budget: the next model call could use up to {worst.total} tokens "
+                f"({worst_in} in, {request.max_tokens} out) and {spent} of "
+                f"{run.token_budget} are spent"
+            )
+        if run.cost_budget_usd is not None:
+            cost = run.cost_usd + run.unrecorded_cost_usd
+            worst_cost = self.pricing.cost(request.model, worst)
+            if cost + worst_cost > run.cost_budget_usd:
+                return (
+                    f"strict budget: the next model call could cost up to ${worst_cost:.4f} "
+                    f"and ${cost:.4f} of ${run.cost_budget_usd:.4f} is spent"
+                )
+        return None
 
     # -- tool step ----------------------------------------------------------------------
 

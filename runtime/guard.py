@@ -26,10 +26,17 @@ def guard(run: Run, *, now: datetime, steps_taken: int, next_is_model: bool) -> 
     if now >= run.deadline_at:
         return Stop(RunStatus.TIMED_OUT, f"deadline {run.deadline_at.isoformat()} passed")
     if next_is_model:
-        if run.tokens_used >= run.token_budget:
+        spent = run.tokens_used + run.unrecorded_tokens
+        if spent >= run.token_budget:
             return Stop(
                 RunStatus.FAILED,
-                f"token budget exhausted: {run.tokens_used} of {run.token_budget} tokens used",
+                f"token budget exhausted: {spent} of {run.token_budget} tokens used",
+            )
+        cost = run.cost_usd + run.unrecorded_cost_usd
+        if run.cost_budget_usd is not None and cost >= run.cost_budget_usd:
+            return Stop(
+                RunStatus.FAILED,
+                f"cost budget exhausted: ${cost:.4f} of ${run.cost_budget_usd:.4f} spent",
             )
         if steps_taken >= run.max_steps:
             return Stop(

@@ -17,6 +17,8 @@ from db.records import Step, StepKind, StepStatus
 JsonObj = dict[str, Any]
 
 FINISHING_STOPS = frozenset({"end_turn", "stop_sequence"})
+CONTINUING_STOPS = frozenset({"pause_turn", "max_tokens"})
+"""The model's turn is not over: the next model call continues the same assistant message."""
 
 
 def model_step_key(turn: int) -> str:
@@ -41,8 +43,15 @@ class Conversation:
 
     @property
     def finished(self) -> bool:
-        """The model ended its turn and nothing is pending."""
-        return not self.pending and self.stop_reason is not None and self.stop_reason != "tool_use"
+        """The model ended its turn normally and nothing is pending."""
+        return not self.pending and self.stop_reason in FINISHING_STOPS
+
+    @property
+    def last_turn_has_tool_use(self) -> bool:
+        last = self.messages[-1]
+        return last["role"] == "assistant" and any(
+            b.get("type") == "tool_use" for b in last["content"]
+        )
 
 
 def tool_result_block(step: Step) -> JsonObj:
@@ -74,11 +83,23 @@ def replay(run_input: Any, steps: list[Step]) -> Conversation:
                 messages.append({"role": "user", "content": results})
                 results = []
             content: list[JsonObj] = step.response or []
-            messages.append({"role": "assistant", "content": content})
+            if messages[-1]["role"] == "assistant":
+                # The previous call paused or ran out of tokens: this one continued the same
+                # assistant message, so the two are one message (roles must alternate).
+                content = [*messages[-1]["content"], *content]
+                messages[-1] = {"role": "assistant", "content": content}
+            else:
+                messages.append({"role": "assistant", "content": content})
             stop = step.stop_reason
             turns += 1
             last_content = content
-            pending = {b["id"]: b for b in content if b.get("type") == "tool_use"}
+            # Only a turn that ended on tool_use asks for tools: a tool_use block in a response
+            # cut off by max_tokens may be truncated and is never executed.
+            pending = (
+                {b["id"]: b for b in content if b.get("type") == "tool_use"}
+                if stop == "tool_use"
+                else {}
+            )
         elif step.status is not StepStatus.STARTED:
             pending.pop(step.tool_use_id or "", None)
             results.append(tool_result_block(step))

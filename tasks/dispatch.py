@@ -17,7 +17,11 @@ def send_drive(app: Celery, store: RunStore, dispatch: Dispatch) -> bool:
     """Send the message for ``dispatch``. When the broker is down the run is marked
     undispatched, so the reaper's next sweep sends it; nothing is lost either way."""
     try:
-        app.send_task(DRIVE_RUN, args=[str(dispatch.run_id), str(dispatch.token)])
+        app.send_task(
+            DRIVE_RUN,
+            args=[str(dispatch.run_id), str(dispatch.token)],
+            countdown=dispatch.delay_seconds or None,
+        )
         return True
     except Exception as e:  # kombu/redis raise a variety of connection errors
         log.warning(

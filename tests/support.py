@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import Engine, text
@@ -27,6 +28,7 @@ def submit(
     max_steps: int = 50,
     timeout_seconds: int = 300,
     model: str = "claude-sonnet-4-5",
+    cost_budget_usd: Decimal | None = None,
 ) -> tuple[Run, Dispatch]:
     run, _ = store.create_run(
         NewRun(
@@ -36,6 +38,7 @@ def submit(
             max_steps=max_steps,
             token_budget=token_budget,
             timeout_seconds=timeout_seconds,
+            cost_budget_usd=cost_budget_usd,
         )
     )
     return run, Dispatch(run.id, run.dispatch_token)

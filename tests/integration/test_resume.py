@@ -115,7 +115,9 @@ def test_worker_whose_lease_was_taken_over_writes_nothing(
     assert len(steps) == 1
     assert steps[0].worker == "worker-B"
     assert steps[0].response == [{"type": "text", "text": "from B"}]
-    assert runtime.store.get_run(run.id).tokens_used == 11, "A's tokens were not counted"
+    after = runtime.store.get_run(run.id)
+    assert after.tokens_used == 11, "only B's step is counted as a step"
+    assert after.unrecorded_tokens == 11, "A's call was billed: it is counted against the run"
     assert len(llm.requests) == 2, "A did call the model; only its checkpoint was refused"
 
 
