@@ -17,7 +17,7 @@ from runtime.bootstrap import Runtime
 from runtime.config import Settings
 from runtime.driver import Outcome
 from runtime.llm.base import LlmRequest, LlmResponse
-from runtime.tools import ToolContext, tool
+from runtime.tools import Tool, ToolContext, tool
 from tests.fakes.messages_api import FakeMessagesApi
 from tests.support import SimulatedCrash, drive_to_end, expire_lease, register_agent, submit
 
@@ -51,13 +51,14 @@ def claude(settings: Settings, fake: FakeMessagesApi) -> Iterator[Runtime]:
         rt.close()
 
 
-def _echo_tool() -> object:
+def _echo_tool() -> Tool:
     @tool(idempotent=True)
     def lookup(q: str, ctx: ToolContext) -> dict[str, str]:
         """Look q up."""
         return {"q": q, "key": ctx.idempotency_key}
 
-    return lookup
+    result: Tool = lookup
+    return result
 
 
 def _all_valid(fake: FakeMessagesApi) -> None:
@@ -70,7 +71,7 @@ def test_tool_use_then_end_turn_through_the_sdk(claude: Runtime, fake: FakeMessa
         "toolu_a", "lookup", {"q": "x"}, usage={"input_tokens": 100, "output_tokens": 20}
     )
     fake.then_text("x is found", usage={"input_tokens": 150, "output_tokens": 5})
-    register_agent(claude.agents, _echo_tool())  # type: ignore[arg-type]
+    register_agent(claude.agents, _echo_tool())
     run, dispatch = submit(claude.store, model=MODEL)
     drive_to_end(claude.driver(), dispatch)
 
@@ -97,7 +98,7 @@ def test_parallel_tool_uses_are_answered_in_one_message(
 ) -> None:
     fake.then_tool_uses([("toolu_1", "lookup", {"q": "a"}), ("toolu_2", "lookup", {"q": "b"})])
     fake.then_text("both")
-    register_agent(claude.agents, _echo_tool())  # type: ignore[arg-type]
+    register_agent(claude.agents, _echo_tool())
     run, dispatch = submit(claude.store, model=MODEL)
     drive_to_end(claude.driver(), dispatch)
     assert claude.store.get_run(run.id).status is RunStatus.SUCCEEDED
@@ -110,7 +111,7 @@ def test_request_after_a_crash_is_byte_identical(claude: Runtime, fake: FakeMess
     """A crash between the response and its checkpoint repeats that one call, with exactly
     the same request body, so the prompt cache still hits."""
     fake.then_tool_use("toolu_a", "lookup", {"q": "x"}).then_text("one").then_text("one")
-    register_agent(claude.agents, _echo_tool())  # type: ignore[arg-type]
+    register_agent(claude.agents, _echo_tool())
     run, dispatch = submit(claude.store, model=MODEL)
     first = claude.driver(worker="worker-A").drive(dispatch.run_id, dispatch.token)
     tool_step = claude.driver(worker="worker-A").drive(run.id, first.dispatch.token)  # type: ignore[union-attr]
@@ -312,7 +313,7 @@ def test_cost_follows_the_configured_prices(claude: Runtime, fake: FakeMessagesA
             "cache_read_input_tokens": 4000,
         },
     )
-    register_agent(claude.agents, _echo_tool())  # type: ignore[arg-type]
+    register_agent(claude.agents, _echo_tool())
     run, dispatch = submit(claude.store, model=MODEL, token_budget=100_000)
     drive_to_end(claude.driver(), dispatch)
     done = claude.store.get_run(run.id)
@@ -332,7 +333,7 @@ def test_cost_budget_stops_the_run(claude: Runtime, fake: FakeMessagesApi) -> No
     fake.then_tool_use(
         "toolu_a", "lookup", {"q": "x"}, usage={"input_tokens": 10000, "output_tokens": 1000}
     )
-    register_agent(claude.agents, _echo_tool())  # type: ignore[arg-type]
+    register_agent(claude.agents, _echo_tool())
     run, dispatch = submit(
         claude.store, model=MODEL, token_budget=1_000_000, cost_budget_usd=Decimal("0.01")
     )
