@@ -31,6 +31,28 @@ class TicketStore:
             rows = [dict(zip(keys, t, strict=True)) for t in SEED_TICKETS]
             conn.execute(Q["seed_acme_tickets"], rows)
 
+    def add_comment(self, ticket_id: int, body: str, *, idempotency_key: str) -> tuple[int, bool]:
+        """Add a comment once per key. Returns ``(comment id, created now)``."""
+        with self.engine.begin() as conn:
+            if conn.execute(Q["acme_ticket_exists"], {"ticket_id": ticket_id}).first() is None:
+                raise LookupError(f"no acme ticket with id {ticket_id}")
+            new_id = conn.execute(
+                Q["add_acme_comment"],
+                {"ticket_id": ticket_id, "body": body, "idempotency_key": idempotency_key},
+            ).scalar()
+            if new_id is not None:
+                return int(new_id), True
+            existing = conn.execute(
+                Q["get_acme_comment_by_key"], {"idempotency_key": idempotency_key}
+            ).scalar_one()
+            return int(existing), False
+
+    def count_comments(self, ticket_id: int | None = None) -> int:
+        with self.engine.connect() as conn:
+            return int(
+                conn.execute(Q["count_acme_comments"], {"ticket_id": ticket_id}).scalar_one()
+            )
+
     def list(
         self,
         *,

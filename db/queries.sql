@@ -167,6 +167,32 @@ SET cancel_requested = true,
 WHERE id = :id AND status IN ('QUEUED', 'RUNNING', 'NEEDS_ATTENTION')
 RETURNING status;
 
+-- resolve_reopen_run --
+-- An operator resolved a NEEDS_ATTENTION run: it runs again under a new dispatch token.
+UPDATE run
+SET status = 'RUNNING', error = NULL, claims_without_progress = 0,
+    dispatch_token = :next_token, dispatched_at = now(), updated_at = now()
+WHERE id = :id AND status = 'NEEDS_ATTENTION'
+RETURNING id;
+
+-- resolve_supply_result --
+-- The operator supplies the result of the tool step left STARTED.
+UPDATE run_step
+SET status = :status, response = CAST(:response AS jsonb), resolution = 'supplied',
+    worker = :operator, finished_at = now()
+WHERE run_id = :id AND kind = 'TOOL' AND status = 'STARTED';
+
+-- resolve_retry_tool --
+-- The operator authorises running the STARTED tool step again.
+UPDATE run_step SET resolution = 'retry'
+WHERE run_id = :id AND kind = 'TOOL' AND status = 'STARTED';
+
+-- resolve_fail_run --
+UPDATE run
+SET status = 'FAILED', error = :error, finished_at = now(), updated_at = now()
+WHERE id = :id AND status = 'NEEDS_ATTENTION'
+RETURNING id;
+
 -- list_steps --
 SELECT * FROM run_step WHERE run_id = :id ORDER BY seq;
 
@@ -219,6 +245,22 @@ INSERT INTO acme_ticket (id, title, status, priority, assignee, customer, due_at
 VALUES (:id, :title, :status, :priority, :assignee, :customer,
         now() + make_interval(days => :due_in_days))
 ON CONFLICT (id) DO NOTHING;
+
+-- acme_ticket_exists --
+SELECT 1 FROM acme_ticket WHERE id = :ticket_id;
+
+-- add_acme_comment --
+-- Idempotent by key: a re-executed tool call inserts nothing the second time.
+INSERT INTO acme_comment (ticket_id, body, idempotency_key)
+VALUES (:ticket_id, :body, :idempotency_key)
+ON CONFLICT (idempotency_key) DO NOTHING
+RETURNING id;
+
+-- get_acme_comment_by_key --
+SELECT id FROM acme_comment WHERE idempotency_key = :idempotency_key;
+
+-- count_acme_comments --
+SELECT count(*) FROM acme_comment WHERE (CAST(:ticket_id AS integer) IS NULL OR ticket_id = :ticket_id);
 
 -- list_acme_tickets --
 SELECT id, title, status, priority, assignee, customer, due_at,

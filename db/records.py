@@ -122,6 +122,7 @@ class Step:
     latency_ms: int | None
     request_id: str | None
     error: str | None
+    resolution: str | None
     worker: str | None
     lease_epoch: int
     started_at: datetime

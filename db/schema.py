@@ -125,6 +125,8 @@ run_step = Table(
     Column("latency_ms", Integer),
     Column("request_id", Text),
     Column("error", Text),
+    # An operator's decision on a tool step left STARTED (NEEDS_ATTENTION): 'retry'.
+    Column("resolution", Text),
     Column("worker", Text),
     Column("lease_epoch", BigInteger, nullable=False),
     Column("started_at", TZ, nullable=False, server_default=text("now()")),
@@ -154,5 +156,16 @@ acme_ticket = Table(
     Column("assignee", Text),
     Column("customer", Text, nullable=False),
     Column("due_at", TZ, nullable=False),
+    Column("created_at", TZ, nullable=False, server_default=text("now()")),
+)
+
+# The acme demo's comments: a tool with a real side effect, idempotent by the tool_use id.
+acme_comment = Table(
+    "acme_comment",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("ticket_id", Integer, ForeignKey("acme_ticket.id"), nullable=False),
+    Column("body", Text, nullable=False),
+    Column("idempotency_key", Text, nullable=False, unique=True),
     Column("created_at", TZ, nullable=False, server_default=text("now()")),
 )

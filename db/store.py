@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, RowMapping
 
-from db.errors import IdempotencyConflict, LeaseLost, RunNotFound
+from db.errors import IdempotencyConflict, InvalidTransition, LeaseLost, RunNotFound
 from db.queries import QUERIES as Q
 from db.records import (
     Claim,
@@ -97,6 +97,7 @@ def _step(row: RowMapping) -> Step:
         latency_ms=row["latency_ms"],
         request_id=row["request_id"],
         error=row["error"],
+        resolution=row["resolution"],
         worker=row["worker"],
         lease_epoch=row["lease_epoch"],
         started_at=row["started_at"],
@@ -393,6 +394,48 @@ class RunStore:
         with self.engine.begin() as conn:
             row = conn.execute(Q["cancel_run"], {"id": run_id}).first()
         return RunStatus(row.status) if row else None
+
+    def resolve(
+        self,
+        run_id: uuid.UUID,
+        action: str,
+        *,
+        output: Any = None,
+        is_error: bool = False,
+        reason: str | None = None,
+        operator: str = "operator",
+    ) -> Dispatch | None:
+        """An operator's decision on a NEEDS_ATTENTION run: ``supply_result`` (record the
+        STARTED tool's result and continue), ``retry`` (run the tool again and continue), or
+        ``fail``. Returns the message to send, ``None`` for ``fail``. Raises
+        :class:`InvalidTransition` when the run is not NEEDS_ATTENTION (someone else resolved
+        or cancelled it first)."""
+        token = uuid.uuid4()
+        with self.engine.begin() as conn:
+            if action == "fail":
+                row = conn.execute(
+                    Q["resolve_fail_run"],
+                    {"id": run_id, "error": f"failed by {operator}: {reason or 'no reason'}"},
+                ).first()
+            else:
+                row = conn.execute(
+                    Q["resolve_reopen_run"], {"id": run_id, "next_token": token}
+                ).first()
+                if row is not None and action == "supply_result":
+                    conn.execute(
+                        Q["resolve_supply_result"],
+                        {
+                            "id": run_id,
+                            "status": str(StepStatus.ERROR if is_error else StepStatus.DONE),
+                            "response": _json(output),
+                            "operator": operator,
+                        },
+                    )
+                elif row is not None:
+                    conn.execute(Q["resolve_retry_tool"], {"id": run_id})
+            if row is None:
+                raise InvalidTransition(f"run {run_id} is not waiting for an operator")
+        return None if action == "fail" else Dispatch(run_id, token)
 
     # -- dispatch bookkeeping -----------------------------------------------------------
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from db.errors import DarError
@@ -22,7 +22,8 @@ class AgentConfigError(DarError):
 class Agent:
     name: str
     system_prompt: str
-    tools: tuple[Tool, ...] = ()
+    tools: tuple[Tool | str, ...] = ()
+    """Tools, or names of tools registered with :meth:`AgentRegistry.register_tool`."""
     model: str | None = None
     """The model to use; ``None`` takes DAR_DEFAULT_MODEL."""
     max_tokens: int | None = None
@@ -32,20 +33,50 @@ class Agent:
     def __post_init__(self) -> None:
         by_name: dict[str, Tool] = {}
         for t in self.tools:
+            if isinstance(t, str):
+                continue
             if t.name in by_name:
                 raise AgentConfigError(f"agent {self.name!r} declares tool {t.name!r} twice")
             by_name[t.name] = t
         object.__setattr__(self, "tools_by_name", by_name)
 
     def tool_definitions(self) -> list[dict[str, Any]]:
-        return [t.definition() for t in self.tools]
+        return [t.definition() for t in self.tools_by_name.values()]
+
+    @property
+    def tool_references(self) -> list[str]:
+        return [t for t in self.tools if isinstance(t, str)]
 
 
 class AgentRegistry:
     def __init__(self, agents: Iterable[Agent] = ()) -> None:
         self._agents: dict[str, Agent] = {}
+        self._tools: dict[str, Tool] = {}
         for a in agents:
             self.register(a)
+
+    def register_tool(self, tool: Tool) -> Tool:
+        """A tool agents may name in their ``tools`` instead of passing it."""
+        if tool.name in self._tools:
+            raise AgentConfigError(f"two tools are registered under the name {tool.name!r}")
+        self._tools[tool.name] = tool
+        return tool
+
+    def finalize(self) -> None:
+        """Resolve tool names; fail with a precise message on any that names nothing."""
+        for name, agent in list(self._agents.items()):
+            refs = agent.tool_references
+            if not refs:
+                continue
+            missing = [r for r in refs if r not in self._tools]
+            if missing:
+                known = ", ".join(sorted(self._tools)) or "none"
+                raise AgentConfigError(
+                    f"agent {name!r} uses tool {missing[0]!r}, which is not registered "
+                    f"(registered tools: {known})"
+                )
+            resolved = tuple(self._tools[t] if isinstance(t, str) else t for t in agent.tools)
+            self._agents[name] = replace(agent, tools=resolved)
 
     def register(self, agent: Agent) -> Agent:
         if agent.name in self._agents:

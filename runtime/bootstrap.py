@@ -49,6 +49,7 @@ def load_agents(settings: Settings, tickets: TicketStore) -> AgentRegistry:
                 f"agent module {name!r} has no register(registry) function to call"
             )
         register(registry)
+    registry.finalize()
     if settings.default_agent not in registry:
         raise AgentConfigError(
             f"DAR_DEFAULT_AGENT is {settings.default_agent!r}, which is not registered; "

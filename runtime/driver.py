@@ -16,9 +16,10 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeVar
 
 from db.errors import LeaseLost
 from db.records import Claim, Dispatch, ModelCheckpoint, RunStatus, Step, StepStatus, Usage
@@ -32,9 +33,10 @@ from runtime.llm.retry import RetryLater
 from runtime.logctx import log_context, set_step
 from runtime.pricing import PriceTable
 from runtime.replay import Conversation, model_step_key, replay, tool_step_key
-from runtime.tools import ToolContext, render_output
+from runtime.tools import Reconciled, ToolContext, ToolInputError, render_output
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _tool_pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="dar-tool")
 
@@ -360,22 +362,34 @@ class Driver:
         key = tool_step_key(tool_use_id)
         existing = next((s for s in steps if s.step_key == key), None)
         tool = agent.tools_by_name.get(name)
+        context = ToolContext(run_id=claim.run_id, tool_use_id=tool_use_id)
         rid = short(claim.run_id)
+        started = time.monotonic()
+        reconciled: Reconciled | None = None
 
         if existing is not None:  # STARTED by a worker that stopped before recording it
             seq = existing.seq
             set_step(seq)
-            if tool is not None and not tool.idempotent:
-                return self._finish(
-                    claim,
-                    RunStatus.NEEDS_ATTENTION,
-                    error=(
+            if tool is not None and not tool.idempotent and existing.resolution != "retry":
+                if tool.reconcile is None:
+                    return self._needs_attention(
+                        claim,
                         f"tool {name!r} (tool_use id {tool_use_id}, seq={seq}) was started but "
                         "its worker stopped before recording a result, and the tool is not "
-                        "declared idempotent, so it was not run again: check whether its "
-                        "effect happened, then resolve the run"
-                    ),
-                )
+                        "declared idempotent, so it was not run again: check whether its effect "
+                        "happened, then resolve the run (supply_result, retry or fail)",
+                    )
+                try:
+                    reconciled = self._call(tool.reconcile, tool.timeout_seconds, context)
+                except Exception as e:
+                    return self._needs_attention(
+                        claim,
+                        f"tool {name!r} (tool_use id {tool_use_id}, seq={seq}) was left started "
+                        f"and its reconcile hook failed ({type(e).__name__}: {e}); resolve the "
+                        "run (supply_result, retry or fail)",
+                    )
+                verdict = "had happened" if reconciled else "had not happened: running it"
+                log.info("run=%s seq=%d TOOL %s reconciled: the effect %s", rid, seq, name, verdict)
         else:
             seq = len(steps) + 1
             set_step(seq)
@@ -384,29 +398,30 @@ class Driver:
             )
             log.info("run=%s seq=%d TOOL %s id=%s started", rid, seq, name, tool_use_id)
 
-        started = time.monotonic()
         status = StepStatus.DONE
         error: str | None = None
-        if tool is None:
-            status = StepStatus.ERROR
+        limit = self.settings.max_tool_output_chars
+        if reconciled is not None:
+            output = render_output(reconciled.output, limit)
+        elif tool is None:
             known = ", ".join(sorted(agent.tools_by_name)) or "none"
-            output = f"error: unknown tool {name!r}; known tools: {known}"
-            error = output
+            output = error = f"error: unknown tool {name!r}; known tools: {known}"
+            status = StepStatus.ERROR
         else:
-            context = ToolContext(run_id=claim.run_id, tool_use_id=tool_use_id)
-            future = _tool_pool.submit(
-                contextvars.copy_context().run, tool.invoke, dict(use.get("input") or {}), context
-            )
             try:
-                output = render_output(future.result(timeout=tool.timeout_seconds))
+                value = self._call(
+                    tool.invoke, tool.timeout_seconds, dict(use.get("input") or {}), context
+                )
+                output = render_output(value, limit)
             except concurrent.futures.TimeoutError:
+                output = error = f"error: tool {name!r} timed out after {tool.timeout_seconds:g}s"
                 status = StepStatus.ERROR
-                output = f"error: tool {name!r} timed out after {tool.timeout_seconds:g}s"
-                error = output
+            except ToolInputError as e:
+                output = error = f"error: {e}"
+                status = StepStatus.ERROR
             except Exception as e:  # a failing tool is information for the model
+                output = error = render_output(f"error: {type(e).__name__}: {e}", limit)
                 status = StepStatus.ERROR
-                output = f"error: {type(e).__name__}: {e}"
-                error = output
         latency_ms = int((time.monotonic() - started) * 1000)
         if lease.lost.is_set():
             raise LeaseLost(claim.run_id, "heartbeat found the lease taken over")
@@ -423,3 +438,13 @@ class Driver:
             "run=%s seq=%d TOOL %s id=%s %s %dms", rid, seq, name, tool_use_id, verdict, latency_ms
         )
         return StepResult(Outcome.CONTINUE, dispatch=dispatch)
+
+    @staticmethod
+    def _call(fn: Callable[..., T], timeout: float, *args: Any) -> T:
+        """Run user code with a wall-clock limit, in a pool thread that carries the log
+        context. A crash (a ``BaseException``) propagates; a timed-out call is abandoned."""
+        future = _tool_pool.submit(contextvars.copy_context().run, fn, *args)
+        return future.result(timeout=timeout)
+
+    def _needs_attention(self, claim: Claim, reason: str) -> StepResult:
+        return self._finish(claim, RunStatus.NEEDS_ATTENTION, error=reason)

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from jsonschema import Draft202012Validator
+
 JsonObj = dict[str, Any]
 
 
@@ -73,6 +75,17 @@ def schema_from_signature(fn: Callable[..., Any]) -> JsonObj:
     return schema
 
 
+@dataclass(frozen=True, slots=True)
+class Reconciled:
+    """A reconcile hook's answer: the effect did happen, and this is its result."""
+
+    output: Any
+
+
+class ToolInputError(ValueError):
+    """The model's input does not match the tool's schema."""
+
+
 @dataclass(frozen=True)
 class Tool:
     name: str
@@ -82,6 +95,10 @@ class Tool:
     idempotent: bool = False
     """Safe to execute again with the same idempotency key after a crash."""
     timeout_seconds: float = 60.0
+    reconcile: Callable[[ToolContext], Reconciled | None] | None = None
+    """For a tool that is not idempotent: asked after a crash left its step STARTED whether
+    the effect happened (return :class:`Reconciled` with its result) or not (``None``: the
+    tool runs). Without it the run stops for a human."""
 
     def definition(self) -> JsonObj:
         return {
@@ -90,7 +107,19 @@ class Tool:
             "input_schema": self.input_schema,
         }
 
+    def validate(self, arguments: JsonObj) -> None:
+        """Raise :class:`ToolInputError` saying what is wrong with the model's input."""
+        validator = Draft202012Validator(self.input_schema)
+        errors = sorted(validator.iter_errors(arguments), key=lambda e: list(e.path))
+        if errors:
+            parts = []
+            for e in errors[:5]:
+                where = "/".join(str(p) for p in e.path) or "input"
+                parts.append(f"{where}: {e.message}")
+            raise ToolInputError(f"invalid input for tool {self.name!r}: " + "; ".join(parts))
+
     def invoke(self, arguments: JsonObj, context: ToolContext) -> Any:
+        self.validate(arguments)
         hints = typing.get_type_hints(self.fn)
         kwargs = dict(arguments)
         for name in inspect.signature(self.fn).parameters:
@@ -107,6 +136,7 @@ def tool(
     input_schema: JsonObj | None = None,
     idempotent: bool = False,
     timeout_seconds: float = 60.0,
+    reconcile: Callable[[ToolContext], Reconciled | None] | None = None,
 ) -> Any:
     """Declare a tool: ``@tool`` or ``@tool(idempotent=True, ...)`` on a function."""
 
@@ -118,13 +148,18 @@ def tool(
             input_schema=input_schema or schema_from_signature(f),
             idempotent=idempotent,
             timeout_seconds=timeout_seconds,
+            reconcile=reconcile,
         )
 
     return wrap(fn) if fn is not None else wrap
 
 
-def render_output(value: Any) -> str:
-    """Tool output as the model sees it: strings as they are, anything else as JSON."""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, default=str, ensure_ascii=False)
+def render_output(value: Any, limit: int | None = None) -> str:
+    """Tool output as the model sees it: strings as they are, anything else as JSON; above
+    ``limit`` characters, cut with a marker that says so."""
+    text = value if isinstance(value, str) else json.dumps(value, default=str, ensure_ascii=False)
+    if limit is not None and len(text) > limit:
+        return (
+            text[:limit] + f"\n[output truncated: {len(text)} characters, the first {limit} shown]"
+        )
+    return text
