@@ -100,7 +100,12 @@ def _demo(args: argparse.Namespace) -> int:
         status, accepted = stack.request(
             "POST",
             "/api/runs",
-            {"input": args.question, "tokenBudget": 50000, "timeoutSeconds": 300},
+            {
+                "input": args.question,
+                "tokenBudget": 50000,
+                "timeoutSeconds": 300,
+                **({"agent": args.agent} if args.agent else {}),
+            },
         )
         if status != 201:
             print(f"dar: submit failed: {status} {accepted}", file=sys.stderr)
@@ -211,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         if name == "demo":
             p.add_argument("--question", default=DEMO_QUESTION)
+            p.add_argument("--agent", help="agent to run (default DAR_DEFAULT_AGENT)")
             p.add_argument("--timeout", type=float, default=120.0)
 
     api_default = os.environ.get("DAR_API_URL", "http://127.0.0.1:8080")

@@ -78,8 +78,12 @@ class DevStack:
     # -- processes ----------------------------------------------------------------------
 
     def _child_env(self, **extra: str) -> dict[str, str]:
+        # The user's working directory stays importable (after our packages), so that
+        # DAR_AGENT_MODULES can name their own modules.
+        path = os.pathsep.join(p for p in (os.getcwd(), self.env.get("PYTHONPATH", "")) if p)
         return {
             **self.env,
+            "PYTHONPATH": path,
             "DATABASE_URL": self.database_url,
             "REDIS_URL": self.redis_url,
             "PYTHONUNBUFFERED": "1",

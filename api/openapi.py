@@ -109,6 +109,25 @@ def openapi_document() -> JsonObj:
                     },
                 }
             },
+            "/api/runs/{run_id}/resolve": {
+                "post": {
+                    "summary": "Resolve a NEEDS_ATTENTION run: supply the tool's result, "
+                    "authorise a retry of the tool, or fail the run",
+                    "operationId": "resolveRun",
+                    "parameters": [RUN_ID],
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _ref("Resolution")}},
+                    },
+                    "responses": {
+                        "200": _json(_ref("RunAccepted"), "Resolved"),
+                        "400": _error("Invalid field"),
+                        "404": _error("No such run"),
+                        "409": _error("The run is not NEEDS_ATTENTION"),
+                        "415": _error("Body is not JSON"),
+                    },
+                }
+            },
             "/api/runs/{run_id}/cancel": {
                 "post": {
                     "summary": "Cancel a run (cooperative: a running step completes first)",
@@ -164,6 +183,17 @@ def openapi_document() -> JsonObj:
                         "model": {"type": "string", "maxLength": 200},
                         "maxSteps": {"type": "integer", "minimum": 1, "maximum": 10000},
                         "agent": {"type": "string"},
+                    },
+                },
+                "Resolution": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["action"],
+                    "properties": {
+                        "action": {"enum": ["supply_result", "retry", "fail"]},
+                        "output": {"description": "the tool's result (supply_result)"},
+                        "isError": {"type": "boolean"},
+                        "reason": {"type": "string"},
                     },
                 },
                 "RunAccepted": {
@@ -241,6 +271,7 @@ def openapi_document() -> JsonObj:
                         "latencyMs": {"type": ["integer", "null"]},
                         "requestId": NULLABLE_STR,
                         "error": NULLABLE_STR,
+                        "resolution": NULLABLE_STR,
                         "worker": NULLABLE_STR,
                         "startedAt": {"type": "string", "format": "date-time"},
                         "finishedAt": NULLABLE_TIME,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import uuid
 from datetime import datetime
 
@@ -13,7 +14,7 @@ from api.errors import ApiError, invalid
 from api.serialize import run_json, step_json
 from api.state import state
 from api.validation import json_body, parse_submission
-from db.errors import IdempotencyConflict, RunNotFound
+from db.errors import IdempotencyConflict, InvalidTransition, RunNotFound
 from db.records import Dispatch, NewRun, RunStatus
 from tasks.dispatch import send_drive
 
@@ -114,6 +115,54 @@ def timeline(run_id: str) -> Response:
     except RunNotFound as e:
         raise ApiError(404, str(e), code="not_found") from None
     return jsonify([step_json(s) for s in store.steps(rid)])
+
+
+RESOLVE_ACTIONS = ("supply_result", "retry", "fail")
+
+
+@bp.post("/runs/<run_id>/resolve")
+def resolve(run_id: str) -> tuple[Response, int]:
+    """An operator's decision on a run that stopped NEEDS_ATTENTION."""
+    s = state()
+    rid = parse_run_id(run_id)
+    body = json_body(request)
+    unknown = sorted(set(body) - {"action", "output", "isError", "reason"})
+    if unknown:
+        raise invalid(unknown[0], "unknown field; allowed: action, output, isError, reason")
+    action = body.get("action")
+    if action not in RESOLVE_ACTIONS:
+        raise invalid("action", f"must be one of {', '.join(RESOLVE_ACTIONS)}")
+    if action == "supply_result" and "output" not in body:
+        raise invalid("output", "is required with supply_result: the tool's result")
+    is_error = body.get("isError", False)
+    if not isinstance(is_error, bool):
+        raise invalid("isError", "must be true or false")
+    reason = body.get("reason")
+    if reason is not None and not isinstance(reason, str):
+        raise invalid("reason", "must be a string")
+    output = body.get("output")
+    try:
+        dispatch = s.runtime.store.resolve(
+            rid,
+            action,
+            output=output if isinstance(output, str) or output is None else json.dumps(output),
+            is_error=is_error,
+            reason=reason,
+        )
+    except InvalidTransition:
+        try:
+            run = s.runtime.store.get_run(rid)
+        except RunNotFound as e:
+            raise ApiError(404, str(e), code="not_found") from None
+        raise ApiError(
+            409,
+            f"run {rid} is {run.status}, not NEEDS_ATTENTION: there is nothing to resolve",
+            code="not_waiting_for_operator",
+        ) from None
+    if dispatch is not None:
+        send_drive(s.celery, s.runtime.store, dispatch)
+    run = s.runtime.store.get_run(rid)
+    return jsonify({"id": str(rid), "status": str(run.status)}), 200
 
 
 @bp.post("/runs/<run_id>/cancel")

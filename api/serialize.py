@@ -63,6 +63,7 @@ def step_json(step: Step) -> dict[str, Any]:
         "latencyMs": step.latency_ms,
         "requestId": step.request_id,
         "error": step.error,
+        "resolution": step.resolution,
         "worker": step.worker,
         "startedAt": _iso(step.started_at),
         "finishedAt": _iso(step.finished_at),

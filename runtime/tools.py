@@ -128,6 +128,35 @@ class Tool:
         return self.fn(**kwargs)
 
 
+Reconcile = Callable[[ToolContext], Reconciled | None]
+
+
+@typing.overload
+def tool(
+    fn: Callable[..., Any],
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    input_schema: JsonObj | None = None,
+    idempotent: bool = False,
+    timeout_seconds: float = 60.0,
+    reconcile: Reconcile | None = None,
+) -> Tool: ...
+
+
+@typing.overload
+def tool(
+    fn: None = None,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    input_schema: JsonObj | None = None,
+    idempotent: bool = False,
+    timeout_seconds: float = 60.0,
+    reconcile: Reconcile | None = None,
+) -> Callable[[Callable[..., Any]], Tool]: ...
+
+
 def tool(
     fn: Callable[..., Any] | None = None,
     *,
@@ -136,8 +165,8 @@ def tool(
     input_schema: JsonObj | None = None,
     idempotent: bool = False,
     timeout_seconds: float = 60.0,
-    reconcile: Callable[[ToolContext], Reconciled | None] | None = None,
-) -> Any:
+    reconcile: Reconcile | None = None,
+) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Declare a tool: ``@tool`` or ``@tool(idempotent=True, ...)`` on a function."""
 
     def wrap(f: Callable[..., Any]) -> Tool:

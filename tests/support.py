@@ -64,7 +64,7 @@ def register_agent(registry: AgentRegistry, *tools: Tool, name: str = "test-agen
 
 def drive_to_end(driver: Driver, dispatch: Dispatch, max_steps: int = 100) -> list[Any]:
     """Follow the chain of dispatches, as the Celery task would, until the run ends."""
-    outcomes = []
+    outcomes: list[Any] = []
     current: Dispatch | None = dispatch
     for _ in range(max_steps):
         if current is None:

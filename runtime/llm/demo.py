@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from typing import Any
 
@@ -40,6 +41,17 @@ def _arguments(question: str, schema: dict[str, Any]) -> dict[str, Any]:
             if level in q:
                 args["priority"] = level
                 break
+    # Required parameters get a plausible value: the first number in the question for
+    # numbers, the question itself for strings.
+    numbers = re.findall(r"\d+", question)
+    for name in schema.get("required", []):
+        kind = props.get(name, {}).get("type")
+        if kind in ("integer", "number"):
+            args[name] = int(numbers[0]) if numbers else 1
+        elif kind == "string":
+            args[name] = question
+        elif kind == "boolean":
+            args[name] = True
     return args
 
 

@@ -1,0 +1,1 @@
+"""Examples: agents registered from modules of your own (DAR_AGENT_MODULES)."""
