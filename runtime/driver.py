@@ -26,6 +26,7 @@ from db.records import Claim, Dispatch, ModelCheckpoint, RunStatus, Step, StepSt
 from db.store import RunStore
 from runtime.agents import Agent, AgentRegistry, UnknownAgent
 from runtime.config import Settings
+from runtime.faults import crash_point
 from runtime.guard import guard
 from runtime.heartbeat import Heartbeat, HeldLease
 from runtime.llm.base import LlmClient, LlmError, LlmRequest, LlmResponse
@@ -107,7 +108,11 @@ class Driver:
         if claim is None:
             log.debug("run=%s message dropped (stale, duplicate, or lease held)", short(run_id))
             return StepResult(Outcome.DROPPED)
-        return self.execute(claim)
+        crash_point("after_claim")
+        result = self.execute(claim)
+        if result.dispatch is not None:
+            crash_point("after_checkpoint")
+        return result
 
     def drive_next(self) -> StepResult | None:
         """Claim whichever run is due and execute one step; ``None`` when nothing is due."""
@@ -231,6 +236,7 @@ class Driver:
             refusal = self._strict_budget_refusal(claim, request, body)
             if refusal:
                 return self._finish(claim, RunStatus.FAILED, error=refusal)
+        crash_point("before_model_call")
         started = time.monotonic()
         try:
             response = self.llm.send(request)
@@ -243,6 +249,7 @@ class Driver:
                 claim, RunStatus.FAILED, error=f"model call failed: {status}: {e}{rid}"
             )
         latency_ms = int((time.monotonic() - started) * 1000)
+        crash_point("after_model_response")
         cost = self.pricing.cost(response.model or request.model, response.usage)
         try:
             if lease.lost.is_set():
@@ -397,6 +404,7 @@ class Driver:
                 claim, seq=seq, step_key=key, tool_name=name, tool_use_id=tool_use_id
             )
             log.info("run=%s seq=%d TOOL %s id=%s started", rid, seq, name, tool_use_id)
+            crash_point("after_tool_start")
 
         status = StepStatus.DONE
         error: str | None = None
@@ -423,6 +431,7 @@ class Driver:
                 output = error = render_output(f"error: {type(e).__name__}: {e}", limit)
                 status = StepStatus.ERROR
         latency_ms = int((time.monotonic() - started) * 1000)
+        crash_point("after_tool_effect")
         if lease.lost.is_set():
             raise LeaseLost(claim.run_id, "heartbeat found the lease taken over")
         dispatch = self.store.finish_tool(
