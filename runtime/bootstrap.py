@@ -24,7 +24,19 @@ log = logging.getLogger(__name__)
 
 
 def build_llm(settings: Settings) -> LlmClient:
-    """The model client: Claude when ANTHROPIC_API_KEY is set, else the offline demo model."""
+    """The model client: ``DAR_LLM_FACTORY`` (``module:function``, called with the settings)
+    when set; else Claude when ANTHROPIC_API_KEY is set; else the offline demo model."""
+    if settings.llm_factory:
+        module_name, _, attr = settings.llm_factory.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr or "build")
+        except (ImportError, AttributeError) as e:
+            raise AgentConfigError(
+                f"DAR_LLM_FACTORY={settings.llm_factory!r} does not name a function "
+                f"(module:function): {e}"
+            ) from e
+        client: LlmClient = factory(settings)
+        return client
     if not settings.anthropic_api_key:
         return DemoModel(latency_ms=settings.demo_latency_ms)
     from runtime.llm.factory import anthropic_client

@@ -83,6 +83,7 @@ class Settings:
     strict_budget: bool = False
     prices_json: str | None = None
     max_tool_output_chars: int = 50_000
+    llm_factory: str | None = None
     demo_latency_ms: int = 1500
     queue: str = "dar"
     visibility_timeout_seconds: float = 3600.0
@@ -125,6 +126,7 @@ class Settings:
             strict_budget=_bool(e, "DAR_STRICT_BUDGET", False),
             prices_json=e.get("DAR_PRICES") or None,
             max_tool_output_chars=_int(e, "DAR_MAX_TOOL_OUTPUT_CHARS", 50_000, minimum=100),
+            llm_factory=e.get("DAR_LLM_FACTORY") or None,
             demo_latency_ms=_int(e, "DAR_DEMO_LATENCY_MS", 1500),
             queue=_get(e, "DAR_QUEUE", "dar"),
             visibility_timeout_seconds=_num(e, "DAR_VISIBILITY_TIMEOUT_SECONDS", 3600, minimum=60),

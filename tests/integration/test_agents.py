@@ -137,3 +137,13 @@ def test_bad_agent_modules_fail_at_startup(
 def test_unknown_default_agent_fails_at_startup(settings: Settings) -> None:
     with pytest.raises(AgentConfigError, match="DAR_DEFAULT_AGENT is 'nobody'"):
         Runtime.build(replace(settings, default_agent="nobody"), llm=ScriptedLlm())
+
+
+def test_llm_factory_names_the_model_client(settings: Settings) -> None:
+    rt = Runtime.build(replace(settings, llm_factory="runtime.llm.scripted:ScriptedLlm"))
+    try:
+        assert isinstance(rt.llm, ScriptedLlm)
+    finally:
+        rt.close()
+    with pytest.raises(AgentConfigError, match="DAR_LLM_FACTORY='nope:x' does not name"):
+        Runtime.build(replace(settings, llm_factory="nope:x"))
