@@ -6,12 +6,15 @@ import logging
 
 from celery import Celery
 from flask import Flask, Response, jsonify
+from prometheus_client import CollectorRegistry
+from prometheus_flask_exporter import PrometheusMetrics
 
 from api.errors import register_error_handlers
 from api.openapi import openapi_document
 from api.state import ApiState
 from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from runtime.metrics import FleetCollector
 from tasks.celery_app import make_celery
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,12 @@ def create_app(
 
     app.register_blueprint(runs_bp, url_prefix="/api")
     app.register_blueprint(health_bp)
+
+    # HTTP metrics, and the fleet-wide gauges read from PostgreSQL, on /metrics. A registry
+    # per app: one process serves one app (gunicorn --workers 1 --threads N per container).
+    registry = CollectorRegistry()
+    registry.register(FleetCollector(runtime.store))
+    PrometheusMetrics(app, registry=registry, group_by="endpoint", defaults_prefix="dar_http")
 
     @app.get("/api/openapi.json")
     def openapi() -> Response:

@@ -41,6 +41,7 @@ def _stack(args: argparse.Namespace) -> Any:
         port=args.port,
         workers=args.workers,
         concurrency=args.concurrency,
+        metrics_port_base=args.metrics_port,
     )
 
 
@@ -213,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
         p.add_argument("--concurrency", type=int, default=16, help="threads per worker")
         p.add_argument("--data-dir", default=".dar", help="embedded PostgreSQL data (.dar)")
+        p.add_argument(
+            "--metrics-port",
+            type=int,
+            default=int(os.environ.get("DAR_METRICS_PORT", "9808")),
+            help="worker-A serves metrics here, worker-B on the next port (0: off)",
+        )
         p.set_defaults(func=func)
         if name == "demo":
             p.add_argument("--question", default=DEMO_QUESTION)

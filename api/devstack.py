@@ -41,6 +41,8 @@ class DevStack:
     workers: int = 2
     concurrency: int = 16
     beat: bool = True
+    metrics_port_base: int = 0
+    """Worker i serves its metrics on base + i; 0 turns the worker endpoints off."""
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     output: IO[bytes] | None = None
     """Where children write; ``None`` inherits this process's stdout/stderr."""
@@ -112,6 +114,9 @@ class DevStack:
             ],
         )  # fmt: skip
 
+    def metrics_port(self, letter: str) -> int:
+        return self.metrics_port_base + WORKER_NAMES.index(letter) if self.metrics_port_base else 0
+
     def start_worker(self, letter: str) -> None:
         name = f"worker-{letter}"
         self._spawn(
@@ -125,6 +130,7 @@ class DevStack:
                 "--loglevel", "INFO",
             ],
             DAR_WORKER_NAME=name,
+            DAR_METRICS_PORT=str(self.metrics_port(letter)),
         )  # fmt: skip
 
     def start_beat(self) -> None:

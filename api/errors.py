@@ -53,9 +53,14 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(HTTPException)
     def _http(e: HTTPException) -> tuple[Response, int]:
         status = e.code or 500
-        return error_response(
+        response, _ = error_response(
             status, (e.name or "error").lower().replace(" ", "_"), e.description or ""
         )
+        # Keep the exception's own headers (a 405's Allow, a 401's WWW-Authenticate).
+        for name, value in e.get_headers():
+            if name.lower() != "content-type":
+                response.headers[name] = value
+        return response, status
 
     @app.errorhandler(OperationalError)
     def _db_down(e: OperationalError) -> tuple[Response, int]:

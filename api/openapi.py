@@ -176,7 +176,7 @@ def openapi_document() -> JsonObj:
                         "tokenBudget": {"type": "integer", "minimum": 1},
                         "costBudgetUsd": {
                             "type": "number",
-                            "exclusiveMinimum": 0,
+                            "minimum": 0.0001,
                             "maximum": 100000,
                         },
                         "timeoutSeconds": {"type": "integer", "minimum": 1},

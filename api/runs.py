@@ -87,7 +87,7 @@ def list_runs() -> Response:
     if status is not None and status not in RunStatus.__members__:
         raise invalid("status", f"must be one of {', '.join(RunStatus)}; got {status!r}")
     raw_limit = request.args.get("limit", "50")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_PAGE:
+    if not (raw_limit.isascii() and raw_limit.isdigit()) or not 1 <= int(raw_limit) <= MAX_PAGE:
         raise invalid("limit", f"must be a whole number from 1 to {MAX_PAGE}")
     limit = int(raw_limit)
     raw_cursor = request.args.get("cursor")

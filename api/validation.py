@@ -15,6 +15,8 @@ from api.errors import ApiError, invalid
 from runtime.agents import AgentRegistry
 from runtime.config import Settings
 
+MIN_COST_BUDGET = 0.0001
+
 SUBMIT_FIELDS = (
     "input",
     "tokenBudget",
@@ -121,9 +123,12 @@ def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegi
     if cost_budget is not None and (
         isinstance(cost_budget, bool)
         or not isinstance(cost_budget, int | float)
-        or not 0 < cost_budget <= 100_000
+        or not MIN_COST_BUDGET <= cost_budget <= 100_000
     ):
-        raise invalid("costBudgetUsd", "must be a number of US dollars above 0 (at most 100000)")
+        raise invalid(
+            "costBudgetUsd",
+            f"must be a number of US dollars from {MIN_COST_BUDGET} to 100000",
+        )
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return Submission(
         agent=agent_name,

@@ -18,6 +18,7 @@ from runtime.driver import Driver
 from runtime.heartbeat import Heartbeat
 from runtime.llm.base import LlmClient
 from runtime.llm.demo import DemoModel
+from runtime.metrics import Metrics
 from runtime.pricing import PriceTable
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,15 @@ class Runtime:
             pricing=PriceTable.from_json(settings.prices_json),
         )
 
-    def driver(self, *, worker: str | None = None, heartbeat: Heartbeat | None = None) -> Driver:
+    def driver(
+        self,
+        *,
+        worker: str | None = None,
+        heartbeat: Heartbeat | None = None,
+        metrics: Metrics | None = None,
+    ) -> Driver:
         return Driver(
+            metrics=metrics,
             store=self.store,
             agents=self.agents,
             llm=self.llm,

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections.abc import Mapping
@@ -28,6 +29,8 @@ def _num(env: Mapping[str, str], name: str, default: float, *, minimum: float = 
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{name} must be a number, got {raw!r}") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {raw!r}")
     if value < minimum:
         raise ConfigError(f"{name} must be at least {minimum}, got {raw!r}")
     return value
@@ -84,6 +87,7 @@ class Settings:
     prices_json: str | None = None
     max_tool_output_chars: int = 50_000
     llm_factory: str | None = None
+    metrics_port: int = 0
     demo_latency_ms: int = 1500
     queue: str = "dar"
     visibility_timeout_seconds: float = 3600.0
@@ -127,6 +131,7 @@ class Settings:
             prices_json=e.get("DAR_PRICES") or None,
             max_tool_output_chars=_int(e, "DAR_MAX_TOOL_OUTPUT_CHARS", 50_000, minimum=100),
             llm_factory=e.get("DAR_LLM_FACTORY") or None,
+            metrics_port=_int(e, "DAR_METRICS_PORT", 0),
             demo_latency_ms=_int(e, "DAR_DEMO_LATENCY_MS", 1500),
             queue=_get(e, "DAR_QUEUE", "dar"),
             visibility_timeout_seconds=_num(e, "DAR_VISIBILITY_TIMEOUT_SECONDS", 3600, minimum=60),
@@ -138,6 +143,25 @@ class Settings:
             max_timeout_seconds=_int(e, "DAR_MAX_TIMEOUT_SECONDS", 7 * 86400, minimum=1),
             worker_name=_get(e, "DAR_WORKER_NAME", f"{socket.gethostname()}:{os.getpid()}"),
         )
+        for default, maximum, dname, mname in (
+            (
+                settings.default_token_budget,
+                settings.max_token_budget,
+                "DAR_DEFAULT_TOKEN_BUDGET",
+                "DAR_MAX_TOKEN_BUDGET",
+            ),
+            (
+                settings.default_timeout_seconds,
+                settings.max_timeout_seconds,
+                "DAR_DEFAULT_TIMEOUT_SECONDS",
+                "DAR_MAX_TIMEOUT_SECONDS",
+            ),
+        ):
+            if default > maximum:
+                raise ConfigError(
+                    f"{dname} ({default}) is above {mname} ({maximum}): every submit that "
+                    "leaves the field out would be rejected"
+                )
         if settings.max_countdown_seconds >= settings.visibility_timeout_seconds:
             raise ConfigError(
                 "DAR_MAX_COUNTDOWN_SECONDS must be below DAR_VISIBILITY_TIMEOUT_SECONDS: a "

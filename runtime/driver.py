@@ -32,6 +32,7 @@ from runtime.heartbeat import Heartbeat, HeldLease
 from runtime.llm.base import LlmClient, LlmError, LlmRequest, LlmResponse
 from runtime.llm.retry import RetryLater
 from runtime.logctx import log_context, set_step
+from runtime.metrics import Metrics
 from runtime.pricing import PriceTable
 from runtime.replay import Conversation, model_step_key, replay, tool_step_key
 from runtime.tools import Reconciled, ToolContext, ToolInputError, render_output
@@ -86,6 +87,7 @@ class Driver:
         pricing: PriceTable | None = None,
         heartbeat: Heartbeat | None = None,
         worker: str | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.store = store
         self.agents = agents
@@ -93,6 +95,7 @@ class Driver:
         self.settings = settings
         self.pricing = pricing or PriceTable.from_json(None)
         self.worker = worker or settings.worker_name
+        self.metrics = metrics
         self.heartbeat = heartbeat or Heartbeat(
             store,
             self.worker,
@@ -195,6 +198,10 @@ class Driver:
     ) -> StepResult:
         self.store.finish(claim, status, result=result, error=error)
         run = self.store.get_run(claim.run_id)
+        if self.metrics is not None and run.finished_at is not None:
+            self.metrics.run_finished(
+                str(status), (run.finished_at - run.created_at).total_seconds()
+            )
         detail = f" reason={error}" if error else ""
         log.info("run=%s %s tokens=%d%s", short(run.id), status, run.tokens_used, detail)
         return StepResult(Outcome.FINISHED, status=status)
@@ -241,8 +248,10 @@ class Driver:
         try:
             response = self.llm.send(request)
         except RetryLater as e:
+            self._observe("MODEL", "retry_later", started)
             return self._wait(claim, seq, e, started)
         except LlmError as e:
+            self._observe("MODEL", "error", started)
             rid = f" (request id {e.request_id})" if e.request_id else ""
             status = "I/O error or timeout" if e.status == -1 else f"HTTP {e.status}"
             return self._finish(
@@ -251,6 +260,8 @@ class Driver:
         latency_ms = int((time.monotonic() - started) * 1000)
         crash_point("after_model_response")
         cost = self.pricing.cost(response.model or request.model, response.usage)
+        if self.metrics is not None:  # billed, whatever happens to the checkpoint
+            self.metrics.model_call(response.model or request.model, response.usage, cost)
         try:
             if lease.lost.is_set():
                 raise LeaseLost(claim.run_id, "heartbeat found the lease taken over")
@@ -260,7 +271,9 @@ class Driver:
         except LeaseLost:
             # The call was billed: count it against the run even though it is not a step.
             self.store.record_unrecorded_usage(claim.run_id, response.usage, cost)
+            self._observe("MODEL", "lease_lost", started)
             raise
+        self._observe("MODEL", "ok", started)
         log.info(
             "run=%s seq=%d MODEL stop=%s in=%d out=%d latency=%dms",
             short(claim.run_id),
@@ -443,10 +456,15 @@ class Driver:
             error=error,
         )
         verdict = "done" if status is StepStatus.DONE else "error"
+        self._observe("TOOL", "ok" if status is StepStatus.DONE else "error", started)
         log.info(
             "run=%s seq=%d TOOL %s id=%s %s %dms", rid, seq, name, tool_use_id, verdict, latency_ms
         )
         return StepResult(Outcome.CONTINUE, dispatch=dispatch)
+
+    def _observe(self, kind: str, outcome: str, started: float) -> None:
+        if self.metrics is not None:
+            self.metrics.step(kind, outcome, time.monotonic() - started)
 
     @staticmethod
     def _call(fn: Callable[..., T], timeout: float, *args: Any) -> T:

@@ -37,24 +37,45 @@ _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", b
 def _schema_for(annotation: Any) -> JsonObj:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) == 1:
-            return _schema_for(args[0])
-        return {"anyOf": [_schema_for(a) for a in args]}
+        all_args = typing.get_args(annotation)
+        args = [a for a in all_args if a is not type(None)]
+        schema = (
+            _schema_for(args[0]) if len(args) == 1 else {"anyOf": [_schema_for(a) for a in args]}
+        )
+        if len(args) < len(all_args):  # Optional: an explicit null is valid input too
+            schema = _nullable(schema)
+        return schema
     if origin is typing.Literal:
         return {"enum": list(typing.get_args(annotation))}
-    if origin in (list, tuple) or annotation in (list, tuple):
+    if origin is tuple:
         item_args = typing.get_args(annotation)
-        return (
-            {"type": "array", "items": _schema_for(item_args[0])}
-            if item_args
-            else {"type": "array"}
-        )
+        if len(item_args) == 2 and item_args[1] is Ellipsis:
+            return {"type": "array", "items": _schema_for(item_args[0])}
+        return {
+            "type": "array",
+            "prefixItems": [_schema_for(a) for a in item_args],
+            "minItems": len(item_args),
+            "maxItems": len(item_args),
+        }
+    if origin is list:
+        return {"type": "array", "items": _schema_for(typing.get_args(annotation)[0])}
+    if annotation in (list, tuple):
+        return {"type": "array"}
     if origin is dict or annotation is dict:
         return {"type": "object"}
     if annotation in _JSON_TYPES:
         return {"type": _JSON_TYPES[annotation]}
     return {}
+
+
+def _nullable(schema: JsonObj) -> JsonObj:
+    if isinstance(schema.get("type"), str):
+        return {**schema, "type": [schema["type"], "null"]}
+    if "enum" in schema:
+        return {**schema, "enum": [*schema["enum"], None]}
+    if not schema:
+        return schema
+    return {"anyOf": [schema, {"type": "null"}]}
 
 
 def schema_from_signature(fn: Callable[..., Any]) -> JsonObj:

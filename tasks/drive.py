@@ -9,11 +9,13 @@ import uuid
 from dataclasses import dataclass
 
 from celery import Celery
+from prometheus_client import CollectorRegistry, start_http_server
 
 from runtime.bootstrap import Runtime
 from runtime.config import Settings
 from runtime.driver import Driver
 from runtime.heartbeat import Heartbeat
+from runtime.metrics import Metrics
 from tasks.celery_app import DRIVE_RUN, REAP
 from tasks.dispatch import send_drive
 
@@ -27,6 +29,7 @@ class WorkerState:
     runtime: Runtime
     heartbeat: Heartbeat
     driver: Driver
+    registry: CollectorRegistry
 
 
 _state_lock = threading.Lock()
@@ -55,7 +58,16 @@ def worker_state(app: Celery) -> WorkerState:
             interval_seconds=settings.heartbeat_seconds,
         )
         heartbeat.start()
-        state = WorkerState(runtime, heartbeat, runtime.driver(heartbeat=heartbeat))
+        registry = CollectorRegistry()
+        metrics = Metrics(registry)
+        if settings.metrics_port:
+            try:
+                start_http_server(settings.metrics_port, registry=registry)
+                log.info("worker metrics on :%d/metrics", settings.metrics_port)
+            except OSError as e:
+                log.error("worker metrics port %d unavailable: %s", settings.metrics_port, e)
+        driver = runtime.driver(heartbeat=heartbeat, metrics=metrics)
+        state = WorkerState(runtime, heartbeat, driver, registry)
         setattr(app, "dar_state", (os.getpid(), state))  # noqa: B010 - Celery has no slot
         log.info("worker %s ready (pid %d)", settings.worker_name, os.getpid())
         return state

@@ -8,7 +8,7 @@ from typing import Any
 from celery import Celery, signals
 
 from runtime.logctx import configure_logging
-from tasks.drive import stop_worker_state
+from tasks.drive import stop_worker_state, worker_state
 
 
 def connect_signals(app: Celery) -> None:
@@ -17,6 +17,12 @@ def connect_signals(app: Celery) -> None:
         configure_logging(
             os.environ.get("DAR_LOG_FORMAT", "console"), os.environ.get("DAR_LOG_LEVEL", "INFO")
         )
+
+    @signals.worker_ready.connect(weak=False)
+    def _build_eagerly(**_: Any) -> None:
+        # Connect to PostgreSQL, start the heartbeat and the metrics endpoint at boot rather
+        # than on the first task, so a misconfigured worker fails now and scrapes work.
+        worker_state(app)
 
     @signals.worker_shutdown.connect(weak=False)
     def _stop_heartbeats(**_: Any) -> None:

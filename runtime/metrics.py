@@ -1,0 +1,87 @@
+"""The runtime's Prometheus metrics.
+
+Counters and histograms are observed by the process that does the work (a worker) and
+exported from that process (``DAR_METRICS_PORT``): workers run one process with threads, so
+one registry per process is correct. Fleet-wide gauges (runs by status, stale leases) are read
+from PostgreSQL at scrape time by :class:`FleetCollector`, so they are true for the whole fleet
+whichever process serves them (the API's ``/metrics``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from decimal import Decimal
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from db.records import RunStatus, Usage
+from db.store import RunStore
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+RUN_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.tokens = Counter(
+            "dar_tokens",
+            "Model tokens, by model and direction (input, output, cache_write, cache_read).",
+            ["model", "direction"],
+            registry=registry,
+        )
+        self.cost = Counter(
+            "dar_cost_usd", "Model cost in US dollars, by model.", ["model"], registry=registry
+        )
+        self.step_latency = Histogram(
+            "dar_step_latency_seconds",
+            "Duration of a step's model call or tool call, by kind and outcome.",
+            ["kind", "outcome"],
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
+        self.run_duration = Histogram(
+            "dar_run_duration_seconds",
+            "From submit to the end of the run, by final status.",
+            ["status"],
+            buckets=RUN_BUCKETS,
+            registry=registry,
+        )
+
+    def model_call(self, model: str, usage: Usage, cost: Decimal) -> None:
+        for direction, n in (
+            ("input", usage.input_tokens),
+            ("output", usage.output_tokens),
+            ("cache_write", usage.cache_creation_input_tokens),
+            ("cache_read", usage.cache_read_input_tokens),
+        ):
+            if n:
+                self.tokens.labels(model, direction).inc(n)
+        if cost:
+            self.cost.labels(model).inc(float(cost))
+
+    def step(self, kind: str, outcome: str, seconds: float) -> None:
+        self.step_latency.labels(kind, outcome).observe(seconds)
+
+    def run_finished(self, status: str, seconds: float) -> None:
+        self.run_duration.labels(status).observe(max(0.0, seconds))
+
+
+class FleetCollector(Collector):
+    """Gauges read from PostgreSQL when scraped: true for the whole fleet."""
+
+    def __init__(self, store: RunStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[Metric]:
+        runs = GaugeMetricFamily("dar_runs", "Runs by status (whole fleet).", labels=["status"])
+        counts = self.store.count_runs_by_status()
+        for status in RunStatus:
+            runs.add_metric([str(status)], counts.get(str(status), 0))
+        yield runs
+        yield GaugeMetricFamily(
+            "dar_stale_leases",
+            "RUNNING runs whose lease has lapsed: a worker died and the run awaits the reaper.",
+            value=self.store.count_stale_leases(),
+        )
