@@ -46,7 +46,7 @@ def create_app(
     # per app: one process serves one app (gunicorn --workers 1 --threads N per container).
     registry = CollectorRegistry()
     registry.register(FleetCollector(runtime.store))
-    PrometheusMetrics(app, registry=registry, group_by="endpoint", defaults_prefix="dar_http")
+    PrometheusMetrics(app, registry=registry, group_by="endpoint", defaults_prefix="dar")
 
     @app.get("/api/openapi.json")
     def openapi() -> Response:

@@ -1,0 +1,100 @@
+"""Metrics after runs with known usage: the worker's own endpoint and the API's /metrics."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+from celery import Celery
+from prometheus_client import CollectorRegistry
+
+from api import create_app
+from api.embedded import free_port
+from db.records import RunStatus
+from runtime.bootstrap import Runtime
+from runtime.config import Settings
+from runtime.llm.scripted import ScriptedLlm
+from runtime.metrics import Metrics
+from runtime.tools import tool
+from tasks.celery_app import DRIVE_RUN, make_celery
+from tasks.drive import stop_worker_state
+from tests.support import drive_to_end, register_agent, submit
+
+PRICES = {"claude-test": {"input": 3, "output": 15, "cache_write": 3.75, "cache_read": 0.3}}
+
+
+@tool(idempotent=True)
+def noop() -> str:
+    """Nothing."""
+    return "ok"
+
+
+def test_driver_records_tokens_cost_latency_and_duration(
+    runtime: Runtime, llm: ScriptedLlm
+) -> None:
+    registry = CollectorRegistry()
+    llm.model = "claude-test-model"
+    llm.then_tool_use("toolu_1", "noop", {}, 1000, 200).then_text("done", 2000, 100)
+    register_agent(runtime.agents, noop)
+    runtime.pricing = type(runtime.pricing).from_json(json.dumps(PRICES))
+    run, dispatch = submit(runtime.store)
+    drive_to_end(runtime.driver(metrics=Metrics(registry)), dispatch)
+    assert runtime.store.get_run(run.id).status is RunStatus.SUCCEEDED
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    model = "claude-test-model"
+    assert value("dar_tokens_total", model=model, direction="input") == 3000
+    assert value("dar_tokens_total", model=model, direction="output") == 300
+    # 3000 * 3 / 1e6 + 300 * 15 / 1e6
+    assert value("dar_cost_usd_total", model=model) == pytest.approx(0.0135)
+    assert value("dar_step_latency_seconds_count", kind="MODEL", outcome="ok") == 2
+    assert value("dar_step_latency_seconds_count", kind="TOOL", outcome="ok") == 1
+    assert value("dar_run_duration_seconds_count", status="SUCCEEDED") == 1
+
+
+@pytest.fixture
+def worker_app(settings: Settings, llm: ScriptedLlm) -> Iterator[tuple[Celery, int]]:
+    port = free_port()
+    local = replace(settings, metrics_port=port)
+    rt = Runtime.build(local, llm=llm)
+    app = make_celery(local)
+    app.dar_runtime = rt
+    try:
+        yield app, port
+    finally:
+        stop_worker_state(app)
+        rt.close()
+
+
+def test_the_worker_serves_its_metrics(worker_app: tuple[Celery, int], llm: ScriptedLlm) -> None:
+    app, port = worker_app
+    rt: Runtime = app.dar_runtime
+    llm.then_text("hi", 40, 2)
+    register_agent(rt.agents)
+    run, dispatch = submit(rt.store)
+    assert app.tasks[DRIVE_RUN].run(str(run.id), str(dispatch.token)) == "CONTINUE"
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        body = resp.read().decode()
+    assert 'dar_tokens_total{direction="input",model="scripted"} 40.0' in body
+    assert 'dar_step_latency_seconds_count{kind="MODEL",outcome="ok"} 1.0' in body
+
+
+def test_api_metrics_show_fleet_gauges_and_http(runtime: Runtime, llm: ScriptedLlm) -> None:
+    register_agent(runtime.agents)
+    for _ in range(3):
+        submit(runtime.store)
+    run, _ = submit(runtime.store)
+    runtime.store.cancel(run.id)
+    client = create_app(runtime=runtime, celery=make_celery(runtime.settings, register=False))
+    c = client.test_client()
+    assert c.get("/healthz").status_code == 200
+    body = c.get("/metrics").get_data(as_text=True)
+    assert 'dar_runs{status="QUEUED"} 3.0' in body
+    assert 'dar_runs{status="CANCELLED"} 1.0' in body
+    assert "dar_stale_leases 0.0" in body
+    assert "dar_http_request_duration_seconds" in body
