@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from celery import Celery
-from flask import Flask, Response, jsonify
+from flask import Flask, Response, g, jsonify, request
 from prometheus_client import CollectorRegistry
 from prometheus_flask_exporter import PrometheusMetrics
 
@@ -14,6 +14,7 @@ from api.openapi import openapi_document
 from api.state import ApiState
 from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from runtime.logctx import pop_context, push_context
 from runtime.metrics import FleetCollector
 from tasks.celery_app import make_celery
 
@@ -35,6 +36,18 @@ def create_app(
     celery = celery or make_celery(settings, register=False)
     app.extensions["dar"] = ApiState(runtime, celery)
     register_error_handlers(app)
+
+    @app.before_request
+    def _log_context() -> None:
+        run_id = (request.view_args or {}).get("run_id")
+        if run_id:
+            g.dar_log_token = push_context(run_id=run_id)
+
+    @app.teardown_request
+    def _end_log_context(_: BaseException | None) -> None:
+        token = g.pop("dar_log_token", None)
+        if token is not None:
+            pop_context(token)
 
     from api.health import bp as health_bp
     from api.runs import bp as runs_bp

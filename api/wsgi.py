@@ -1,11 +1,13 @@
 """The WSGI entry point for gunicorn: ``gunicorn api.wsgi:app``."""
 
 import os
+import socket
 
 from api import create_app
-from runtime.logctx import configure_logging
+from runtime.logctx import configure_logging, set_process_worker
 
 configure_logging(
     os.environ.get("DAR_LOG_FORMAT", "console"), os.environ.get("DAR_LOG_LEVEL", "INFO")
 )
+set_process_worker(f"web@{socket.gethostname()}:{os.getpid()}")
 app = create_app()

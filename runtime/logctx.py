@@ -10,22 +10,37 @@ import contextlib
 import json
 import logging
 from collections.abc import Iterator
-from contextvars import ContextVar
-from typing import Any
+from contextvars import ContextVar, Token
+from typing import IO, Any
 
 _context: ContextVar[dict[str, Any] | None] = ContextVar("dar_log_context", default=None)
 
 FIELDS = ("run_id", "step_seq", "worker")
 
 
+_process_defaults: dict[str, Any] = {}
+
+
+def set_process_worker(name: str) -> None:
+    """The worker id every line of this process carries when no run context sets one."""
+    _process_defaults["worker"] = name
+
+
+def push_context(**values: Any) -> Token[dict[str, Any] | None]:
+    return _context.set({**(_context.get() or {}), **values})
+
+
+def pop_context(token: Token[dict[str, Any] | None]) -> None:
+    _context.reset(token)
+
+
 @contextlib.contextmanager
 def log_context(**values: Any) -> Iterator[None]:
-    merged = {**(_context.get() or {}), **values}
-    token = _context.set(merged)
+    token = push_context(**values)
     try:
         yield
     finally:
-        _context.reset(token)
+        pop_context(token)
 
 
 def set_step(seq: int) -> None:
@@ -39,7 +54,7 @@ class ContextFilter(logging.Filter):
         ctx = _context.get() or {}
         for name in FIELDS:
             if not hasattr(record, name):
-                setattr(record, name, ctx.get(name, "-"))
+                setattr(record, name, ctx.get(name, _process_defaults.get(name, "-")))
         return True
 
 
@@ -65,9 +80,13 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
-def configure_logging(fmt: str = "console", level: str = "INFO") -> None:
+def configure_logging(
+    fmt: str = "console", level: str = "INFO", *, stream: IO[str] | None = None
+) -> None:
     """Install the context filter and a console or JSON handler on the root logger."""
-    handler = logging.StreamHandler()
+    if fmt not in ("console", "json"):
+        raise ValueError(f"DAR_LOG_FORMAT must be console or json, got {fmt!r}")
+    handler = logging.StreamHandler(stream)
     handler.addFilter(ContextFilter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())

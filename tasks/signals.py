@@ -7,7 +7,7 @@ from typing import Any
 
 from celery import Celery, signals
 
-from runtime.logctx import configure_logging
+from runtime.logctx import configure_logging, set_process_worker
 from tasks.drive import stop_worker_state, worker_state
 
 
@@ -17,6 +17,7 @@ def connect_signals(app: Celery) -> None:
         configure_logging(
             os.environ.get("DAR_LOG_FORMAT", "console"), os.environ.get("DAR_LOG_LEVEL", "INFO")
         )
+        set_process_worker(app.conf.dar_settings.worker_name)
 
     @signals.worker_ready.connect(weak=False)
     def _build_eagerly(**_: Any) -> None:

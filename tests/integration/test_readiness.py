@@ -1,0 +1,69 @@
+"""/readyz follows PostgreSQL: a real server stopped and started again."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from api import create_app
+from api.embedded import EmbeddedPostgres
+from db.engine import make_engine
+from db.migrate import upgrade
+from runtime.bootstrap import Runtime
+from runtime.config import Settings
+from runtime.llm.scripted import ScriptedLlm
+from tasks.celery_app import make_celery
+
+
+def test_readyz_turns_503_when_postgres_stops_and_200_when_it_returns(settings: Settings) -> None:
+    server = EmbeddedPostgres(Path(tempfile.mkdtemp(prefix="dar-ready-")))
+    url = server.start()
+    engine = make_engine(url, pool_size=1)
+    upgrade(engine)
+    engine.dispose()
+    rt = Runtime.build(replace(settings, database_url=url), llm=ScriptedLlm(), pool_size=2)
+    try:
+        client = create_app(
+            runtime=rt, celery=make_celery(rt.settings, register=False)
+        ).test_client()
+        assert client.get("/readyz").status_code == 200
+
+        server.stop()
+        down = client.get("/readyz")
+        assert down.status_code == 503
+        assert "postgres" in down.get_json()["problems"]
+        listed = client.get("/api/runs")
+        assert listed.status_code == 503
+        assert listed.get_json()["error"]["code"] == "database_unavailable"
+        assert client.get("/healthz").status_code == 200, "the process itself is alive"
+
+        server.start()
+        assert client.get("/readyz").status_code == 200
+    finally:
+        rt.close()
+        server.stop()
+
+
+def test_readyz_reports_pending_migrations(settings: Settings, pg_admin_url: str) -> None:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    admin = create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text('DROP DATABASE IF EXISTS "dar_unmigrated" WITH (FORCE)'))
+        conn.execute(text('CREATE DATABASE "dar_unmigrated"'))
+    url = make_url(pg_admin_url).set(database="dar_unmigrated").render_as_string(False)
+    rt = Runtime.build(replace(settings, database_url=url), llm=ScriptedLlm(), pool_size=1)
+    try:
+        client = create_app(
+            runtime=rt, celery=make_celery(rt.settings, register=False)
+        ).test_client()
+        resp = client.get("/readyz")
+        assert resp.status_code == 503
+        assert "dar migrate" in resp.get_json()["problems"]["migrations"]
+    finally:
+        rt.close()
+        with admin.connect() as conn:
+            conn.execute(text('DROP DATABASE IF EXISTS "dar_unmigrated" WITH (FORCE)'))
+        admin.dispose()
