@@ -9,6 +9,7 @@ from flask import Flask, Response, g, jsonify, request
 from prometheus_client import CollectorRegistry
 from prometheus_flask_exporter import PrometheusMetrics
 
+from api.auth import TokenTable, warn_if_open
 from api.errors import register_error_handlers
 from api.openapi import openapi_document
 from api.state import ApiState
@@ -35,6 +36,9 @@ def create_app(
     runtime = runtime or Runtime.build(settings, pool_size=5)
     celery = celery or make_celery(settings, register=False)
     app.extensions["dar"] = ApiState(runtime, celery)
+    tokens = TokenTable.parse(settings.api_tokens)
+    app.extensions["dar_tokens"] = tokens
+    warn_if_open(tokens)
     register_error_handlers(app)
 
     @app.before_request

@@ -197,6 +197,21 @@ def _timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token_new(args: argparse.Namespace) -> int:
+    from api.auth import ROLES, hash_token, new_token
+
+    roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    unknown = [r for r in roles if r not in ROLES]
+    if not roles or unknown:
+        print(f"dar: --roles takes some of {', '.join(ROLES)}", file=sys.stderr)
+        return 2
+    token = new_token()
+    print(f"token (give it to the client; it is not stored anywhere):\n  {token}")
+    print("DAR_API_TOKENS entry (the server keeps only the hash):")
+    print(f"  {args.name}:{'+'.join(roles)}:{hash_token(token)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dar", description="Durable Agent Runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -232,6 +247,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--api", default=api_default, help="API base URL (DAR_API_URL)")
     p.set_defaults(func=_runs)
+
+    p = sub.add_parser("token", help="API tokens")
+    token_sub = p.add_subparsers(dest="token_command", required=True)
+    t = token_sub.add_parser("new", help="make a token and print its DAR_API_TOKENS entry")
+    t.add_argument("name")
+    t.add_argument(
+        "--roles", required=True, help="comma-separated: read,submit,cancel,approve,admin"
+    )
+    t.set_defaults(func=_token_new)
 
     p = sub.add_parser("timeline", help="show a run's steps")
     p.add_argument("run_id")

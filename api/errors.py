@@ -18,12 +18,19 @@ class ApiError(DarError):
     """The request cannot be served."""
 
     def __init__(
-        self, status: int, message: str, *, code: str = "bad_request", field: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str = "bad_request",
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.field = field
+        self.headers = headers or {}
 
 
 def invalid(field: str, message: str) -> ApiError:
@@ -39,7 +46,12 @@ def error_response(status: int, code: str, message: str, **extra: Any) -> tuple[
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def _api_error(e: ApiError) -> tuple[Response, int]:
-        return error_response(e.status, e.code, str(e), field=e.field)
+        response, status = error_response(e.status, e.code, str(e), field=e.field)
+        if status == 401:
+            response.headers["WWW-Authenticate"] = 'Bearer realm="dar"'
+        for name, value in e.headers.items():
+            response.headers[name] = value
+        return response, status
 
     @app.errorhandler(RequestEntityTooLarge)
     def _too_large(e: RequestEntityTooLarge) -> tuple[Response, int]:

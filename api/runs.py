@@ -10,6 +10,7 @@ from datetime import datetime
 
 from flask import Blueprint, Response, jsonify, request, url_for
 
+from api.auth import current_principal, requires
 from api.errors import ApiError, invalid
 from api.serialize import run_json, step_json
 from api.state import state
@@ -19,8 +20,6 @@ from db.records import Dispatch, NewRun, RunStatus
 from tasks.dispatch import send_drive
 
 bp = Blueprint("runs", __name__)
-
-MAX_PAGE = 200
 
 
 def parse_run_id(raw: str) -> uuid.UUID:
@@ -45,11 +44,24 @@ def _parse_cursor(raw: str) -> tuple[datetime, uuid.UUID]:
 
 
 @bp.post("/runs")
+@requires("submit")
 def submit() -> tuple[Response, int, dict[str, str]]:
     s = state()
     settings = s.runtime.settings
     body = json_body(request)
     sub = parse_submission(body, settings, s.runtime.agents)
+    principal = current_principal()
+    if principal is not None and settings.submit_rate_per_minute:
+        recent, oldest_age = s.runtime.store.recent_submits(principal.name, 60)
+        if recent >= settings.submit_rate_per_minute:
+            wait = max(1, int(60 - oldest_age) + 1)
+            raise ApiError(
+                429,
+                f"token {principal.name!r} submitted {recent} runs in the last minute; the "
+                f"limit is {settings.submit_rate_per_minute} (DAR_SUBMIT_RATE_PER_MINUTE)",
+                code="rate_limited",
+                headers={"Retry-After": str(wait)},
+            )
     key = request.headers.get("Idempotency-Key")
     if key is not None and not (0 < len(key) <= 200):
         raise invalid("Idempotency-Key", "must be 1 to 200 characters")
@@ -65,6 +77,7 @@ def submit() -> tuple[Response, int, dict[str, str]]:
                 cost_budget_usd=sub.cost_budget_usd,
                 idempotency_key=key,
                 request_hash=sub.request_hash,
+                submitted_by=principal.name if principal else None,
             )
         )
     except IdempotencyConflict as e:
@@ -81,14 +94,16 @@ def submit() -> tuple[Response, int, dict[str, str]]:
 
 
 @bp.get("/runs")
+@requires("read")
 def list_runs() -> Response:
     s = state()
     status = request.args.get("status")
     if status is not None and status not in RunStatus.__members__:
         raise invalid("status", f"must be one of {', '.join(RunStatus)}; got {status!r}")
     raw_limit = request.args.get("limit", "50")
-    if not (raw_limit.isascii() and raw_limit.isdigit()) or not 1 <= int(raw_limit) <= MAX_PAGE:
-        raise invalid("limit", f"must be a whole number from 1 to {MAX_PAGE}")
+    max_page = s.runtime.settings.max_page_size
+    if not (raw_limit.isascii() and raw_limit.isdigit()) or not 1 <= int(raw_limit) <= max_page:
+        raise invalid("limit", f"must be a whole number from 1 to {max_page} (DAR_MAX_PAGE_SIZE)")
     limit = int(raw_limit)
     raw_cursor = request.args.get("cursor")
     before = _parse_cursor(raw_cursor) if raw_cursor else None
@@ -99,6 +114,7 @@ def list_runs() -> Response:
 
 
 @bp.get("/runs/<run_id>")
+@requires("read")
 def get_run(run_id: str) -> Response:
     try:
         return jsonify(run_json(state().runtime.store.get_run(parse_run_id(run_id))))
@@ -107,6 +123,7 @@ def get_run(run_id: str) -> Response:
 
 
 @bp.get("/runs/<run_id>/timeline")
+@requires("read")
 def timeline(run_id: str) -> Response:
     store = state().runtime.store
     rid = parse_run_id(run_id)
@@ -121,6 +138,7 @@ RESOLVE_ACTIONS = ("supply_result", "retry", "fail")
 
 
 @bp.post("/runs/<run_id>/resolve")
+@requires("admin")
 def resolve(run_id: str) -> tuple[Response, int]:
     """An operator's decision on a run that stopped NEEDS_ATTENTION."""
     s = state()
@@ -166,6 +184,7 @@ def resolve(run_id: str) -> tuple[Response, int]:
 
 
 @bp.post("/runs/<run_id>/cancel")
+@requires("cancel")
 def cancel(run_id: str) -> tuple[Response, int]:
     store = state().runtime.store
     rid = parse_run_id(run_id)

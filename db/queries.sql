@@ -226,6 +226,29 @@ UPDATE run r SET dispatch_token = gen_random_uuid(), dispatched_at = now()
 FROM due WHERE r.id = due.id
 RETURNING r.id, r.dispatch_token;
 
+-- delete_finished_runs --
+-- Retention: one bounded batch of finished runs older than the cut-off (their steps go with
+-- them, ON DELETE CASCADE). Only terminal rows are selected, and SKIP LOCKED passes over any
+-- row another transaction holds, so a sweep never waits on or locks a live run.
+WITH doomed AS (
+    SELECT id FROM run
+    WHERE status IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT')
+      AND finished_at < now() - make_interval(secs => :older_than_seconds)
+    ORDER BY finished_at
+    LIMIT :batch
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM run r USING doomed WHERE r.id = doomed.id
+RETURNING r.id;
+
+-- recent_submits --
+-- Submits by one token in the last :window_seconds, and when the oldest of them was made.
+SELECT count(*) AS n,
+       EXTRACT(EPOCH FROM (now() - min(created_at))) AS oldest_age
+FROM run
+WHERE submitted_by = :submitted_by
+  AND created_at > now() - make_interval(secs => :window_seconds);
+
 -- mark_undispatched --
 -- The message for this token could not be sent (broker down): let the next sweep send it.
 UPDATE run SET dispatched_at = 'epoch'

@@ -99,6 +99,14 @@ Index(
 )
 Index("run_status_created_idx", run.c.status, run.c.created_at.desc(), run.c.id.desc())
 Index("run_created_idx", run.c.created_at.desc(), run.c.id.desc())
+# The retention sweep scans finished runs by age; the submit rate limit counts by submitter.
+Index("run_finished_idx", run.c.finished_at, postgresql_where=text("finished_at IS NOT NULL"))
+Index(
+    "run_submitter_idx",
+    run.c.submitted_by,
+    run.c.created_at,
+    postgresql_where=text("submitted_by IS NOT NULL"),
+)
 
 run_step = Table(
     "run_step",

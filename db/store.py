@@ -448,6 +448,24 @@ class RunStore:
             ).all()
         return [Dispatch(r.id, r.dispatch_token) for r in rows]
 
+    def delete_finished_runs(self, *, older_than_seconds: float, batch: int) -> int:
+        """Delete one batch of finished runs older than the cut-off; returns how many."""
+        with self.engine.begin() as conn:
+            rows = conn.execute(
+                Q["delete_finished_runs"],
+                {"older_than_seconds": older_than_seconds, "batch": batch},
+            ).all()
+        return len(rows)
+
+    def recent_submits(self, submitted_by: str, window_seconds: float) -> tuple[int, float]:
+        """``(count, age in seconds of the oldest)`` of this submitter's recent runs."""
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                Q["recent_submits"],
+                {"submitted_by": submitted_by, "window_seconds": window_seconds},
+            ).one()
+        return int(row.n), float(row.oldest_age or 0)
+
     def mark_undispatched(self, dispatch: Dispatch) -> None:
         with self.engine.begin() as conn:
             conn.execute(Q["mark_undispatched"], {"id": dispatch.run_id, "token": dispatch.token})

@@ -88,6 +88,12 @@ class Settings:
     max_tool_output_chars: int = 50_000
     llm_factory: str | None = None
     metrics_port: int = 0
+    api_tokens: str | None = field(default=None, repr=False)
+    submit_rate_per_minute: int = 0
+    max_page_size: int = 200
+    retention_days: float = 30.0
+    retention_interval_seconds: float = 3600.0
+    retention_batch: int = 500
     demo_latency_ms: int = 1500
     queue: str = "dar"
     visibility_timeout_seconds: float = 3600.0
@@ -132,6 +138,12 @@ class Settings:
             max_tool_output_chars=_int(e, "DAR_MAX_TOOL_OUTPUT_CHARS", 50_000, minimum=100),
             llm_factory=e.get("DAR_LLM_FACTORY") or None,
             metrics_port=_int(e, "DAR_METRICS_PORT", 0),
+            api_tokens=e.get("DAR_API_TOKENS") or None,
+            submit_rate_per_minute=_int(e, "DAR_SUBMIT_RATE_PER_MINUTE", 0),
+            max_page_size=_int(e, "DAR_MAX_PAGE_SIZE", 200, minimum=1),
+            retention_days=_num(e, "DAR_RETENTION_DAYS", 30.0),
+            retention_interval_seconds=_num(e, "DAR_RETENTION_INTERVAL_SECONDS", 3600, minimum=1),
+            retention_batch=_int(e, "DAR_RETENTION_BATCH", 500, minimum=1),
             demo_latency_ms=_int(e, "DAR_DEMO_LATENCY_MS", 1500),
             queue=_get(e, "DAR_QUEUE", "dar"),
             visibility_timeout_seconds=_num(e, "DAR_VISIBILITY_TIMEOUT_SECONDS", 3600, minimum=60),

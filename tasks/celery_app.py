@@ -17,6 +17,7 @@ from runtime.config import Settings
 
 DRIVE_RUN = "dar.drive_run"
 REAP = "dar.reap"
+RETENTION = "dar.retention"
 
 
 def make_celery(settings: Settings, *, register: bool = True) -> Celery:
@@ -30,7 +31,11 @@ def make_celery(settings: Settings, *, register: bool = True) -> Celery:
         task_serializer="json",
         accept_content=["json"],
         task_default_queue=settings.queue,
-        task_routes={DRIVE_RUN: {"queue": settings.queue}, REAP: {"queue": settings.queue}},
+        task_routes={
+            DRIVE_RUN: {"queue": settings.queue},
+            REAP: {"queue": settings.queue},
+            RETENTION: {"queue": settings.queue},
+        },
         broker_connection_retry_on_startup=True,
         broker_connection_timeout=3,
         broker_transport_options={
@@ -50,6 +55,7 @@ def make_celery(settings: Settings, *, register: bool = True) -> Celery:
         task_send_sent_event=True,
         beat_schedule={
             "reap": {"task": REAP, "schedule": settings.reaper_interval_seconds},
+            "retention": {"task": RETENTION, "schedule": settings.retention_interval_seconds},
         },
     )
     app.conf.dar_settings = settings

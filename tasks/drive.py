@@ -16,7 +16,7 @@ from runtime.config import Settings
 from runtime.driver import Driver
 from runtime.heartbeat import Heartbeat
 from runtime.metrics import Metrics
-from tasks.celery_app import DRIVE_RUN, REAP
+from tasks.celery_app import DRIVE_RUN, REAP, RETENTION
 from tasks.dispatch import send_drive
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,8 @@ class WorkerState:
 
 
 _state_lock = threading.Lock()
+MAX_RETENTION_BATCHES = 20
+"""Per sweep; what is left waits for the next sweep, so one sweep stays short."""
 
 
 def worker_state(app: Celery) -> WorkerState:
@@ -103,3 +105,27 @@ def register_tasks(app: Celery) -> None:
             log.info("run=%s re-dispatched by the reaper", str(d.run_id)[:8])
             send_drive(app, state.runtime.store, d)
         return len(due)
+
+    @app.task(name=RETENTION, ignore_result=True, shared=False)
+    def retention() -> int:
+        """Delete finished runs older than DAR_RETENTION_DAYS, in bounded batches."""
+        state = worker_state(app)
+        settings = state.runtime.settings
+        if settings.retention_days <= 0:
+            return 0
+        deleted = 0
+        for _ in range(MAX_RETENTION_BATCHES):
+            n = state.runtime.store.delete_finished_runs(
+                older_than_seconds=settings.retention_days * 86400,
+                batch=settings.retention_batch,
+            )
+            deleted += n
+            if n < settings.retention_batch:
+                break
+        if deleted:
+            log.info(
+                "retention: deleted %d finished runs older than %g days",
+                deleted,
+                settings.retention_days,
+            )
+        return deleted

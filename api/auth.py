@@ -1,0 +1,145 @@
+"""Bearer tokens with roles, configured by environment and kept only as SHA-256 hashes.
+
+``DAR_API_TOKENS`` lists ``name:role+role:sha256hex`` entries, separated by commas or
+newlines. ``dar token new NAME --roles read,submit`` makes a token and prints its entry. A
+presented token is hashed and compared with every configured hash in constant time. With no
+tokens configured the API is open (development) and says so loudly at start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import wraps
+from typing import Any, TypeVar
+
+from flask import current_app, g, request
+
+from api.errors import ApiError
+from runtime.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+ROLES = ("read", "submit", "cancel", "approve", "admin")
+"""``admin`` holds every role (and alone may resolve a run that needs attention)."""
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Principal:
+    name: str
+    roles: frozenset[str]
+
+    def has(self, role: str) -> bool:
+        return role in self.roles or "admin" in self.roles
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token() -> str:
+    return "dar_" + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class TokenTable:
+    entries: tuple[tuple[bytes, Principal], ...]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.entries)
+
+    @classmethod
+    def parse(cls, raw: str | None) -> TokenTable:
+        entries: list[tuple[bytes, Principal]] = []
+        names: set[str] = set()
+        for item in filter(None, (p.strip() for p in re.split(r"[,\n]", raw or ""))):
+            parts = item.split(":")
+            if len(parts) != 3:
+                raise ConfigError(
+                    f"DAR_API_TOKENS entry {parts[0]!r} must be name:role+role:sha256hex "
+                    "(make one with `dar token new NAME --roles read,submit`)"
+                )
+            name, roles_raw, digest = (p.strip() for p in parts)
+            roles = frozenset(r for r in roles_raw.split("+") if r)
+            unknown = sorted(roles - set(ROLES))
+            if not name or not roles or unknown:
+                raise ConfigError(
+                    f"DAR_API_TOKENS entry {name!r}: roles must be some of {', '.join(ROLES)}"
+                    + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+                )
+            if not _HEX64.match(digest.lower()):
+                raise ConfigError(
+                    f"DAR_API_TOKENS entry {name!r}: the third part must be the token's "
+                    "SHA-256 as 64 hex digits, never the token itself"
+                )
+            if name in names:
+                raise ConfigError(f"DAR_API_TOKENS names {name!r} twice")
+            names.add(name)
+            entries.append((bytes.fromhex(digest.lower()), Principal(name, roles)))
+        return cls(tuple(entries))
+
+    def authenticate(self, token: str) -> Principal | None:
+        presented = hashlib.sha256(token.encode()).digest()
+        found: Principal | None = None
+        for digest, principal in self.entries:  # no early exit: constant time over entries
+            if hmac.compare_digest(presented, digest):
+                found = principal
+        return found
+
+
+def current_principal() -> Principal | None:
+    principal: Principal | None = g.get("dar_principal")
+    return principal
+
+
+def requires(role: str) -> Callable[[F], F]:
+    """The view needs a token with ``role`` (any request passes when auth is off)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}")
+
+    def decorate(view: F) -> F:
+        @wraps(view)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            table: TokenTable = current_app.extensions["dar_tokens"]
+            if table.enabled:
+                header = request.headers.get("Authorization", "")
+                scheme, _, token = header.partition(" ")
+                principal = (
+                    table.authenticate(token.strip()) if scheme.lower() == "bearer" else None
+                )
+                if principal is None:
+                    raise ApiError(
+                        401,
+                        "send a valid API token: Authorization: Bearer <token>",
+                        code="unauthorized",
+                    )
+                if not principal.has(role):
+                    raise ApiError(
+                        403,
+                        f"token {principal.name!r} lacks the role {role!r} "
+                        f"(it has: {', '.join(sorted(principal.roles))})",
+                        code="forbidden",
+                    )
+                g.dar_principal = principal
+            return view(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def warn_if_open(table: TokenTable) -> None:
+    if not table.enabled:
+        log.warning(
+            "API AUTHENTICATION IS OFF: DAR_API_TOKENS is not set, so anyone who can reach "
+            "this port can submit, read and cancel runs. Set DAR_API_TOKENS before exposing it."
+        )
