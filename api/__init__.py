@@ -67,7 +67,7 @@ def create_app(
 
     @app.get("/api/openapi.json")
     def openapi() -> Response:
-        return jsonify(openapi_document())
+        return jsonify(openapi_document(settings, runtime.agents.names()))
 
     if owned:
         import atexit

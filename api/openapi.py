@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from db.records import RunStatus
+from runtime.config import Settings
 
 JsonObj = dict[str, Any]
 
@@ -32,8 +33,12 @@ NULLABLE_STR = {"type": ["string", "null"]}
 NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
 
 
-def openapi_document() -> JsonObj:
-    statuses = [str(s) for s in RunStatus]
+def openapi_document(settings: Settings | None = None, agents: list[str] | None = None) -> JsonObj:
+    """The document for an app with these limits and agents (the defaults when omitted), so
+    that what it promises is exactly what the validation accepts."""
+    s = settings or Settings()
+    statuses = [str(st) for st in RunStatus]
+    agent_schema: JsonObj = {"enum": agents} if agents else {"type": "string"}
     return {
         "openapi": "3.1.0",
         "info": {
@@ -77,7 +82,11 @@ def openapi_document() -> JsonObj:
                         {
                             "name": "limit",
                             "in": "query",
-                            "schema": {"type": "integer", "minimum": 1, "maximum": 200},
+                            "schema": {
+                                "type": "integer",
+                                "minimum": 1,
+                                "maximum": s.max_page_size,
+                            },
                         },
                         {"name": "cursor", "in": "query", "schema": {"type": "string"}},
                     ],
@@ -172,17 +181,30 @@ def openapi_document() -> JsonObj:
                     "additionalProperties": False,
                     "required": ["input"],
                     "properties": {
-                        "input": {"type": "string", "minLength": 1},
-                        "tokenBudget": {"type": "integer", "minimum": 1},
+                        "input": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": s.max_input_chars,
+                            "pattern": "\\S",
+                        },
+                        "tokenBudget": {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": s.max_token_budget,
+                        },
                         "costBudgetUsd": {
                             "type": "number",
                             "minimum": 0.0001,
                             "maximum": 100000,
                         },
-                        "timeoutSeconds": {"type": "integer", "minimum": 1},
+                        "timeoutSeconds": {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": s.max_timeout_seconds,
+                        },
                         "model": {"type": "string", "maxLength": 200},
                         "maxSteps": {"type": "integer", "minimum": 1, "maximum": 10000},
-                        "agent": {"type": "string"},
+                        "agent": agent_schema,
                     },
                 },
                 "Resolution": {

@@ -51,6 +51,8 @@ def _int_field(
     value = body.get(name, default)
     if value is None:
         return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON has one number type: 300.0 is the whole number 300
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(name, f"must be a whole number, got {json.dumps(value)}")
     if not low <= value <= high:

@@ -5,9 +5,11 @@ import socket
 
 from api import create_app
 from runtime.logctx import configure_logging, set_process_worker
+from runtime.tracing import configure_from_env
 
 configure_logging(
     os.environ.get("DAR_LOG_FORMAT", "console"), os.environ.get("DAR_LOG_LEVEL", "INFO")
 )
 set_process_worker(f"web@{socket.gethostname()}:{os.getpid()}")
+configure_from_env()
 app = create_app()

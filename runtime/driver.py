@@ -36,6 +36,7 @@ from runtime.metrics import Metrics
 from runtime.pricing import PriceTable
 from runtime.replay import Conversation, model_step_key, replay, tool_step_key
 from runtime.tools import Reconciled, ToolContext, ToolInputError, render_output
+from runtime.tracing import Span, run_span, step_span
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -157,12 +158,41 @@ class Driver:
             if stop is not None:
                 return self._finish(claim, stop.status, error=stop.reason)
             if conversation.pending:
-                return self._tool_step(claim, agent, conversation.pending[0], steps, lease)
+                use = conversation.pending[0]
+                with step_span(
+                    f"execute_tool {use['name']}",
+                    {
+                        **self._span_attributes(claim, "TOOL"),
+                        "gen_ai.operation.name": "execute_tool",
+                        "gen_ai.tool.name": use["name"],
+                        "gen_ai.tool.call.id": use["id"],
+                    },
+                ):
+                    return self._tool_step(claim, agent, use, steps, lease)
             if conversation.finished:
                 return self._finish(claim, RunStatus.SUCCEEDED, result=conversation.final_text)
             if halt:
                 return self._finish(claim, RunStatus.FAILED, error=halt)
-            return self._model_step(claim, agent, conversation, next_seq, lease)
+            with step_span(
+                f"chat {run.model}",
+                {
+                    **self._span_attributes(claim, "MODEL"),
+                    "dar.step_seq": next_seq,
+                    "gen_ai.operation.name": "chat",
+                    "gen_ai.provider.name": "anthropic",
+                    "gen_ai.request.model": run.model,
+                },
+            ) as span:
+                return self._model_step(claim, agent, conversation, next_seq, lease, span)
+
+    @staticmethod
+    def _span_attributes(claim: Claim, kind: str) -> dict[str, Any]:
+        return {
+            "dar.run_id": str(claim.run_id),
+            "dar.agent": claim.run.agent,
+            "dar.step_kind": kind,
+            "dar.lease_epoch": claim.epoch,
+        }
 
     def _halt_reason(self, conversation: Conversation) -> str | None:
         """Why the last model turn ends the run without success, or ``None`` when the next
@@ -198,10 +228,11 @@ class Driver:
     ) -> StepResult:
         self.store.finish(claim, status, result=result, error=error)
         run = self.store.get_run(claim.run_id)
-        if self.metrics is not None and run.finished_at is not None:
-            self.metrics.run_finished(
-                str(status), (run.finished_at - run.created_at).total_seconds()
-            )
+        if run.finished_at is not None:
+            if self.metrics is not None:
+                took = (run.finished_at - run.created_at).total_seconds()
+                self.metrics.run_finished(str(status), took)
+            run_span(str(run.id), run.agent, str(status), run.created_at, run.finished_at)
         detail = f" reason={error}" if error else ""
         log.info("run=%s %s tokens=%d%s", short(run.id), status, run.tokens_used, detail)
         return StepResult(Outcome.FINISHED, status=status)
@@ -235,6 +266,7 @@ class Driver:
         conversation: Conversation,
         seq: int,
         lease: HeldLease,
+        span: Span | None = None,
     ) -> StepResult:
         set_step(seq)
         request = self._request(claim, agent, conversation)
@@ -262,6 +294,21 @@ class Driver:
         cost = self.pricing.cost(response.model or request.model, response.usage)
         if self.metrics is not None:  # billed, whatever happens to the checkpoint
             self.metrics.model_call(response.model or request.model, response.usage, cost)
+        if span is not None:
+            span.set(
+                {
+                    "gen_ai.request.max_tokens": request.max_tokens,
+                    "gen_ai.response.model": response.model,
+                    "gen_ai.response.id": response.request_id,
+                    "gen_ai.response.finish_reasons": [response.stop_reason or ""],
+                    "gen_ai.usage.input_tokens": response.usage.input_tokens,
+                    "gen_ai.usage.output_tokens": response.usage.output_tokens,
+                    "gen_ai.usage.cache_creation.input_tokens": (
+                        response.usage.cache_creation_input_tokens
+                    ),
+                    "gen_ai.usage.cache_read.input_tokens": response.usage.cache_read_input_tokens,
+                }
+            )
         try:
             if lease.lost.is_set():
                 raise LeaseLost(claim.run_id, "heartbeat found the lease taken over")

@@ -8,6 +8,7 @@ from typing import Any
 from celery import Celery, signals
 
 from runtime.logctx import configure_logging, set_process_worker
+from runtime.tracing import configure_from_env
 from tasks.drive import stop_worker_state, worker_state
 
 
@@ -18,6 +19,7 @@ def connect_signals(app: Celery) -> None:
             os.environ.get("DAR_LOG_FORMAT", "console"), os.environ.get("DAR_LOG_LEVEL", "INFO")
         )
         set_process_worker(app.conf.dar_settings.worker_name)
+        configure_from_env()
 
     @signals.worker_ready.connect(weak=False)
     def _build_eagerly(**_: Any) -> None:
