@@ -12,7 +12,7 @@ from typing import Any
 from flask import Request
 
 from api.errors import ApiError, invalid
-from runtime.agents import AgentRegistry
+from runtime.agents import Agent, AgentRegistry
 from runtime.config import Settings
 
 MIN_COST_BUDGET = 0.0001
@@ -91,15 +91,20 @@ def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegi
     if "input" not in body:
         raise invalid("input", "is required: the question or task for the agent")
     text = body["input"]
-    if not isinstance(text, str) or not text.strip():
+    durable = not isinstance(agent, Agent)
+    size = len(text) if isinstance(text, str) else len(json.dumps(text))
+    if durable:
+        if text is None:
+            raise invalid("input", f"is required: the JSON input of {agent_name!r}")
+    elif not isinstance(text, str) or not text.strip():
         raise invalid("input", "must be a non-empty string")
-    if len(text) > settings.max_input_chars:
+    if size > settings.max_input_chars:
         raise invalid(
             "input",
-            f"is {len(text)} characters; the limit is {settings.max_input_chars} "
-            "(DAR_MAX_INPUT_CHARS)",
+            f"is {size} characters; the limit is {settings.max_input_chars} (DAR_MAX_INPUT_CHARS)",
         )
-    model = body.get("model") or agent.model or settings.default_model
+    agent_model = agent.model if isinstance(agent, Agent) else None
+    model = body.get("model") or agent_model or settings.default_model
     if not isinstance(model, str) or len(model) > 200:
         raise invalid("model", "must be a model name such as claude-sonnet-4-5")
     token_budget = _int_field(

@@ -164,7 +164,7 @@ SET cancel_requested = true,
     locked_by = CASE WHEN locked_until IS NULL OR locked_until < now()
                      THEN NULL ELSE locked_by END,
     updated_at = now()
-WHERE id = :id AND status IN ('QUEUED', 'RUNNING', 'NEEDS_ATTENTION')
+WHERE id = :id AND status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION')
 RETURNING status;
 
 -- resolve_reopen_run --
@@ -192,6 +192,121 @@ UPDATE run
 SET status = 'FAILED', error = :error, finished_at = now(), updated_at = now()
 WHERE id = :id AND status = 'NEEDS_ATTENTION'
 RETURNING id;
+
+-- upsert_step --
+-- Record a durable-function step. A key seen before (a retried or approved step) keeps its
+-- seq and gets its new status, result and attempt. Fenced by the caller's advance_run or
+-- schedule_run in the same transaction.
+INSERT INTO run_step (run_id, seq, step_key, kind, status, response, error, attempt,
+                      input_hash, model, prompt_hash, input_tokens, output_tokens,
+                      cache_creation_input_tokens, cache_read_input_tokens, cost_usd,
+                      latency_ms, request_id, worker, lease_epoch, started_at, finished_at)
+VALUES (:id, :seq, :step_key, :kind, :status, CAST(:response AS jsonb), :error, :attempt,
+        :input_hash, :model, :prompt_hash, :input_tokens, :output_tokens,
+        :cache_creation_input_tokens, :cache_read_input_tokens, :cost_usd,
+        :latency_ms, :request_id, :worker, :epoch,
+        now() - make_interval(secs => COALESCE(:latency_ms, 0) / 1000.0),
+        CASE WHEN :status IN ('DONE', 'ERROR', 'REJECTED') THEN now() END)
+ON CONFLICT (run_id, step_key) DO UPDATE
+SET status = EXCLUDED.status, response = EXCLUDED.response, error = EXCLUDED.error,
+    attempt = EXCLUDED.attempt, input_hash = COALESCE(EXCLUDED.input_hash, run_step.input_hash),
+    model = COALESCE(EXCLUDED.model, run_step.model),
+    prompt_hash = COALESCE(EXCLUDED.prompt_hash, run_step.prompt_hash),
+    input_tokens = run_step.input_tokens + EXCLUDED.input_tokens,
+    output_tokens = run_step.output_tokens + EXCLUDED.output_tokens,
+    cache_creation_input_tokens = run_step.cache_creation_input_tokens
+                                  + EXCLUDED.cache_creation_input_tokens,
+    cache_read_input_tokens = run_step.cache_read_input_tokens
+                              + EXCLUDED.cache_read_input_tokens,
+    cost_usd = run_step.cost_usd + EXCLUDED.cost_usd,
+    latency_ms = EXCLUDED.latency_ms, request_id = EXCLUDED.request_id,
+    worker = EXCLUDED.worker, lease_epoch = EXCLUDED.lease_epoch,
+    finished_at = EXCLUDED.finished_at;
+
+-- suspend_run --
+-- Suspend for a human: no lease, no worker slot, a new dispatch token so any message still
+-- in flight for the run is stale. Fenced.
+UPDATE run
+SET status = 'WAITING', locked_by = NULL, locked_until = NULL,
+    dispatch_token = :next_token, claims_without_progress = 0,
+    wait_reason = :reason, updated_at = now()
+WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING';
+
+-- insert_approval --
+INSERT INTO approval (id, run_id, step_key, role, payload, payload_hash, timeout_policy,
+                      expires_at)
+VALUES (:approval_id, :id, :step_key, :role, CAST(:payload AS jsonb), :payload_hash,
+        :timeout_policy, now() + make_interval(secs => :timeout_seconds))
+ON CONFLICT (run_id, step_key) DO NOTHING;
+
+-- decide_approval --
+-- A decision on a PENDING approval, only for the payload the approver was shown.
+UPDATE approval
+SET status = :status, decided_by = :decided_by, decided_at = now(), comment = :comment
+WHERE id = :approval_id AND status = 'PENDING'
+  AND (CAST(:payload_hash AS text) IS NULL OR payload_hash = :payload_hash)
+RETURNING run_id, step_key;
+
+-- set_step_status --
+UPDATE run_step
+SET status = :status, error = :error,
+    finished_at = CASE WHEN :status IN ('DONE', 'ERROR', 'REJECTED') THEN now() END
+WHERE run_id = :id AND step_key = :step_key;
+
+-- wake_waiting_run --
+-- A decision wakes the run where it stopped: a new dispatch token, a message follows.
+UPDATE run
+SET status = 'RUNNING', dispatch_token = :next_token, dispatched_at = now(),
+    wait_reason = NULL, updated_at = now()
+WHERE id = :id AND status = 'WAITING'
+RETURNING id;
+
+-- get_approval --
+SELECT * FROM approval WHERE id = :approval_id;
+
+-- list_approvals --
+SELECT * FROM approval
+WHERE (CAST(:status AS text) IS NULL OR status = :status)
+  AND (CAST(:role AS text) IS NULL OR role = :role)
+  AND (CAST(:run_id AS uuid) IS NULL OR run_id = :run_id)
+ORDER BY requested_at, id
+LIMIT :limit;
+
+-- due_approvals --
+-- Pending approvals past their deadline, for the reaper to apply their timeout policy.
+SELECT id, timeout_policy FROM approval
+WHERE status = 'PENDING' AND expires_at < now()
+ORDER BY expires_at
+LIMIT :limit;
+
+-- cancel_pending_approvals --
+UPDATE approval SET status = 'CANCELLED', decided_at = now(), comment = 'run cancelled'
+WHERE run_id = :id AND status = 'PENDING';
+
+-- count_pending_approvals --
+SELECT role, count(*) AS n FROM approval WHERE status = 'PENDING' GROUP BY role;
+
+-- resume_failed_run --
+-- Retry a FAILED or TIMED_OUT run from the first step without a result.
+UPDATE run
+SET status = 'RUNNING', error = NULL, finished_at = NULL, cancel_requested = false,
+    claims_without_progress = 0, locked_by = NULL, locked_until = NULL,
+    token_budget = COALESCE(CAST(:token_budget AS bigint), token_budget),
+    deadline_at = CASE WHEN CAST(:timeout_seconds AS integer) IS NOT NULL
+                       THEN now() + make_interval(secs => CAST(:timeout_seconds AS integer))
+                       ELSE deadline_at END,
+    dispatch_token = :next_token, dispatched_at = now(), updated_at = now()
+WHERE id = :id AND status IN ('FAILED', 'TIMED_OUT')
+RETURNING id;
+
+-- retry_failed_steps --
+-- A resumed durable function runs its failed steps again (history kept: attempt goes on).
+UPDATE run_step SET status = 'RETRYING'
+WHERE run_id = :id AND status = 'ERROR'
+  AND kind IN ('STEP', 'LLM', 'SIDE_EFFECT', 'APPROVAL', 'VERSION');
+
+-- count_compensations --
+SELECT count(*) FROM run_step WHERE run_id = :id AND kind = 'COMPENSATION';
 
 -- list_steps --
 SELECT * FROM run_step WHERE run_id = :id ORDER BY seq;

@@ -13,6 +13,8 @@ from typing import Any
 class RunStatus(enum.StrEnum):
     QUEUED = "QUEUED"
     RUNNING = "RUNNING"
+    WAITING = "WAITING"
+    """Suspended for a human (an approval): no lease, no worker slot."""
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
@@ -32,12 +34,30 @@ TERMINAL = frozenset(
 class StepKind(enum.StrEnum):
     MODEL = "MODEL"
     TOOL = "TOOL"
+    STEP = "STEP"
+    LLM = "LLM"
+    SIDE_EFFECT = "SIDE_EFFECT"
+    APPROVAL = "APPROVAL"
+    COMPENSATION = "COMPENSATION"
+    VERSION = "VERSION"
 
 
 class StepStatus(enum.StrEnum):
     STARTED = "STARTED"
     DONE = "DONE"
     ERROR = "ERROR"
+    RETRYING = "RETRYING"
+    PENDING = "PENDING"
+    APPROVED = "APPROVED"
+    REJECTED = "REJECTED"
+
+
+class ApprovalStatus(enum.StrEnum):
+    PENDING = "PENDING"
+    APPROVED = "APPROVED"
+    REJECTED = "REJECTED"
+    EXPIRED = "EXPIRED"
+    CANCELLED = "CANCELLED"
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +143,8 @@ class Step:
     request_id: str | None
     error: str | None
     resolution: str | None
+    attempt: int
+    input_hash: str | None
     worker: str | None
     lease_epoch: int
     started_at: datetime
@@ -166,3 +188,40 @@ class Dispatch:
     run_id: uuid.UUID
     token: uuid.UUID
     delay_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class NewStep:
+    """A durable-function step row to record in a checkpoint."""
+
+    seq: int
+    step_key: str
+    kind: StepKind
+    status: StepStatus
+    response: Any = None
+    error: str | None = None
+    attempt: int = 0
+    input_hash: str | None = None
+    model: str | None = None
+    prompt_hash: str | None = None
+    usage: Usage = Usage()
+    cost_usd: Decimal = Decimal(0)
+    latency_ms: int | None = None
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Approval:
+    id: uuid.UUID
+    run_id: uuid.UUID
+    step_key: str
+    role: str
+    status: ApprovalStatus
+    payload: Any
+    payload_hash: str
+    timeout_policy: str
+    requested_at: datetime
+    expires_at: datetime
+    decided_by: str | None
+    decided_at: datetime | None
+    comment: str | None

@@ -16,6 +16,7 @@ from sqlalchemy import (
     PrimaryKeyConstraint,
     Table,
     Text,
+    UniqueConstraint,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP, UUID
@@ -27,6 +28,7 @@ TZ = TIMESTAMP(timezone=True)
 RUN_STATUSES = (
     "QUEUED",
     "RUNNING",
+    "WAITING",
     "SUCCEEDED",
     "FAILED",
     "CANCELLED",
@@ -135,13 +137,23 @@ run_step = Table(
     Column("error", Text),
     # An operator's decision on a tool step left STARTED (NEEDS_ATTENTION): 'retry'.
     Column("resolution", Text),
+    # Durable functions: attempts of a retried step; the hash of an approval step's input.
+    Column("attempt", Integer, nullable=False, server_default=text("0")),
+    Column("input_hash", Text),
     Column("worker", Text),
     Column("lease_epoch", BigInteger, nullable=False),
     Column("started_at", TZ, nullable=False, server_default=text("now()")),
     Column("finished_at", TZ),
     PrimaryKeyConstraint("run_id", "seq", name="run_step_pkey"),
-    CheckConstraint("kind IN ('MODEL', 'TOOL')", name="run_step_kind_ck"),
-    CheckConstraint("status IN ('STARTED', 'DONE', 'ERROR')", name="run_step_status_ck"),
+    CheckConstraint(
+        "kind IN ('MODEL', 'TOOL', 'STEP', 'LLM', 'SIDE_EFFECT', 'APPROVAL', 'COMPENSATION', "
+        "'VERSION')",
+        name="run_step_kind_ck",
+    ),
+    CheckConstraint(
+        "status IN ('STARTED', 'DONE', 'ERROR', 'RETRYING', 'PENDING', 'APPROVED', 'REJECTED')",
+        name="run_step_status_ck",
+    ),
 )
 
 Index("run_step_key_uk", run_step.c.run_id, run_step.c.step_key, unique=True)
@@ -152,6 +164,39 @@ Index(
     unique=True,
     postgresql_where=text("kind = 'TOOL'"),
 )
+
+# A human decision a durable function waits for. Bound to a hash of exactly what is approved
+# (the step key and its input), shown to the approver and checked on decision.
+approval = Table(
+    "approval",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True),
+    Column("run_id", UUID(as_uuid=True), ForeignKey("run.id", ondelete="CASCADE"), nullable=False),
+    Column("step_key", Text, nullable=False),
+    Column("role", Text, nullable=False),
+    Column("status", Text, nullable=False, server_default=text("'PENDING'")),
+    Column("payload", JSONB, nullable=False),
+    Column("payload_hash", Text, nullable=False),
+    Column("timeout_policy", Text, nullable=False),
+    Column("requested_at", TZ, nullable=False, server_default=text("now()")),
+    Column("expires_at", TZ, nullable=False),
+    Column("decided_by", Text),
+    Column("decided_at", TZ),
+    Column("comment", Text),
+    CheckConstraint(
+        "status IN ('PENDING', 'APPROVED', 'REJECTED', 'EXPIRED', 'CANCELLED')",
+        name="approval_status_ck",
+    ),
+    CheckConstraint("timeout_policy IN ('FAIL', 'REJECT', 'APPROVE')", name="approval_policy_ck"),
+    UniqueConstraint("run_id", "step_key", name="approval_run_step_uk"),
+)
+Index(
+    "approval_pending_idx",
+    approval.c.role,
+    approval.c.requested_at,
+    postgresql_where=text("status = 'PENDING'"),
+)
+Index("approval_expiry_idx", approval.c.expires_at, postgresql_where=text("status = 'PENDING'"))
 
 # The acme demo's tickets: a real table the demo agent's tool reads.
 acme_ticket = Table(

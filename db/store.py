@@ -19,10 +19,13 @@ from sqlalchemy import Connection, Engine, RowMapping
 from db.errors import IdempotencyConflict, InvalidTransition, LeaseLost, RunNotFound
 from db.queries import QUERIES as Q
 from db.records import (
+    Approval,
+    ApprovalStatus,
     Claim,
     Dispatch,
     ModelCheckpoint,
     NewRun,
+    NewStep,
     Run,
     RunStatus,
     Step,
@@ -30,6 +33,10 @@ from db.records import (
     StepStatus,
     Usage,
 )
+
+
+class _NotWaiting(Exception):
+    """Internal: abort a decision's transaction."""
 
 
 def _json(value: Any) -> str | None:
@@ -98,11 +105,54 @@ def _step(row: RowMapping) -> Step:
         request_id=row["request_id"],
         error=row["error"],
         resolution=row["resolution"],
+        attempt=row["attempt"],
+        input_hash=row["input_hash"],
         worker=row["worker"],
         lease_epoch=row["lease_epoch"],
         started_at=row["started_at"],
         finished_at=row["finished_at"],
     )
+
+
+def _approval(row: RowMapping) -> Approval:
+    return Approval(
+        id=row["id"],
+        run_id=row["run_id"],
+        step_key=row["step_key"],
+        role=row["role"],
+        status=ApprovalStatus(row["status"]),
+        payload=row["payload"],
+        payload_hash=row["payload_hash"],
+        timeout_policy=row["timeout_policy"],
+        requested_at=row["requested_at"],
+        expires_at=row["expires_at"],
+        decided_by=row["decided_by"],
+        decided_at=row["decided_at"],
+        comment=row["comment"],
+    )
+
+
+def _step_params(claim: Claim, step: NewStep) -> dict[str, Any]:
+    return {
+        **_fence(claim),
+        "seq": step.seq,
+        "step_key": step.step_key,
+        "kind": str(step.kind),
+        "status": str(step.status),
+        "response": _json(step.response),
+        "error": step.error,
+        "attempt": step.attempt,
+        "input_hash": step.input_hash,
+        "model": step.model,
+        "prompt_hash": step.prompt_hash,
+        "input_tokens": step.usage.input_tokens,
+        "output_tokens": step.usage.output_tokens,
+        "cache_creation_input_tokens": step.usage.cache_creation_input_tokens,
+        "cache_read_input_tokens": step.usage.cache_read_input_tokens,
+        "cost_usd": step.cost_usd,
+        "latency_ms": step.latency_ms,
+        "request_id": step.request_id,
+    }
 
 
 def _fence(claim: Claim) -> dict[str, Any]:
@@ -322,6 +372,210 @@ class RunStore:
                 {"id": run_id, "total_tokens": usage.total, "cost_usd": cost},
             )
 
+    def record_steps(
+        self,
+        claim: Claim,
+        steps: list[NewStep],
+        *,
+        delay_seconds: float | None = None,
+        reason: str | None = None,
+        message_at_due: bool = True,
+    ) -> Dispatch:
+        """Checkpoint durable-function steps: the rows, the token counters and the lease
+        hand-over (or a durable timer, with ``delay_seconds``) in one transaction."""
+        token = uuid.uuid4()
+        usage = Usage(
+            sum(s.usage.input_tokens for s in steps),
+            sum(s.usage.output_tokens for s in steps),
+            sum(s.usage.cache_creation_input_tokens for s in steps),
+            sum(s.usage.cache_read_input_tokens for s in steps),
+        )
+        cost = sum((s.cost_usd for s in steps), Decimal(0))
+        with self.engine.begin() as conn:
+            if delay_seconds is None:
+                self._advance(conn, claim, usage, cost, token)
+            else:
+                owned = conn.execute(
+                    Q["schedule_run"],
+                    {
+                        **_fence(claim),
+                        "delay_seconds": delay_seconds,
+                        "message_at_due": message_at_due,
+                        "next_token": token,
+                        "reason": reason,
+                    },
+                ).rowcount
+                if owned == 0:
+                    raise LeaseLost(claim.run_id, "timer refused by the fence")
+            for step in steps:
+                conn.execute(Q["upsert_step"], _step_params(claim, step))
+        return Dispatch(claim.run_id, token, delay_seconds or 0.0)
+
+    def suspend_for_approval(
+        self,
+        claim: Claim,
+        step: NewStep,
+        *,
+        role: str,
+        payload: Any,
+        timeout_seconds: float,
+        timeout_policy: str,
+    ) -> uuid.UUID:
+        """Record the PENDING approval and suspend the run (no lease). Fenced."""
+        approval_id = uuid.uuid4()
+        with self.engine.begin() as conn:
+            owned = conn.execute(
+                Q["suspend_run"],
+                {
+                    **_fence(claim),
+                    "next_token": uuid.uuid4(),
+                    "reason": f"waiting for approval by {role} ({step.step_key})",
+                },
+            ).rowcount
+            if owned == 0:
+                raise LeaseLost(claim.run_id, "suspend refused by the fence")
+            conn.execute(Q["upsert_step"], _step_params(claim, step))
+            conn.execute(
+                Q["insert_approval"],
+                {
+                    "approval_id": approval_id,
+                    "id": claim.run_id,
+                    "step_key": step.step_key,
+                    "role": role,
+                    "payload": _json(payload),
+                    "payload_hash": step.input_hash,
+                    "timeout_policy": timeout_policy,
+                    "timeout_seconds": timeout_seconds,
+                },
+            )
+        return approval_id
+
+    def decide_approval(
+        self,
+        approval_id: uuid.UUID,
+        status: ApprovalStatus,
+        *,
+        decided_by: str,
+        comment: str | None = None,
+        payload_hash: str | None = None,
+        step_status: StepStatus | None = None,
+        step_error: str | None = None,
+    ) -> Dispatch | None:
+        """Decide a PENDING approval and wake its run, in one transaction. ``None`` when the
+        approval is no longer PENDING, the payload hash differs, or the run is not waiting
+        (cancelled meanwhile): then nothing changed."""
+        token = uuid.uuid4()
+        try:
+            return self._decide(
+                approval_id,
+                status,
+                decided_by,
+                comment,
+                payload_hash,
+                step_status,
+                step_error,
+                token,
+            )
+        except _NotWaiting:
+            return None
+
+    def _decide(
+        self,
+        approval_id: uuid.UUID,
+        status: ApprovalStatus,
+        decided_by: str,
+        comment: str | None,
+        payload_hash: str | None,
+        step_status: StepStatus | None,
+        step_error: str | None,
+        token: uuid.UUID,
+    ) -> Dispatch | None:
+        with self.engine.begin() as conn:
+            row = conn.execute(
+                Q["decide_approval"],
+                {
+                    "approval_id": approval_id,
+                    "status": str(status),
+                    "decided_by": decided_by,
+                    "comment": comment,
+                    "payload_hash": payload_hash,
+                },
+            ).first()
+            if row is None:
+                return None
+            woke = conn.execute(
+                Q["wake_waiting_run"], {"id": row.run_id, "next_token": token}
+            ).first()
+            if woke is None:
+                raise _NotWaiting  # rolls the decision back: the run was cancelled meanwhile
+            conn.execute(
+                Q["set_step_status"],
+                {
+                    "id": row.run_id,
+                    "step_key": row.step_key,
+                    "status": str(step_status or StepStatus(str(status))),
+                    "error": step_error,
+                },
+            )
+        return Dispatch(row.run_id, token)
+
+    def get_approval(self, approval_id: uuid.UUID) -> Approval | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(Q["get_approval"], {"approval_id": approval_id}).mappings().first()
+        return _approval(row) if row else None
+
+    def list_approvals(
+        self,
+        *,
+        status: str | None = "PENDING",
+        role: str | None = None,
+        run_id: uuid.UUID | None = None,
+        limit: int = 100,
+    ) -> list[Approval]:
+        params = {"status": status, "role": role, "run_id": run_id, "limit": limit}
+        with self.engine.connect() as conn:
+            rows = conn.execute(Q["list_approvals"], params).mappings().all()
+        return [_approval(r) for r in rows]
+
+    def due_approvals(self, limit: int = 100) -> list[tuple[uuid.UUID, str]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(Q["due_approvals"], {"limit": limit}).all()
+        return [(r.id, r.timeout_policy) for r in rows]
+
+    def count_pending_approvals(self) -> dict[str, int]:
+        with self.engine.connect() as conn:
+            return {r.role: r.n for r in conn.execute(Q["count_pending_approvals"])}
+
+    def resume_failed(
+        self,
+        run_id: uuid.UUID,
+        *,
+        token_budget: int | None = None,
+        timeout_seconds: int | None = None,
+    ) -> Dispatch:
+        """Retry a FAILED or TIMED_OUT run from its first step without a result. Raises
+        :class:`InvalidTransition` when the run is in another state or compensations ran."""
+        token = uuid.uuid4()
+        with self.engine.begin() as conn:
+            if conn.execute(Q["count_compensations"], {"id": run_id}).scalar_one():
+                raise InvalidTransition(
+                    f"run {run_id} was compensated (its completed steps were undone); "
+                    "resuming it would build on undone effects: submit a new run instead"
+                )
+            row = conn.execute(
+                Q["resume_failed_run"],
+                {
+                    "id": run_id,
+                    "token_budget": token_budget,
+                    "timeout_seconds": timeout_seconds,
+                    "next_token": token,
+                },
+            ).first()
+            if row is None:
+                raise InvalidTransition(f"run {run_id} is not FAILED or TIMED_OUT")
+            conn.execute(Q["retry_failed_steps"], {"id": run_id})
+        return Dispatch(run_id, token)
+
     def start_tool(
         self, claim: Claim, *, seq: int, step_key: str, tool_name: str, tool_use_id: str
     ) -> None:
@@ -393,6 +647,8 @@ class RunStore:
         run does not exist or has already finished."""
         with self.engine.begin() as conn:
             row = conn.execute(Q["cancel_run"], {"id": run_id}).first()
+            if row is not None and row.status == RunStatus.CANCELLED:
+                conn.execute(Q["cancel_pending_approvals"], {"id": run_id})
         return RunStatus(row.status) if row else None
 
     def resolve(

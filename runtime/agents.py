@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 from db.errors import DarError
 from runtime.tools import Tool
+
+if TYPE_CHECKING:
+    from runtime.durable import DurableAgent
 
 
 class UnknownAgent(DarError):
@@ -48,9 +51,12 @@ class Agent:
         return [t for t in self.tools if isinstance(t, str)]
 
 
+AnyAgent = Union["Agent", "DurableAgent"]
+
+
 class AgentRegistry:
     def __init__(self, agents: Iterable[Agent] = ()) -> None:
-        self._agents: dict[str, Agent] = {}
+        self._agents: dict[str, AnyAgent] = {}
         self._tools: dict[str, Tool] = {}
         for a in agents:
             self.register(a)
@@ -65,6 +71,8 @@ class AgentRegistry:
     def finalize(self) -> None:
         """Resolve tool names; fail with a precise message on any that names nothing."""
         for name, agent in list(self._agents.items()):
+            if not isinstance(agent, Agent):
+                continue
             refs = agent.tool_references
             if not refs:
                 continue
@@ -78,13 +86,13 @@ class AgentRegistry:
             resolved = tuple(self._tools[t] if isinstance(t, str) else t for t in agent.tools)
             self._agents[name] = replace(agent, tools=resolved)
 
-    def register(self, agent: Agent) -> Agent:
+    def register(self, agent: AnyAgent) -> AnyAgent:
         if agent.name in self._agents:
             raise AgentConfigError(f"two agents are registered under the name {agent.name!r}")
         self._agents[agent.name] = agent
         return agent
 
-    def get(self, name: str) -> Agent:
+    def get(self, name: str) -> AnyAgent:
         try:
             return self._agents[name]
         except KeyError:
@@ -94,6 +102,15 @@ class AgentRegistry:
 
     def names(self) -> list[str]:
         return sorted(self._agents)
+
+    def approval_roles(self) -> set[str]:
+        """Every role a registered durable function may ask to approve."""
+        return {
+            role
+            for a in self._agents.values()
+            if not isinstance(a, Agent)
+            for role in a.approval_roles
+        }
 
     def __contains__(self, name: object) -> bool:
         return name in self._agents

@@ -94,6 +94,8 @@ class Settings:
     retention_days: float = 30.0
     retention_interval_seconds: float = 3600.0
     retention_batch: int = 500
+    strict_replay: bool = False
+    approval_webhook_url: str | None = None
     demo_latency_ms: int = 1500
     queue: str = "dar"
     visibility_timeout_seconds: float = 3600.0
@@ -144,6 +146,8 @@ class Settings:
             retention_days=_num(e, "DAR_RETENTION_DAYS", 30.0),
             retention_interval_seconds=_num(e, "DAR_RETENTION_INTERVAL_SECONDS", 3600, minimum=1),
             retention_batch=_int(e, "DAR_RETENTION_BATCH", 500, minimum=1),
+            strict_replay=_bool(e, "DAR_STRICT_REPLAY", False),
+            approval_webhook_url=e.get("DAR_APPROVAL_WEBHOOK_URL") or None,
             demo_latency_ms=_int(e, "DAR_DEMO_LATENCY_MS", 1500),
             queue=_get(e, "DAR_QUEUE", "dar"),
             visibility_timeout_seconds=_num(e, "DAR_VISIBILITY_TIMEOUT_SECONDS", 3600, minimum=60),

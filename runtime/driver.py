@@ -26,6 +26,7 @@ from db.records import Claim, Dispatch, ModelCheckpoint, RunStatus, Step, StepSt
 from db.store import RunStore
 from runtime.agents import Agent, AgentRegistry, UnknownAgent
 from runtime.config import Settings
+from runtime.durable import DurableAgent, _Execution
 from runtime.faults import crash_point
 from runtime.guard import guard
 from runtime.heartbeat import Heartbeat, HeldLease
@@ -150,6 +151,8 @@ class Driver:
                 agent = self.agents.get(run.agent)
             except UnknownAgent as e:
                 return self._finish(claim, RunStatus.FAILED, error=str(e))
+            if isinstance(agent, DurableAgent):
+                return _Execution(self, claim, agent, steps, lease).run()
 
             conversation = replay(run.input, steps)
             halt = self._halt_reason(conversation)
