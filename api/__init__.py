@@ -9,10 +9,11 @@ from flask import Flask, Response, g, jsonify, request
 from prometheus_client import CollectorRegistry
 from prometheus_flask_exporter import PrometheusMetrics
 
-from api.auth import TokenTable, warn_if_open
+from api.auth import TokenTable, check_approval_roles, warn_if_open
 from api.errors import register_error_handlers
 from api.openapi import openapi_document
 from api.state import ApiState
+from runtime.agents import Agent
 from runtime.bootstrap import Runtime
 from runtime.config import Settings
 from runtime.logctx import pop_context, push_context
@@ -39,6 +40,7 @@ def create_app(
     tokens = TokenTable.parse(settings.api_tokens)
     app.extensions["dar_tokens"] = tokens
     warn_if_open(tokens)
+    check_approval_roles(tokens, runtime.agents.approval_roles())
     register_error_handlers(app)
 
     @app.before_request
@@ -53,10 +55,12 @@ def create_app(
         if token is not None:
             pop_context(token)
 
+    from api.approvals import bp as approvals_bp
     from api.health import bp as health_bp
     from api.runs import bp as runs_bp
 
     app.register_blueprint(runs_bp, url_prefix="/api")
+    app.register_blueprint(approvals_bp, url_prefix="/api")
     app.register_blueprint(health_bp)
 
     # HTTP metrics, and the fleet-wide gauges read from PostgreSQL, on /metrics. A registry
@@ -67,7 +71,9 @@ def create_app(
 
     @app.get("/api/openapi.json")
     def openapi() -> Response:
-        return jsonify(openapi_document(settings, runtime.agents.names()))
+        names = runtime.agents.names()
+        durable = any(not isinstance(runtime.agents.get(n), Agent) for n in names)
+        return jsonify(openapi_document(settings, names, any_json_input=durable))
 
     if owned:
         import atexit

@@ -29,6 +29,7 @@ ROLES = ("read", "submit", "cancel", "approve", "admin")
 """``admin`` holds every role (and alone may resolve a run that needs attention)."""
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_ROLE = re.compile(r"^[A-Za-z0-9_.-]+$")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -70,11 +71,12 @@ class TokenTable:
                 )
             name, roles_raw, digest = (p.strip() for p in parts)
             roles = frozenset(r for r in roles_raw.split("+") if r)
-            unknown = sorted(roles - set(ROLES))
-            if not name or not roles or unknown:
+            bad = sorted(r for r in roles if not _ROLE.match(r))
+            if not name or not roles or bad:
                 raise ConfigError(
-                    f"DAR_API_TOKENS entry {name!r}: roles must be some of {', '.join(ROLES)}"
-                    + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+                    f"DAR_API_TOKENS entry {name!r}: roles are {', '.join(ROLES)}, or approval "
+                    "roles of your durable functions (letters, digits, _ . -)"
+                    + (f"; not a role: {', '.join(bad)}" if bad else "")
                 )
             if not _HEX64.match(digest.lower()):
                 raise ConfigError(
@@ -135,6 +137,20 @@ def requires(role: str) -> Callable[[F], F]:
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+def check_approval_roles(table: TokenTable, roles: set[str]) -> None:
+    """With tokens configured, every approval role a durable function declares must be held
+    (explicitly, not through admin) by some token, or its approvals could never be decided."""
+    if not table.enabled:
+        return
+    held = {r for _, p in table.entries for r in p.roles}
+    missing = sorted(roles - held)
+    if missing:
+        raise ConfigError(
+            f"approval role {missing[0]!r} is declared by a durable function but no token in "
+            f"DAR_API_TOKENS has it: add it to a token's roles (e.g. lead:approve+{missing[0]}:...)"
+        )
 
 
 def warn_if_open(table: TokenTable) -> None:

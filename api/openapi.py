@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from db.records import RunStatus
+from db.records import ApprovalStatus, RunStatus
 from runtime.config import Settings
 
 JsonObj = dict[str, Any]
@@ -29,16 +29,66 @@ RUN_ID = {
     "schema": {"type": "string", "format": "uuid"},
 }
 
+APPROVAL_ID = {
+    "name": "approval_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "format": "uuid"},
+}
+
 NULLABLE_STR = {"type": ["string", "null"]}
+
+
+def _decision(verb: str) -> JsonObj:
+    return {
+        "post": {
+            "summary": f"{verb.capitalize()} (needs a token with the approval's role; "
+            "repeating the same decision is harmless)",
+            "operationId": f"{verb}Approval",
+            "parameters": [APPROVAL_ID],
+            "requestBody": {
+                "required": False,
+                "content": {"application/json": {"schema": _ref("Decision")}},
+            },
+            "responses": {
+                "200": _json(_ref("Approval"), "Decided"),
+                "400": _error("Invalid field"),
+                "403": _error("The token lacks the approval's role"),
+                "404": _error("No such approval"),
+                "409": _error("Decided otherwise already, run cancelled, or payload changed"),
+                "415": _error("Body is not JSON"),
+            },
+        }
+    }
+
+
 NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
 
 
-def openapi_document(settings: Settings | None = None, agents: list[str] | None = None) -> JsonObj:
+def openapi_document(
+    settings: Settings | None = None,
+    agents: list[str] | None = None,
+    *,
+    any_json_input: bool = False,
+) -> JsonObj:
     """The document for an app with these limits and agents (the defaults when omitted), so
     that what it promises is exactly what the validation accepts."""
     s = settings or Settings()
     statuses = [str(st) for st in RunStatus]
+    approval_statuses = [str(st) for st in ApprovalStatus]
     agent_schema: JsonObj = {"enum": agents} if agents else {"type": "string"}
+    input_schema: JsonObj = {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": s.max_input_chars,
+        "pattern": "\\S",
+        "description": "the question or task (agent-loop agents)",
+    }
+    if any_json_input:
+        input_schema = {
+            "anyOf": [input_schema, {"type": ["object", "array", "number", "boolean"]}],
+            "description": "a string for agent-loop agents; any JSON for durable functions",
+        }
     return {
         "openapi": "3.1.0",
         "info": {
@@ -137,6 +187,64 @@ def openapi_document(settings: Settings | None = None, agents: list[str] | None 
                     },
                 }
             },
+            "/api/runs/{run_id}/resume": {
+                "post": {
+                    "summary": "Retry a FAILED or TIMED_OUT run from its first step without a "
+                    "result (optionally with a new token budget or deadline)",
+                    "operationId": "resumeRun",
+                    "parameters": [RUN_ID],
+                    "requestBody": {
+                        "required": False,
+                        "content": {"application/json": {"schema": _ref("Resume")}},
+                    },
+                    "responses": {
+                        "202": _json(_ref("RunAccepted"), "Resumed"),
+                        "400": _error("Invalid field"),
+                        "404": _error("No such run"),
+                        "409": _error("Not FAILED or TIMED_OUT, or already compensated"),
+                        "415": _error("Body is not JSON"),
+                    },
+                }
+            },
+            "/api/approvals": {
+                "get": {
+                    "summary": "Approvals, oldest first (PENDING unless status says otherwise)",
+                    "operationId": "listApprovals",
+                    "parameters": [
+                        {
+                            "name": "status",
+                            "in": "query",
+                            "schema": {"enum": [*approval_statuses, "ANY"]},
+                        },
+                        {"name": "role", "in": "query", "schema": {"type": "string"}},
+                    ],
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "items": {"type": "array", "items": _ref("Approval")}
+                                },
+                            },
+                            "Approvals",
+                        ),
+                        "400": _error("Invalid query parameter"),
+                    },
+                }
+            },
+            "/api/approvals/{approval_id}": {
+                "get": {
+                    "summary": "An approval: what is to be approved and its hash",
+                    "operationId": "getApproval",
+                    "parameters": [APPROVAL_ID],
+                    "responses": {
+                        "200": _json(_ref("Approval"), "The approval"),
+                        "404": _error("No such approval"),
+                    },
+                }
+            },
+            "/api/approvals/{approval_id}/approve": _decision("approve"),
+            "/api/approvals/{approval_id}/reject": _decision("reject"),
             "/api/runs/{run_id}/cancel": {
                 "post": {
                     "summary": "Cancel a run (cooperative: a running step completes first)",
@@ -181,12 +289,7 @@ def openapi_document(settings: Settings | None = None, agents: list[str] | None 
                     "additionalProperties": False,
                     "required": ["input"],
                     "properties": {
-                        "input": {
-                            "type": "string",
-                            "minLength": 1,
-                            "maxLength": s.max_input_chars,
-                            "pattern": "\\S",
-                        },
+                        "input": input_schema,
                         "tokenBudget": {
                             "type": "integer",
                             "minimum": 1,
@@ -216,6 +319,51 @@ def openapi_document(settings: Settings | None = None, agents: list[str] | None 
                         "output": {"description": "the tool's result (supply_result)"},
                         "isError": {"type": "boolean"},
                         "reason": {"type": "string"},
+                    },
+                },
+                "Resume": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "tokenBudget": {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": s.max_token_budget,
+                        },
+                        "timeoutSeconds": {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": s.max_timeout_seconds,
+                        },
+                    },
+                },
+                "Decision": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "comment": {"type": "string", "maxLength": 4000},
+                        "payloadHash": {
+                            "type": "string",
+                            "description": "the hash you were shown; refused if it changed",
+                        },
+                    },
+                },
+                "Approval": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "string", "format": "uuid"},
+                        "runId": {"type": "string", "format": "uuid"},
+                        "stepKey": {"type": "string"},
+                        "role": {"type": "string"},
+                        "status": {"enum": approval_statuses},
+                        "payload": {},
+                        "payloadHash": {"type": "string"},
+                        "timeoutPolicy": {"enum": ["FAIL", "REJECT", "APPROVE"]},
+                        "requestedAt": {"type": "string", "format": "date-time"},
+                        "expiresAt": {"type": "string", "format": "date-time"},
+                        "decidedBy": NULLABLE_STR,
+                        "decidedAt": NULLABLE_TIME,
+                        "comment": NULLABLE_STR,
                     },
                 },
                 "RunAccepted": {

@@ -183,6 +183,49 @@ def resolve(run_id: str) -> tuple[Response, int]:
     return jsonify({"id": str(rid), "status": str(run.status)}), 200
 
 
+@bp.post("/runs/<run_id>/resume")
+@requires("submit")
+def resume(run_id: str) -> tuple[Response, int]:
+    """Retry a FAILED or TIMED_OUT run from its first step without a result."""
+    s = state()
+    rid = parse_run_id(run_id)
+    body = json_body(request) if request.get_data() else {}
+    unknown = sorted(set(body) - {"tokenBudget", "timeoutSeconds"})
+    if unknown:
+        raise invalid(unknown[0], "unknown field; allowed: tokenBudget, timeoutSeconds")
+    settings = s.runtime.settings
+    budget = body.get("tokenBudget")
+    if budget is not None and (
+        isinstance(budget, bool)
+        or not isinstance(budget, int)
+        or not 1 <= budget <= settings.max_token_budget
+    ):
+        raise invalid(
+            "tokenBudget", f"must be a whole number from 1 to {settings.max_token_budget}"
+        )
+    timeout = body.get("timeoutSeconds")
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int)
+        or not 1 <= timeout <= settings.max_timeout_seconds
+    ):
+        raise invalid(
+            "timeoutSeconds", f"must be a whole number from 1 to {settings.max_timeout_seconds}"
+        )
+    try:
+        run = s.runtime.store.get_run(rid)
+    except RunNotFound as e:
+        raise ApiError(404, str(e), code="not_found") from None
+    if timeout is None and run.deadline_at <= datetime.now(run.deadline_at.tzinfo):
+        timeout = settings.default_timeout_seconds  # a past deadline would stop it at once
+    try:
+        dispatch = s.runtime.store.resume_failed(rid, token_budget=budget, timeout_seconds=timeout)
+    except InvalidTransition as e:
+        raise ApiError(409, str(e), code="not_resumable") from None
+    send_drive(s.celery, s.runtime.store, dispatch)
+    return jsonify({"id": str(rid), "status": "RUNNING"}), 202
+
+
 @bp.post("/runs/<run_id>/cancel")
 @requires("cancel")
 def cancel(run_id: str) -> tuple[Response, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from db.records import Run, Step
+from db.records import Approval, Run, Step
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -67,4 +67,22 @@ def step_json(step: Step) -> dict[str, Any]:
         "worker": step.worker,
         "startedAt": _iso(step.started_at),
         "finishedAt": _iso(step.finished_at),
+    }
+
+
+def approval_json(a: Approval) -> dict[str, Any]:
+    return {
+        "id": str(a.id),
+        "runId": str(a.run_id),
+        "stepKey": a.step_key,
+        "role": a.role,
+        "status": str(a.status),
+        "payload": a.payload,
+        "payloadHash": a.payload_hash,
+        "timeoutPolicy": a.timeout_policy,
+        "requestedAt": _iso(a.requested_at),
+        "expiresAt": _iso(a.expires_at),
+        "decidedBy": a.decided_by,
+        "decidedAt": _iso(a.decided_at),
+        "comment": a.comment,
     }

@@ -80,6 +80,12 @@ class FleetCollector(Collector):
         for status in RunStatus:
             runs.add_metric([str(status)], counts.get(str(status), 0))
         yield runs
+        approvals = GaugeMetricFamily(
+            "dar_approvals_pending", "Approvals waiting for a decision, by role.", labels=["role"]
+        )
+        for role, n in sorted(self.store.count_pending_approvals().items()):
+            approvals.add_metric([role], n)
+        yield approvals
         yield GaugeMetricFamily(
             "dar_stale_leases",
             "RUNNING runs whose lease has lapsed: a worker died and the run awaits the reaper.",

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from celery import Celery
 from prometheus_client import CollectorRegistry, start_http_server
 
+from db.records import ApprovalStatus, Dispatch, StepStatus
+from db.store import RunStore
 from runtime.bootstrap import Runtime
 from runtime.config import Settings
 from runtime.driver import Driver
@@ -84,6 +86,29 @@ def stop_worker_state(app: Celery) -> None:
     setattr(app, "dar_state", None)  # noqa: B010
 
 
+def expire_approval(store: RunStore, approval_id: uuid.UUID, policy: str) -> Dispatch | None:
+    """Apply an expired approval's timeout policy: APPROVE, REJECT, or FAIL the step."""
+    if policy == "APPROVE":
+        return store.decide_approval(
+            approval_id, ApprovalStatus.APPROVED, decided_by="timeout-policy"
+        )
+    if policy == "REJECT":
+        return store.decide_approval(
+            approval_id,
+            ApprovalStatus.REJECTED,
+            decided_by="timeout-policy",
+            comment="no decision before the deadline",
+        )
+    return store.decide_approval(
+        approval_id,
+        ApprovalStatus.EXPIRED,
+        decided_by="timeout-policy",
+        comment="no decision before the deadline",
+        step_status=StepStatus.ERROR,
+        step_error="ApprovalExpired: no decision before the deadline",
+    )
+
+
 def register_tasks(app: Celery) -> None:
     @app.task(name=DRIVE_RUN, ignore_result=True, shared=False)
     def drive_run(run_id: str, token: str) -> str:
@@ -104,6 +129,11 @@ def register_tasks(app: Celery) -> None:
         for d in due:
             log.info("run=%s re-dispatched by the reaper", str(d.run_id)[:8])
             send_drive(app, state.runtime.store, d)
+        for approval_id, policy in state.runtime.store.due_approvals():
+            woke = expire_approval(state.runtime.store, approval_id, policy)
+            if woke is not None:
+                log.info("run=%s approval timed out (%s)", str(woke.run_id)[:8], policy)
+                send_drive(app, state.runtime.store, woke)
         return len(due)
 
     @app.task(name=RETENTION, ignore_result=True, shared=False)

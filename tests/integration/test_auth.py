@@ -130,7 +130,7 @@ def test_page_size_limit_is_configurable(runtime: Runtime, settings: Settings) -
     ("raw", "message"),
     [
         ("ci:read", "must be name:role\\+role:sha256hex"),
-        ("ci:read+launch:" + "a" * 64, "unknown: launch"),
+        ("ci:read+bad/role:" + "a" * 64, "not a role: bad/role"),
         ("ci:read:dar_plaintext_token", "SHA-256 as 64 hex digits, never the token itself"),
         (f"ci:read:{'a' * 64},ci:submit:{'b' * 64}", "names 'ci' twice"),
     ],

@@ -23,6 +23,9 @@ class _Counts:
     def count_stale_leases(self) -> int:
         return 0
 
+    def count_pending_approvals(self) -> dict[str, int]:
+        return {}
+
 
 def _exported() -> set[str]:
     registry = CollectorRegistry()
