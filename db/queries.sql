@@ -364,6 +364,15 @@ FROM run
 WHERE submitted_by = :submitted_by
   AND created_at > now() - make_interval(secs => :window_seconds);
 
+-- make_due_now --
+-- For test kits and operators: a parked run (a timer, or a message presumed lost) becomes
+-- due now and its lapsed or absent lease claimable; the reaper's next sweep sends it.
+UPDATE run
+SET run_at = LEAST(run_at, now()), dispatched_at = 'epoch',
+    locked_until = CASE WHEN locked_until IS NULL THEN NULL
+                        ELSE LEAST(locked_until, now() - interval '1 millisecond') END
+WHERE id = :id AND status IN ('QUEUED', 'RUNNING');
+
 -- mark_undispatched --
 -- The message for this token could not be sent (broker down): let the next sweep send it.
 UPDATE run SET dispatched_at = 'epoch'

@@ -722,6 +722,11 @@ class RunStore:
             ).one()
         return int(row.n), float(row.oldest_age or 0)
 
+    def make_due_now(self, run_id: uuid.UUID) -> None:
+        """Fast-forward a run's timer and lease (test kits; an operator's "wake it now")."""
+        with self.engine.begin() as conn:
+            conn.execute(Q["make_due_now"], {"id": run_id})
+
     def mark_undispatched(self, dispatch: Dispatch) -> None:
         with self.engine.begin() as conn:
             conn.execute(Q["mark_undispatched"], {"id": dispatch.run_id, "token": dispatch.token})

@@ -55,9 +55,13 @@ AnyAgent = Union["Agent", "DurableAgent"]
 
 
 class AgentRegistry:
-    def __init__(self, agents: Iterable[Agent] = ()) -> None:
+    def __init__(
+        self, agents: Iterable[AnyAgent] = (), *, resources: dict[str, Any] | None = None
+    ) -> None:
         self._agents: dict[str, AnyAgent] = {}
         self._tools: dict[str, Tool] = {}
+        self.resources: dict[str, Any] = dict(resources or {})
+        """What agent modules may use: ``engine``, ``tickets`` (the demo's store), ``settings``."""
         for a in agents:
             self.register(a)
 
@@ -89,6 +93,13 @@ class AgentRegistry:
     def register(self, agent: AnyAgent) -> AnyAgent:
         if agent.name in self._agents:
             raise AgentConfigError(f"two agents are registered under the name {agent.name!r}")
+        self._agents[agent.name] = agent
+        return agent
+
+    def replace(self, agent: AnyAgent) -> AnyAgent:
+        """Swap the code behind a registered name (a deploy, in tests)."""
+        if agent.name not in self._agents:
+            raise UnknownAgent(f"unknown agent {agent.name!r}")
         self._agents[agent.name] = agent
         return agent
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 import importlib
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import Engine
 
 from db.demo import TicketStore
 from db.engine import make_engine
+from db.records import Dispatch, NewRun, Run
 from db.store import RunStore
 from runtime.acme import acme_agent
-from runtime.agents import AgentConfigError, AgentRegistry
+from runtime.agents import Agent, AgentConfigError, AgentRegistry
 from runtime.config import Settings
 from runtime.driver import Driver
 from runtime.heartbeat import Heartbeat
@@ -45,10 +47,15 @@ def build_llm(settings: Settings) -> LlmClient:
     return anthropic_client(settings)
 
 
-def load_agents(settings: Settings, tickets: TicketStore) -> AgentRegistry:
+def load_agents(
+    settings: Settings, tickets: TicketStore, engine: Engine | None = None
+) -> AgentRegistry:
     """The built-in demo agent, then each module of DAR_AGENT_MODULES, whose
     ``register(registry)`` adds its agents."""
-    registry = AgentRegistry([acme_agent(tickets)])
+    registry = AgentRegistry(
+        [acme_agent(tickets)],
+        resources={"engine": engine, "tickets": tickets, "settings": settings},
+    )
     for name in settings.agent_modules:
         try:
             module = importlib.import_module(name)
@@ -92,7 +99,7 @@ class Runtime:
             engine=engine,
             store=RunStore(engine),
             tickets=tickets,
-            agents=load_agents(settings, tickets),
+            agents=load_agents(settings, tickets, engine),
             llm=llm or build_llm(settings),
             pricing=PriceTable.from_json(settings.prices_json),
         )
@@ -114,6 +121,34 @@ class Runtime:
             heartbeat=heartbeat,
             worker=worker,
         )
+
+    def submit(
+        self,
+        agent: str,
+        input: Any,
+        *,
+        model: str | None = None,
+        token_budget: int | None = None,
+        timeout_seconds: int | None = None,
+        max_steps: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> tuple[Run, Dispatch]:
+        """Store a new run (from Python). Send the returned dispatch to start it
+        (``tasks.dispatch.send_drive``), or drive it yourself with :meth:`driver`."""
+        chosen = self.agents.get(agent)
+        agent_model = chosen.model if isinstance(chosen, Agent) else None
+        run, _ = self.store.create_run(
+            NewRun(
+                agent=agent,
+                input=input,
+                model=model or agent_model or self.settings.default_model,
+                max_steps=max_steps or chosen.max_steps or self.settings.default_max_steps,
+                token_budget=token_budget or self.settings.default_token_budget,
+                timeout_seconds=timeout_seconds or self.settings.default_timeout_seconds,
+                idempotency_key=idempotency_key,
+            )
+        )
+        return run, Dispatch(run.id, run.dispatch_token)
 
     def close(self) -> None:
         self.engine.dispose()
