@@ -87,7 +87,7 @@ def _wait_for(stack: Any, run_id: str, timeout: float) -> dict[str, Any]:
     run: dict[str, Any] = {}
     while time.monotonic() < deadline:
         _, run = stack.request("GET", f"/api/runs/{run_id}")
-        if RunStatus(run["status"]) in TERMINAL or run["status"] == "NEEDS_ATTENTION":
+        if RunStatus(run["status"]) in TERMINAL or run["status"] in ("NEEDS_ATTENTION", "WAITING"):
             return run
         time.sleep(0.5)
     raise TimeoutError(f"run {run_id} did not finish within {timeout:.0f}s")
@@ -98,11 +98,16 @@ def _demo(args: argparse.Namespace) -> int:
     stack = _stack(args)
     try:
         stack.start()
+        try:
+            run_input = json.loads(args.input) if args.input else args.question
+        except ValueError as e:
+            print(f"dar: --input is not JSON: {e}", file=sys.stderr)
+            return 2
         status, accepted = stack.request(
             "POST",
             "/api/runs",
             {
-                "input": args.question,
+                "input": run_input,
                 "tokenBudget": 50000,
                 "timeoutSeconds": 300,
                 **({"agent": args.agent} if args.agent else {}),
@@ -113,6 +118,15 @@ def _demo(args: argparse.Namespace) -> int:
             return 1
         print(f"dar: submitted run {accepted['id']}", flush=True)
         run = _wait_for(stack, accepted["id"], args.timeout)
+        while run["status"] == "WAITING" and (args.approve or args.reject):
+            _, page = stack.request("GET", "/api/approvals")
+            pending = [a for a in page["items"] if a["runId"] == accepted["id"]]
+            verb = "approve" if args.approve else "reject"
+            for a in pending:
+                print(f"dar: {verb} {a['stepKey']} (role {a['role']}): {a['payload']}")
+                stack.request("POST", f"/api/approvals/{a['id']}/{verb}", {"comment": "dar demo"})
+            time.sleep(0.5)
+            run = _wait_for(stack, accepted["id"], args.timeout)
         _, steps = stack.request("GET", f"/api/runs/{accepted['id']}/timeline")
         print()
         print(_timeline_table(steps))
@@ -158,7 +172,7 @@ def _timeline_table(steps: list[dict[str, Any]]) -> str:
                 s["seq"],
                 s["kind"],
                 s["status"],
-                s["toolName"] or s["stopReason"],
+                s["toolName"] or s["stopReason"] or s["stepKey"],
                 s["inputTokens"],
                 s["outputTokens"],
                 f"{s['latencyMs']}ms" if s["latencyMs"] is not None else "",
@@ -239,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "demo":
             p.add_argument("--question", default=DEMO_QUESTION)
             p.add_argument("--agent", help="agent to run (default DAR_DEFAULT_AGENT)")
+            p.add_argument("--input", help="JSON input (durable functions) instead of --question")
+            decide = p.add_mutually_exclusive_group()
+            decide.add_argument("--approve", action="store_true", help="approve what it asks")
+            decide.add_argument("--reject", action="store_true", help="reject what it asks")
             p.add_argument("--timeout", type=float, default=120.0)
 
     api_default = os.environ.get("DAR_API_URL", "http://127.0.0.1:8080")

@@ -104,7 +104,7 @@ def build(tickets: TicketStore) -> Any:
     @durable_agent("ticket-triage", approval_roles=["support_lead"])
     def triage(ticket: Ticket, steps: Steps) -> Resolution:
         c = steps.llm("classify", lambda m: classify(m, ticket), type=Classification)
-        similar = steps.retry(3, 0.5).run("find_similar", find_similar, c)
+        similar = find_similar(c)  # a @step: recorded, retried up to 3 times
         resolution = steps.approval("support_lead", 86400).run(
             "propose", propose, ticket, c, similar, type=Resolution
         )
