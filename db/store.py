@@ -350,19 +350,30 @@ class RunStore:
         """Park the run on a durable timer and release the lease. Fenced."""
         token = uuid.uuid4()
         with self.engine.begin() as conn:
-            owned = conn.execute(
-                Q["schedule_run"],
-                {
-                    **_fence(claim),
-                    "delay_seconds": delay_seconds,
-                    "message_at_due": message_at_due,
-                    "next_token": token,
-                    "reason": reason,
-                },
-            ).rowcount
-            if owned == 0:
-                raise LeaseLost(claim.run_id, "timer refused by the fence")
+            self._schedule(conn, claim, delay_seconds, message_at_due, token, reason)
         return Dispatch(claim.run_id, token, delay_seconds)
+
+    @staticmethod
+    def _schedule(
+        conn: Connection,
+        claim: Claim,
+        delay_seconds: float,
+        message_at_due: bool,
+        token: uuid.UUID,
+        reason: str | None,
+    ) -> None:
+        owned = conn.execute(
+            Q["schedule_run"],
+            {
+                **_fence(claim),
+                "delay_seconds": delay_seconds,
+                "message_at_due": message_at_due,
+                "next_token": token,
+                "reason": reason,
+            },
+        ).rowcount
+        if owned == 0:
+            raise LeaseLost(claim.run_id, "timer refused by the fence")
 
     def record_unrecorded_usage(self, run_id: uuid.UUID, usage: Usage, cost: Decimal) -> None:
         """Count a billed model call whose checkpoint was refused against the run."""
@@ -395,18 +406,7 @@ class RunStore:
             if delay_seconds is None:
                 self._advance(conn, claim, usage, cost, token)
             else:
-                owned = conn.execute(
-                    Q["schedule_run"],
-                    {
-                        **_fence(claim),
-                        "delay_seconds": delay_seconds,
-                        "message_at_due": message_at_due,
-                        "next_token": token,
-                        "reason": reason,
-                    },
-                ).rowcount
-                if owned == 0:
-                    raise LeaseLost(claim.run_id, "timer refused by the fence")
+                self._schedule(conn, claim, delay_seconds, message_at_due, token, reason)
             for step in steps:
                 conn.execute(Q["upsert_step"], _step_params(claim, step))
         return Dispatch(claim.run_id, token, delay_seconds or 0.0)
