@@ -65,13 +65,20 @@ RETURNING r.*, now() AS db_now;
 
 -- renew_leases --
 -- The heartbeat: extend every lease this worker still holds, one statement for all of them.
--- Returns the runs still held; any missing from the answer were taken over.
-UPDATE run r
-SET locked_until = now() + make_interval(secs => :lease_seconds)
-FROM unnest(CAST(:ids AS uuid[]), CAST(:epochs AS bigint[])) AS held(id, epoch)
-WHERE r.id = held.id AND r.lease_epoch = held.epoch
-  AND r.locked_by = :worker AND r.status = 'RUNNING'
-RETURNING r.id;
+-- Returns each run asked about with its current epoch and whether it was renewed: one not
+-- renewed with a higher epoch was taken over; with the same epoch this worker released it
+-- (a step committed meanwhile).
+WITH renewed AS (
+    UPDATE run r
+    SET locked_until = now() + make_interval(secs => :lease_seconds)
+    FROM unnest(CAST(:ids AS uuid[]), CAST(:epochs AS bigint[])) AS held(id, epoch)
+    WHERE r.id = held.id AND r.lease_epoch = held.epoch
+      AND r.locked_by = :worker AND r.status = 'RUNNING'
+    RETURNING r.id
+)
+SELECT r.id, r.lease_epoch, EXISTS (SELECT 1 FROM renewed WHERE renewed.id = r.id) AS renewed
+FROM run r
+WHERE r.id = ANY(CAST(:ids AS uuid[]));
 
 -- advance_run --
 -- Commit a step's effect on the run: add its tokens and cost, reset the no-progress counter,

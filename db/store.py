@@ -279,10 +279,12 @@ class RunStore:
     def renew_leases(
         self, worker: str, held: Iterable[tuple[uuid.UUID, int]], lease_seconds: float
     ) -> set[uuid.UUID]:
-        """Extend the leases this worker holds; returns the run ids still held."""
+        """Extend the leases this worker holds; returns the run ids taken over by another
+        claim since (a lease this worker released itself is not reported)."""
         pairs = list(held)
         if not pairs:
             return set()
+        epochs = dict(pairs)
         with self.engine.begin() as conn:
             rows = conn.execute(
                 Q["renew_leases"],
@@ -292,8 +294,8 @@ class RunStore:
                     "ids": [p[0] for p in pairs],
                     "epochs": [p[1] for p in pairs],
                 },
-            )
-            return {r.id for r in rows}
+            ).all()
+        return {r.id for r in rows if not r.renewed and r.lease_epoch != epochs[r.id]}
 
     # -- checkpoints (fenced) -----------------------------------------------------------
 

@@ -59,11 +59,11 @@ class Heartbeat:
         for h in held:
             by_worker.setdefault(h.claim.worker, []).append(h)
         for worker, leases in by_worker.items():
-            still = self._store.renew_leases(
+            taken = self._store.renew_leases(
                 worker, [(h.claim.run_id, h.claim.epoch) for h in leases], self._lease_seconds
             )
             for h in leases:
-                if h.claim.run_id not in still and not h.lost.is_set():
+                if h.claim.run_id in taken and not h.lost.is_set():
                     log.warning("run=%s lease lost: another worker took it over", h.claim.run_id)
                     h.lost.set()
 

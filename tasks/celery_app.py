@@ -1,10 +1,13 @@
 """The Celery app, configured for a durable system.
 
-- late acks and reject-on-worker-lost: a message is acknowledged only after its step ran;
+- Redis delivers at most once (``ack_emulation`` off): PostgreSQL, not the broker, decides
+  what still has to run, and the reaper re-sends the message of any run that no worker holds.
+  Kombu's ack emulation (an "unacked" hash restored on reconnect) adds nothing here and, in
+  Celery/kombu 5.7, makes a thread-pool worker exit with "Unrecoverable error" when Redis
+  restarts while tasks are in flight (found by the chaos suite);
+- late acks and reject-on-worker-lost stay on for brokers that honour them;
 - prefetch 1: a worker reserves no more than it runs;
 - no result backend: PostgreSQL holds every result;
-- a visibility timeout above the longest step, so Redis does not redeliver a message whose
-  step is still running (a redelivered message would be dropped by its stale token anyway);
 - short broker timeouts and few publish retries, so a dead Redis never hangs the API: the
   run is stored and the reaper sends its message later.
 """
@@ -39,6 +42,7 @@ def make_celery(settings: Settings, *, register: bool = True) -> Celery:
         broker_connection_retry_on_startup=True,
         broker_connection_timeout=3,
         broker_transport_options={
+            "ack_emulation": False,
             "visibility_timeout": settings.visibility_timeout_seconds,
             "socket_timeout": 5,
             "socket_connect_timeout": 3,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from celery import Celery
 from prometheus_client import CollectorRegistry, start_http_server
 
+from db.errors import LeaseLost
 from db.records import ApprovalStatus, Dispatch, StepStatus
 from db.store import RunStore
 from runtime.bootstrap import Runtime
@@ -114,7 +115,13 @@ def register_tasks(app: Celery) -> None:
     def drive_run(run_id: str, token: str) -> str:
         """Execute at most one step of the run, commit it, then send the next message."""
         state = worker_state(app)
-        result = state.driver.drive(uuid.UUID(run_id), uuid.UUID(token))
+        try:
+            result = state.driver.drive(uuid.UUID(run_id), uuid.UUID(token))
+        except LeaseLost as e:
+            # Another worker took the run over while this step ran: the fence refused our
+            # write and rolled it back. Nothing to redo here; the new holder carries on.
+            log.warning("run=%s step abandoned, nothing written: %s", run_id[:8], e)
+            return "LEASE_LOST"
         if result.dispatch is not None:
             send_drive(app, state.runtime.store, result.dispatch)
         return str(result.outcome)

@@ -166,3 +166,24 @@ def test_submit_while_redis_is_down_then_the_reaper_dispatches(
             stop_worker_state(worker_celery)
     finally:
         private.stop()
+
+
+def test_a_fenced_out_task_ends_cleanly_and_sends_nothing(
+    celery_app: Celery, runtime: Runtime, llm: ScriptedLlm, redis_client: redis.Redis
+) -> None:
+    llm.then_text("late")
+    register_agent(runtime.agents)
+    run, dispatch = submit(runtime.store)
+
+    class TakenOverMidCall:
+        def send(self, request: object) -> object:
+            expire_lease(runtime.engine, run.id)  # this worker stalls past its lease...
+            (redispatch,) = runtime.store.redispatch_due(redispatch_after=3600)
+            assert runtime.store.claim(run.id, redispatch.token, "other", 30) is not None
+            return llm.send(request)  # type: ignore[arg-type]
+
+    runtime.llm = TakenOverMidCall()  # type: ignore[assignment]
+    assert celery_app.tasks[DRIVE_RUN].run(str(run.id), str(dispatch.token)) == "LEASE_LOST"
+    assert runtime.store.steps(run.id) == []
+    assert redis_client.llen(runtime.settings.queue) == 0, "no message from the fenced task"
+    assert runtime.store.get_run(run.id).locked_by == "other"

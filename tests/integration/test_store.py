@@ -102,21 +102,28 @@ def test_fenced_checkpoint_rolls_back_everything(runtime: Runtime) -> None:
     assert after.status is RunStatus.RUNNING
 
 
-def test_heartbeat_renews_only_leases_still_held(runtime: Runtime) -> None:
+def test_heartbeat_renews_held_leases_and_reports_only_takeovers(runtime: Runtime) -> None:
     run1, d1 = submit(runtime.store)
     run2, d2 = submit(runtime.store)
+    run3, d3 = submit(runtime.store)
     c1 = runtime.store.claim(run1.id, d1.token, "w", 2)
     c2 = runtime.store.claim(run2.id, d2.token, "w", 2)
+    c3 = runtime.store.claim(run3.id, d3.token, "w", 2)
     assert c1 is not None
     assert c2 is not None
+    assert c3 is not None
+    # run2 is taken over by another worker; run3's step commits (this worker lets it go).
     expire_lease(runtime.engine, run2.id)
-    (redispatch,) = runtime.store.redispatch_due(redispatch_after=3600)
+    (redispatch,) = [d for d in runtime.store.redispatch_due(redispatch_after=3600)]
     assert runtime.store.claim(run2.id, redispatch.token, "other", 30) is not None
-    held = runtime.store.renew_leases("w", [(c1.run_id, c1.epoch), (c2.run_id, c2.epoch)], 60)
-    assert held == {run1.id}
+    runtime.store.checkpoint_model(c3, _checkpoint())
+    held = [(c.run_id, c.epoch) for c in (c1, c2, c3)]
+    assert runtime.store.renew_leases("w", held, 60) == {run2.id}, "only the takeover"
     renewed = runtime.store.get_run(run1.id)
     assert renewed.locked_until is not None
     assert (renewed.locked_until - c1.db_now).total_seconds() > 50
+    assert runtime.store.get_run(run3.id).locked_until is None, "a released lease stays released"
+    assert runtime.store.get_run(run2.id).locked_by == "other", "never extends another's lease"
 
 
 def test_cancel_queued_ends_it_at_once(runtime: Runtime) -> None:
