@@ -1,0 +1,630 @@
+"""The chaos checker: the invariants of docs/DESIGN asserted over what a chaos campaign left
+behind, the database (runs, steps, the acme comments written by the tool with a real side
+effect) and the fake Messages API's request log.
+
+It is pure: :func:`check` takes an :class:`Evidence` and returns the violations, so it can be
+fed a fabricated data set (``tests/chaos/test_checker.py`` does, to prove it can fail).
+
+What "a fault could hit a run" means, used to bound repeated model calls: every injected
+fault records the runs whose in-flight step it may have interrupted (the runs its victim
+held when it died or stopped, every live run for a PostgreSQL restart, none for a Redis
+restart or a duplicated message). A repeated model call is one whose response was never
+checkpointed; each such call must be paid for by one of those faults.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from db.records import Run, RunStatus, Step, StepKind, StepStatus
+from runtime.replay import model_step_key, replay, tool_step_key
+
+# Times compared across clocks (PostgreSQL's now() and this process's time.time(), one host)
+CLOCK_SLACK_SECONDS = 0.25
+
+
+@dataclass(frozen=True)
+class Comment:
+    """A row of ``acme_comment``: the side effect of one ``add_comment`` call."""
+
+    id: int
+    ticket_id: int
+    body: str
+    idempotency_key: str
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """One request received by the fake Messages API and what it answered."""
+
+    request_id: str
+    """The ``request-id`` header the fake answered with (``req_fake_0001``...), which the
+    runtime stores on the model step it checkpoints."""
+    messages: list[dict[str, Any]]
+    status: int
+    content: list[dict[str, Any]] | None
+    """The response's content blocks (``None`` when the answer was not a message)."""
+    usage: Mapping[str, int]
+    received_at: float
+    """``time.time()`` when the request arrived."""
+
+    @property
+    def run_input(self) -> Any:
+        return self.messages[0].get("content") if self.messages else None
+
+    @property
+    def usage_total(self) -> int:
+        return sum(int(v) for v in self.usage.values())
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault, as the harness recorded it."""
+
+    kind: str
+    target: str
+    at: float
+    """``time.time()`` when the fault struck."""
+    repeat_runs: frozenset[uuid.UUID] = frozenset()
+    """Runs whose in-flight model call this fault may have cut between response and
+    checkpoint: each may show one repeated model call because of it."""
+    disturbed: frozenset[uuid.UUID] = frozenset()
+    """Runs whose progress this fault interrupted (recovery time is measured for them)."""
+    detail: str = ""
+    until: float | None = None
+    """When the fault ended (SIGCONT, server back), for faults that last."""
+
+
+@dataclass
+class Evidence:
+    runs: list[Run]
+    steps: dict[uuid.UUID, list[Step]]
+    comments: list[Comment]
+    calls: list[ModelCall]
+    faults: list[Fault]
+    known_workers: frozenset[str]
+    side_effect_tool: str = "add_comment"
+    non_idempotent_tools: frozenset[str] = frozenset()
+    """Tools whose interruption may legitimately park a run NEEDS_ATTENTION."""
+    lease_losses: Mapping[uuid.UUID, int] = field(default_factory=dict)
+    """Lease losses found in the workers' logs, per run (reported, and for runs no fault
+    hit they allow a repeat each: a live worker can lose a lease it could not renew)."""
+
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: str
+    run_id: uuid.UUID | None
+    detail: str
+
+    def __str__(self) -> str:
+        run = f" run={self.run_id}" if self.run_id else ""
+        return f"[{self.invariant}]{run}: {self.detail}"
+
+
+TERMINAL_OK = "terminal"
+UNIQUE_KEYS = "unique-step-keys"
+SEQ = "seq-without-gaps"
+TOOL_RESULTS = "one-result-per-tool-use"
+SIDE_EFFECTS = "side-effects-exactly-once"
+MODEL_REPEATS = "model-calls-repeat-only-per-crash"
+CALL_MATCH = "steps-match-the-api-log"
+FENCING = "no-fenced-out-write"
+TOKENS = "token-counters"
+CLAIMS = "one-claim-per-step"
+
+
+def check(ev: Evidence) -> list[Violation]:
+    out: list[Violation] = []
+    calls_by_input: dict[str, list[ModelCall]] = defaultdict(list)
+    for call in ev.calls:
+        calls_by_input[json.dumps(call.run_input, sort_keys=True)].append(call)
+    comments_by_key: dict[str, list[Comment]] = defaultdict(list)
+    for c in ev.comments:
+        comments_by_key[c.idempotency_key].append(c)
+    side_effect_keys: set[str] = set()
+
+    for call in ev.calls:
+        if call.status != 200:
+            out.append(
+                Violation(
+                    CALL_MATCH,
+                    None,
+                    f"the fake API answered {call.request_id} with {call.status}: the runtime "
+                    "sent a request the API rejects (an invalid conversation?)",
+                )
+            )
+
+    for run in ev.runs:
+        steps = sorted(ev.steps.get(run.id, []), key=lambda s: s.seq)
+        calls = calls_by_input.get(json.dumps(run.input, sort_keys=True), [])
+        out += _check_terminal(ev, run, steps)
+        out += _check_keys_and_seq(run, steps)
+        out += _check_tools(run, steps)
+        out += _check_side_effects(ev, run, steps, comments_by_key, side_effect_keys)
+        out += _check_model_calls(ev, run, steps, calls)
+        out += _check_fencing(ev, run, steps)
+        out += _check_tokens(run, steps, calls)
+
+    for key, rows in comments_by_key.items():
+        if key not in side_effect_keys:
+            out.append(
+                Violation(
+                    SIDE_EFFECTS,
+                    None,
+                    f"acme_comment {[c.id for c in rows]} with idempotency key {key!r} belongs "
+                    f"to no recorded {ev.side_effect_tool} step: a side effect of a call the "
+                    "run never checkpointed",
+                )
+            )
+    return out
+
+
+def _check_terminal(ev: Evidence, run: Run, steps: list[Step]) -> list[Violation]:
+    if run.status is RunStatus.SUCCEEDED:
+        last = steps[-1] if steps else None
+        if last is None or last.kind is not StepKind.MODEL or last.stop_reason != "end_turn":
+            return [
+                Violation(
+                    TERMINAL_OK,
+                    run.id,
+                    "SUCCEEDED, but its last step is not a model turn that ended "
+                    f"(last: {last and (last.seq, str(last.kind), last.stop_reason)})",
+                )
+            ]
+        return []
+    if run.status is RunStatus.NEEDS_ATTENTION:
+        started = [s for s in steps if s.status is StepStatus.STARTED]
+        if started and all(s.tool_name in ev.non_idempotent_tools for s in started):
+            return []
+    return [
+        Violation(
+            TERMINAL_OK,
+            run.id,
+            f"status {run.status} (expected SUCCEEDED, or NEEDS_ATTENTION only on an "
+            f"interrupted non-idempotent tool); error={run.error!r}, "
+            f"lease_epoch={run.lease_epoch}, locked_by={run.locked_by}, steps={len(steps)}",
+        )
+    ]
+
+
+def _check_keys_and_seq(run: Run, steps: list[Step]) -> list[Violation]:
+    out = []
+    dup = [k for k, n in Counter(s.step_key for s in steps).items() if n > 1]
+    if dup:
+        out.append(Violation(UNIQUE_KEYS, run.id, f"step keys recorded more than once: {dup}"))
+    seqs = [s.seq for s in steps]
+    if seqs != list(range(1, len(steps) + 1)):
+        out.append(Violation(SEQ, run.id, f"seq is {seqs}, expected 1..{len(steps)}"))
+    model_keys = [s.step_key for s in steps if s.kind is StepKind.MODEL]
+    expected = [model_step_key(i) for i in range(1, len(model_keys) + 1)]
+    if model_keys != expected:
+        out.append(Violation(UNIQUE_KEYS, run.id, f"model step keys {model_keys} != {expected}"))
+    return out
+
+
+def _tool_uses(step: Step) -> list[dict[str, Any]]:
+    content = step.response if isinstance(step.response, list) else []
+    return [b for b in content if isinstance(b, dict) and b.get("type") == "tool_use"]
+
+
+def _check_tools(run: Run, steps: list[Step]) -> list[Violation]:
+    """Every tool_use of a checkpointed model turn has exactly one tool step, DONE, keyed by
+    its id, between that turn and the next; no tool step answers anything else."""
+    out = []
+    turn: Step | None = None
+    uses: dict[str, dict[str, Any]] = {}
+    answered: Counter[str] = Counter()
+
+    def close_turn() -> None:
+        if turn is None:
+            return
+        for use_id in uses:
+            if answered[use_id] != 1:
+                out.append(
+                    Violation(
+                        TOOL_RESULTS,
+                        run.id,
+                        f"tool_use {use_id} of seq={turn.seq} has {answered[use_id]} tool "
+                        "steps (expected exactly 1)",
+                    )
+                )
+
+    for s in steps:
+        if s.kind is StepKind.MODEL:
+            close_turn()
+            turn, answered = s, Counter()
+            uses = {u["id"]: u for u in _tool_uses(s)} if s.stop_reason == "tool_use" else {}
+            if s.status is not StepStatus.DONE:
+                out.append(Violation(TOOL_RESULTS, run.id, f"model step seq={s.seq} {s.status}"))
+            continue
+        use = uses.get(s.tool_use_id or "")
+        if use is None:
+            out.append(
+                Violation(
+                    TOOL_RESULTS,
+                    run.id,
+                    f"tool step seq={s.seq} ({s.tool_use_id}) answers no tool_use of the model "
+                    "turn before it",
+                )
+            )
+            continue
+        answered[s.tool_use_id or ""] += 1
+        if s.step_key != tool_step_key(s.tool_use_id or ""):
+            out.append(Violation(TOOL_RESULTS, run.id, f"tool step seq={s.seq} key {s.step_key}"))
+        if s.tool_name != use.get("name"):
+            out.append(
+                Violation(
+                    TOOL_RESULTS, run.id, f"tool step seq={s.seq} ran {s.tool_name}, "
+                    f"the model asked for {use.get('name')}"
+                )
+            )  # fmt: skip
+        if s.status is not StepStatus.DONE and run.status is RunStatus.SUCCEEDED:
+            out.append(
+                Violation(
+                    TOOL_RESULTS,
+                    run.id,
+                    f"tool step seq={s.seq} {s.tool_name} is {s.status}: {s.error or s.response}",
+                )
+            )
+    close_turn()
+    return out
+
+
+def _response_json(step: Step) -> Any:
+    if isinstance(step.response, str):
+        try:
+            return json.loads(step.response)
+        except ValueError:
+            return None
+    return step.response
+
+
+def _check_side_effects(
+    ev: Evidence,
+    run: Run,
+    steps: list[Step],
+    comments_by_key: Mapping[str, list[Comment]],
+    seen_keys: set[str],
+) -> list[Violation]:
+    """Each side-effecting tool step left exactly one effect, with the input the model gave,
+    made after the model turn that asked for it was committed and before its record."""
+    out = []
+    by_seq = {s.seq: s for s in steps}
+    for s in steps:
+        if s.kind is not StepKind.TOOL or s.tool_name != ev.side_effect_tool:
+            continue
+        key = s.tool_use_id or ""
+        seen_keys.add(key)
+        rows = comments_by_key.get(key, [])
+        if len(rows) != 1:
+            out.append(
+                Violation(
+                    SIDE_EFFECTS,
+                    run.id,
+                    f"{s.tool_name} seq={s.seq} (key {key}) left {len(rows)} comments, "
+                    "expected exactly 1",
+                )
+            )
+            continue
+        row = rows[0]
+        model = next(
+            (by_seq[q] for q in range(s.seq - 1, 0, -1) if by_seq[q].kind is StepKind.MODEL),
+            None,
+        )
+        use = next((u for u in _tool_uses(model) if u.get("id") == key), None) if model else None
+        if use is not None:
+            want = use.get("input") or {}
+            if (row.ticket_id, row.body) != (want.get("ticket_id"), want.get("text")):
+                out.append(
+                    Violation(
+                        SIDE_EFFECTS,
+                        run.id,
+                        f"comment {row.id} is ({row.ticket_id}, {row.body!r}), the tool_use "
+                        f"asked for ({want.get('ticket_id')}, {want.get('text')!r})",
+                    )
+                )
+        result = _response_json(s)
+        if isinstance(result, dict) and result.get("comment_id") != row.id:
+            out.append(
+                Violation(
+                    SIDE_EFFECTS,
+                    run.id,
+                    f"{s.tool_name} seq={s.seq} recorded comment_id={result.get('comment_id')}, "
+                    f"the row for its key is {row.id}",
+                )
+            )
+        if model is not None and model.finished_at and row.created_at < model.finished_at:
+            out.append(
+                Violation(
+                    FENCING,
+                    run.id,
+                    f"comment {row.id} was written at {row.created_at}, before the model turn "
+                    f"that asked for it was committed ({model.finished_at})",
+                )
+            )
+        if s.finished_at and row.created_at > s.finished_at:
+            out.append(
+                Violation(
+                    FENCING,
+                    run.id,
+                    f"comment {row.id} was written at {row.created_at}, after its tool step "
+                    f"seq={s.seq} was recorded ({s.finished_at}): the recorded result is not "
+                    "the one of the effect",
+                )
+            )
+    return out
+
+
+def _faults_on(ev: Evidence, run_id: uuid.UUID) -> list[Fault]:
+    return [f for f in ev.faults if run_id in f.repeat_runs]
+
+
+def _check_model_calls(
+    ev: Evidence, run: Run, steps: list[Step], calls: list[ModelCall]
+) -> list[Violation]:
+    """Each model step is a call the API answered, for the history checkpointed before it;
+    calls beyond the model steps are repeats, and each must be paid for by a fault."""
+    out = []
+    by_request = {c.request_id: c for c in calls}
+    model_steps = [s for s in steps if s.kind is StepKind.MODEL]
+    for s in model_steps:
+        call = by_request.get(s.request_id or "")
+        if call is None:
+            out.append(
+                Violation(
+                    CALL_MATCH,
+                    run.id,
+                    f"model step seq={s.seq} has request id {s.request_id!r}, which the fake "
+                    "API never answered for this run",
+                )
+            )
+            continue
+        if call.content != s.response:
+            out.append(
+                Violation(
+                    CALL_MATCH,
+                    run.id,
+                    f"model step seq={s.seq} recorded a response different from the one "
+                    f"{call.request_id} returned",
+                )
+            )
+        if call.usage_total != s.usage.total:
+            out.append(
+                Violation(
+                    TOKENS,
+                    run.id,
+                    f"model step seq={s.seq} recorded {s.usage.total} tokens, "
+                    f"{call.request_id} billed {call.usage_total}",
+                )
+            )
+        history = replay(run.input, [p for p in steps if p.seq < s.seq]).messages
+        if call.messages != history:
+            out.append(
+                Violation(
+                    FENCING,
+                    run.id,
+                    f"model step seq={s.seq} was produced by a request whose conversation "
+                    f"({len(call.messages)} messages) is not the history checkpointed before "
+                    f"it ({len(history)} messages): a write from a stale view",
+                )
+            )
+        before = [p for p in steps if p.seq < s.seq and p.finished_at is not None]
+        if before:
+            prev_done = before[-1].finished_at.timestamp()  # type: ignore[union-attr]
+            if call.received_at < prev_done - CLOCK_SLACK_SECONDS:
+                out.append(
+                    Violation(
+                        FENCING,
+                        run.id,
+                        f"model step seq={s.seq} checkpoints {call.request_id}, sent "
+                        f"{prev_done - call.received_at:.2f}s before seq={before[-1].seq} was "
+                        "committed",
+                    )
+                )
+    answered = [c for c in calls if c.status == 200]
+    repeats = len(answered) - len(model_steps)
+    faults = _faults_on(ev, run.id)
+    losses = ev.lease_losses.get(run.id, 0) if not faults else 0
+    allowed = len(faults) + losses
+    if repeats > allowed:
+        turns = Counter(sum(1 for m in c.messages if m.get("role") == "assistant") for c in calls)
+        out.append(
+            Violation(
+                MODEL_REPEATS,
+                run.id,
+                f"{len(answered)} model calls for {len(model_steps)} model steps: {repeats} "
+                f"repeated, but only {len(faults)} fault(s) hit this run "
+                f"({', '.join(f'{f.kind}@{f.target}' for f in faults) or 'none'}) and "
+                f"{losses} unplanned lease loss(es); calls per turn: {dict(sorted(turns.items()))}",
+            )
+        )
+    if repeats < 0:
+        out.append(
+            Violation(CALL_MATCH, run.id, f"{len(model_steps)} model steps, {len(answered)} calls")
+        )
+    return out
+
+
+def _check_fencing(ev: Evidence, run: Run, steps: list[Step]) -> list[Violation]:
+    """One claim, one step: each step is written under a newer lease epoch than the step
+    before it and no newer than the run's; by a known worker; in commit order."""
+    out = []
+    for prev, s in itertools.pairwise(steps):
+        if s.lease_epoch <= prev.lease_epoch:
+            out.append(
+                Violation(
+                    FENCING,
+                    run.id,
+                    f"seq={s.seq} was written under lease epoch {s.lease_epoch}, not newer than "
+                    f"seq={prev.seq}'s {prev.lease_epoch}: two steps under one claim, or a "
+                    "write by a fenced-out worker",
+                )
+            )
+        if prev.finished_at and s.finished_at and s.finished_at < prev.finished_at:
+            out.append(
+                Violation(
+                    FENCING,
+                    run.id,
+                    f"seq={s.seq} was committed ({s.finished_at}) before seq={prev.seq} "
+                    f"({prev.finished_at})",
+                )
+            )
+    for s in steps:
+        if s.lease_epoch > run.lease_epoch:
+            out.append(
+                Violation(
+                    FENCING,
+                    run.id,
+                    f"seq={s.seq} carries lease epoch {s.lease_epoch}, beyond the run's "
+                    f"{run.lease_epoch}",
+                )
+            )
+        if s.worker not in ev.known_workers:
+            out.append(Violation(FENCING, run.id, f"seq={s.seq} written by {s.worker!r}"))
+    faults = _faults_on(ev, run.id)
+    losses = ev.lease_losses.get(run.id, 0) if not faults else 0
+    if run.status.terminal:
+        wasted = run.lease_epoch - len(steps) - 1
+        if wasted > len(faults) + losses:
+            out.append(
+                Violation(
+                    CLAIMS,
+                    run.id,
+                    f"{run.lease_epoch} claims for {len(steps)} steps and its end: {wasted} "
+                    f"claim(s) produced nothing, but only {len(faults)} fault(s) hit the run "
+                    f"({', '.join(f'{f.kind}@{f.target}' for f in faults) or 'none'}); a "
+                    "duplicated or stale message claimed it, a second chain of messages ran, "
+                    "or a fault went unattributed; step epochs: "
+                    f"{[s.lease_epoch for s in steps]}",
+                )
+            )
+    if steps and run.status.terminal and run.lease_epoch <= steps[-1].lease_epoch:
+        out.append(
+            Violation(
+                FENCING,
+                run.id,
+                f"the run ended under lease epoch {run.lease_epoch}, the epoch of its last "
+                f"step seq={steps[-1].seq}: ending it took no claim of its own",
+            )
+        )
+    return out
+
+
+def subset_sums(values: Sequence[int]) -> set[int]:
+    sums = {0}
+    for v in values:
+        sums |= {s + v for s in sums}
+    return sums
+
+
+def _check_tokens(run: Run, steps: list[Step], calls: list[ModelCall]) -> list[Violation]:
+    """The run's counters are the sums of its steps'; unrecorded tokens are calls that were
+    billed but never became a step (some of them: a killed worker records nothing)."""
+    out = []
+    fields = (
+        ("tokens_used", run.tokens_used, sum(s.usage.total for s in steps)),
+        ("input_tokens", run.usage.input_tokens, sum(s.usage.input_tokens for s in steps)),
+        ("output_tokens", run.usage.output_tokens, sum(s.usage.output_tokens for s in steps)),
+        (
+            "cache_creation_input_tokens",
+            run.usage.cache_creation_input_tokens,
+            sum(s.usage.cache_creation_input_tokens for s in steps),
+        ),
+        (
+            "cache_read_input_tokens",
+            run.usage.cache_read_input_tokens,
+            sum(s.usage.cache_read_input_tokens for s in steps),
+        ),
+        ("cost_usd", run.cost_usd, sum((s.cost_usd for s in steps), Decimal(0))),
+    )
+    for name, on_run, summed in fields:
+        if on_run != summed:
+            out.append(Violation(TOKENS, run.id, f"run.{name}={on_run}, its steps sum to {summed}"))
+    recorded = {s.request_id for s in steps if s.kind is StepKind.MODEL}
+    unmatched = [c.usage_total for c in calls if c.status == 200 and c.request_id not in recorded]
+    if len(unmatched) <= 16:
+        ok = run.unrecorded_tokens in subset_sums(unmatched)
+    else:  # too many to enumerate: the bound alone
+        ok = 0 <= run.unrecorded_tokens <= sum(unmatched)
+    if not ok:
+        out.append(
+            Violation(
+                TOKENS,
+                run.id,
+                f"unrecorded_tokens={run.unrecorded_tokens} is not the total of any set of the "
+                f"run's billed-but-unrecorded calls {unmatched}",
+            )
+        )
+    return out
+
+
+# -- reporting ------------------------------------------------------------------------------
+
+
+def recovery_seconds(
+    fault: Fault, runs: Iterable[Run], steps: Mapping[uuid.UUID, list[Step]]
+) -> dict[uuid.UUID, float | None]:
+    """For each run the fault disturbed: seconds from the fault to the run's next committed
+    step (or its end), ``None`` if neither came."""
+    by_id = {r.id: r for r in runs}
+    out: dict[uuid.UUID, float | None] = {}
+    for run_id in sorted(fault.disturbed):
+        run = by_id.get(run_id)
+        times = [
+            s.finished_at.timestamp()
+            for s in steps.get(run_id, [])
+            if s.finished_at is not None and s.finished_at.timestamp() > fault.at
+        ]
+        if run is not None and run.finished_at is not None:
+            times.append(run.finished_at.timestamp())
+        later = [t for t in times if t > fault.at]
+        out[run_id] = min(later) - fault.at if later else None
+    return out
+
+
+def report(ev: Evidence, start: float) -> str:
+    lines = ["faults injected (t from the start of the campaign; recovery = fault -> next "
+             "committed step of each run it disturbed):"]  # fmt: skip
+    lines.append(f"  {'t(s)':>6}  {'fault':<34} {'target':<10} {'runs':>4}  recovery (s)")
+    for f in sorted(ev.faults, key=lambda f: f.at):
+        rec = recovery_seconds(f, ev.runs, ev.steps)
+        times = " ".join(f"{v:.1f}" if v is not None else "never" for v in rec.values()) or "-"
+        extra = f"  [{f.detail}]" if f.detail else ""
+        lines.append(
+            f"  {f.at - start:6.1f}  {f.kind:<34} {f.target:<10} {len(f.disturbed):>4}  "
+            f"{times}{extra}"
+        )
+    kinds = Counter(f.kind.split(":")[0] for f in ev.faults)
+    lines.append("  totals: " + ", ".join(f"{k}={n}" for k, n in sorted(kinds.items())))
+    all_rec = [v for f in ev.faults for v in recovery_seconds(f, ev.runs, ev.steps).values() if v]
+    if all_rec:
+        all_rec.sort()
+        lines.append(
+            f"  recovery: n={len(all_rec)} median={all_rec[len(all_rec) // 2]:.1f}s "
+            f"max={all_rec[-1]:.1f}s"
+        )
+    n_steps = sum(len(v) for v in ev.steps.values())
+    n_model = sum(1 for v in ev.steps.values() for s in v if s.kind is StepKind.MODEL)
+    statuses = Counter(str(r.status) for r in ev.runs)
+    lines.append(
+        f"runs={len(ev.runs)} {dict(statuses)} steps={n_steps} model_steps={n_model} "
+        f"model_calls={len(ev.calls)} repeated_calls={len(ev.calls) - n_model} "
+        f"comments={len(ev.comments)} unrecorded_tokens="
+        f"{sum(r.unrecorded_tokens for r in ev.runs)}"
+    )
+    if ev.lease_losses:
+        lines.append(
+            "leases found taken over by their holder's heartbeat (post-commit false alarms "
+            "excluded): " + ", ".join(f"{str(k)[:8]}x{v}" for k, v in ev.lease_losses.items())
+        )
+    return "\n".join(lines)

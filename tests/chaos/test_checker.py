@@ -1,0 +1,325 @@
+"""The chaos checker can fail: a consistent fabricated data set passes, and each kind of
+violation planted in it is reported under the right invariant. No services needed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from db.records import Run, RunStatus, Step, StepKind, StepStatus, Usage
+from runtime.replay import replay
+from tests.chaos import checker
+from tests.chaos.checker import Comment, Evidence, Fault, ModelCall, check
+
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+RUN_ID = uuid.UUID("00000000-0000-0000-0000-0000000000aa")
+INPUT = "[chaos t1] Remind the owners of the overdue acme tickets."
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def _build(cls: type[Any], values: dict[str, object]) -> Any:
+    """An instance of a records dataclass from ``values``; fields added to it later get a
+    neutral value from their annotation (0, False, None), so these tests keep building."""
+    neutral: dict[str, object] = {"int": 0, "bool": False, "Decimal": Decimal(0)}
+    kwargs = {
+        f.name: values[f.name] if f.name in values else neutral.get(str(f.type))
+        for f in dataclasses.fields(cls)
+    }
+    return cls(**kwargs)
+
+
+def make_run(**changes: object) -> Run:
+    values: dict[str, object] = {
+        "id": RUN_ID,
+        "agent": "acme-tickets",
+        "status": RunStatus.SUCCEEDED,
+        "input": INPUT,
+        "model": "claude-sonnet-4-5",
+        "max_steps": 50,
+        "token_budget": 100_000,
+        "tokens_used": 235,
+        "usage": Usage(220, 15),
+        "cost_usd": Decimal("0.002"),
+        "unrecorded_tokens": 0,
+        "unrecorded_cost_usd": Decimal(0),
+        "deadline_at": at(600),
+        "run_at": at(0),
+        "lease_epoch": 4,
+        "dispatch_token": uuid.uuid4(),
+        "result": "done",
+        "created_at": at(0),
+        "updated_at": at(4),
+        "finished_at": at(4),
+    }
+    run: Run = _build(Run, {**values, **changes})
+    return run
+
+
+def make_step(seq: int, kind: StepKind, **changes: object) -> Step:
+    values: dict[str, object] = {
+        "run_id": RUN_ID,
+        "seq": seq,
+        "step_key": "",
+        "kind": kind,
+        "status": StepStatus.DONE,
+        "usage": Usage(),
+        "cost_usd": Decimal(0),
+        "latency_ms": 10,
+        "worker": "worker-A",
+        "lease_epoch": seq,
+        "started_at": at(seq - 0.5),
+        "finished_at": at(seq),
+    }
+    step: Step = _build(Step, {**values, **changes})
+    return step
+
+
+USE = {"type": "tool_use", "id": "toolu_1", "name": "add_comment",
+       "input": {"ticket_id": 101, "text": "please look"}}  # fmt: skip
+
+
+def good_steps() -> list[Step]:
+    return [
+        make_step(
+            1,
+            StepKind.MODEL,
+            step_key="model:1",
+            response=[{"type": "text", "text": "chaos reply 1"}, USE],
+            stop_reason="tool_use",
+            usage=Usage(100, 10),
+            cost_usd=Decimal("0.001"),
+            request_id="req_fake_0001",
+        ),
+        make_step(
+            2,
+            StepKind.TOOL,
+            step_key="tool:toolu_1",
+            tool_name="add_comment",
+            tool_use_id="toolu_1",
+            response=json.dumps({"ticket_id": 101, "comment_id": 7, "created": True}),
+            worker="worker-B",
+        ),
+        make_step(
+            3,
+            StepKind.MODEL,
+            step_key="model:2",
+            response=[{"type": "text", "text": "chaos reply 2: done."}],
+            stop_reason="end_turn",
+            usage=Usage(120, 5),
+            cost_usd=Decimal("0.001"),
+            request_id="req_fake_0002",
+        ),
+    ]
+
+
+def call_for(steps: list[Step], seq: int, request_id: str, received: float) -> ModelCall:
+    step = next(s for s in steps if s.seq == seq)
+    return ModelCall(
+        request_id=request_id,
+        messages=replay(INPUT, [s for s in steps if s.seq < seq]).messages,
+        status=200,
+        content=step.response,
+        usage={"input_tokens": step.usage.input_tokens, "output_tokens": step.usage.output_tokens},
+        received_at=received,
+    )
+
+
+def good_evidence() -> Evidence:
+    steps = good_steps()
+    return Evidence(
+        runs=[make_run()],
+        steps={RUN_ID: steps},
+        comments=[Comment(7, 101, "please look", "toolu_1", at(1.5))],
+        calls=[
+            call_for(steps, 1, "req_fake_0001", at(0.5).timestamp()),
+            call_for(steps, 3, "req_fake_0002", at(2.5).timestamp()),
+        ],
+        faults=[],
+        known_workers=frozenset({"worker-A", "worker-B"}),
+    )
+
+
+def with_steps(ev: Evidence, steps: list[Step]) -> Evidence:
+    return dataclasses.replace(ev, steps={RUN_ID: steps})
+
+
+def replace_step(ev: Evidence, which: int, **changes: object) -> Evidence:
+    return with_steps(
+        ev,
+        [dataclasses.replace(s, **changes) if s.seq == which else s for s in ev.steps[RUN_ID]],  # type: ignore[arg-type]
+    )
+
+
+def repeat_turn_2(ev: Evidence) -> Evidence:
+    """One more billed call for turn 2 that never became a step."""
+    extra = dataclasses.replace(ev.calls[1], request_id="req_fake_0003")
+    return dataclasses.replace(ev, calls=[*ev.calls, extra])
+
+
+def test_a_consistent_data_set_passes() -> None:
+    assert check(good_evidence()) == []
+
+
+MUTATIONS: dict[str, tuple[Callable[[Evidence], Evidence], str]] = {
+    "duplicated step key": (
+        lambda ev: replace_step(ev, 3, step_key="model:1"),
+        checker.UNIQUE_KEYS,
+    ),
+    "seq gap": (lambda ev: replace_step(ev, 3, seq=4), checker.SEQ),
+    "tool_use without a result": (
+        lambda ev: with_steps(
+            ev, [ev.steps[RUN_ID][0], dataclasses.replace(ev.steps[RUN_ID][2], seq=2)]
+        ),
+        checker.TOOL_RESULTS,
+    ),
+    "tool step left STARTED": (
+        lambda ev: replace_step(ev, 2, status=StepStatus.STARTED),
+        checker.TOOL_RESULTS,
+    ),
+    "tool step answering nothing": (
+        lambda ev: replace_step(ev, 2, tool_use_id="toolu_9", step_key="tool:toolu_9"),
+        checker.TOOL_RESULTS,
+    ),
+    "side effect twice": (
+        lambda ev: dataclasses.replace(
+            ev, comments=[*ev.comments, Comment(8, 101, "please look", "toolu_1", at(1.6))]
+        ),
+        checker.SIDE_EFFECTS,
+    ),
+    "side effect missing": (
+        lambda ev: dataclasses.replace(ev, comments=[]),
+        checker.SIDE_EFFECTS,
+    ),
+    "orphan side effect": (
+        lambda ev: dataclasses.replace(
+            ev, comments=[*ev.comments, Comment(9, 102, "x", "toolu_never", at(1.6))]
+        ),
+        checker.SIDE_EFFECTS,
+    ),
+    "side effect before its model turn was committed": (
+        lambda ev: dataclasses.replace(
+            ev, comments=[Comment(7, 101, "please look", "toolu_1", at(0.7))]
+        ),
+        checker.FENCING,
+    ),
+    "repeated model call with no fault": (repeat_turn_2, checker.MODEL_REPEATS),
+    "two repeats for one fault": (
+        lambda ev: dataclasses.replace(
+            repeat_turn_2(repeat_turn_2(ev)),
+            faults=[Fault("kill_worker", "worker-A", 0.0, repeat_runs=frozenset({RUN_ID}))],
+        ),
+        checker.MODEL_REPEATS,
+    ),
+    "rejected request": (
+        lambda ev: dataclasses.replace(
+            ev, calls=[*ev.calls, dataclasses.replace(ev.calls[0], status=400, content=None)]
+        ),
+        checker.CALL_MATCH,
+    ),
+    "checkpointed response differs from the API's": (
+        lambda ev: replace_step(ev, 3, response=[{"type": "text", "text": "forged"}]),
+        checker.CALL_MATCH,
+    ),
+    "step under the previous step's epoch (stale writer)": (
+        lambda ev: replace_step(ev, 2, lease_epoch=1),
+        checker.FENCING,
+    ),
+    "step epoch beyond the run's": (
+        lambda ev: replace_step(ev, 3, lease_epoch=9),
+        checker.FENCING,
+    ),
+    "step written by an unknown worker": (
+        lambda ev: replace_step(ev, 2, worker="intruder"),
+        checker.FENCING,
+    ),
+    "model step from a stale history": (
+        lambda ev: dataclasses.replace(
+            ev,
+            calls=[
+                ev.calls[0],
+                dataclasses.replace(
+                    ev.calls[1], messages=replay(INPUT, ev.steps[RUN_ID][:1]).messages
+                ),
+            ],
+        ),
+        checker.FENCING,
+    ),
+    "request sent before the previous step committed": (
+        lambda ev: dataclasses.replace(
+            ev, calls=[ev.calls[0], dataclasses.replace(ev.calls[1], received_at=at(1).timestamp())]
+        ),
+        checker.FENCING,
+    ),
+    "token counter off": (
+        lambda ev: dataclasses.replace(ev, runs=[make_run(tokens_used=236)]),
+        checker.TOKENS,
+    ),
+    "unrecorded tokens with no unrecorded call": (
+        lambda ev: dataclasses.replace(ev, runs=[make_run(unrecorded_tokens=50)]),
+        checker.TOKENS,
+    ),
+    "run still running": (
+        lambda ev: dataclasses.replace(ev, runs=[make_run(status=RunStatus.RUNNING)]),
+        checker.TERMINAL_OK,
+    ),
+    "idempotent tool parked for a human": (
+        lambda ev: replace_step(
+            dataclasses.replace(ev, runs=[make_run(status=RunStatus.NEEDS_ATTENTION)]),
+            2,
+            status=StepStatus.STARTED,
+        ),
+        checker.TERMINAL_OK,
+    ),
+    "claims that produced nothing, with no fault": (
+        lambda ev: dataclasses.replace(ev, runs=[make_run(lease_epoch=6)]),
+        checker.CLAIMS,
+    ),
+    "run ended with no claim of its own": (
+        lambda ev: dataclasses.replace(ev, runs=[make_run(lease_epoch=3)]),
+        checker.FENCING,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_each_planted_violation_is_reported(name: str) -> None:
+    mutate, invariant = MUTATIONS[name]
+    violations = check(mutate(good_evidence()))
+    assert invariant in {v.invariant for v in violations}, violations
+
+
+def test_a_repeat_paid_for_by_a_fault_and_its_unrecorded_tokens_pass() -> None:
+    ev = repeat_turn_2(good_evidence())
+    billed = ev.calls[-1].usage_total
+    ev = dataclasses.replace(
+        ev,
+        runs=[make_run(unrecorded_tokens=billed)],
+        faults=[Fault("sigstop_past_lease", "worker-A", 0.0, repeat_runs=frozenset({RUN_ID}))],
+    )
+    assert check(ev) == []
+
+
+def test_a_non_idempotent_tool_may_park_the_run() -> None:
+    ev = replace_step(
+        dataclasses.replace(good_evidence(), runs=[make_run(status=RunStatus.NEEDS_ATTENTION)]),
+        2,
+        status=StepStatus.STARTED,
+    )
+    ev = dataclasses.replace(ev, non_idempotent_tools=frozenset({"add_comment"}))
+    assert checker.TERMINAL_OK not in {v.invariant for v in check(ev)}
+
+
+def test_recovery_is_measured_to_the_next_committed_step() -> None:
+    ev = good_evidence()
+    fault = Fault("kill_worker", "worker-A", at(1.2).timestamp(), disturbed=frozenset({RUN_ID}))
+    assert checker.recovery_seconds(fault, ev.runs, ev.steps) == {RUN_ID: pytest.approx(0.8)}
