@@ -139,6 +139,8 @@ INSERT INTO run_step (run_id, seq, step_key, kind, status, tool_name, tool_use_i
 SELECT r.id, :seq, :step_key, 'TOOL', 'STARTED', :tool_name, :tool_use_id, :worker, :epoch
 FROM run r
 WHERE r.id = :id AND r.locked_by = :worker AND r.lease_epoch = :epoch AND r.status = 'RUNNING'
+-- The row lock makes the fence hold: a claim committed meanwhile is seen after the wait.
+FOR SHARE OF r
 RETURNING seq;
 
 -- finish_tool_step --
@@ -149,10 +151,16 @@ WHERE run_id = :id AND step_key = :step_key AND status = 'STARTED';
 
 -- finish_run --
 -- End the run (or park it for a human, NEEDS_ATTENTION), releasing the lease. Fenced.
+-- A cancel requested meanwhile turns parking for a human into the end of the run.
 UPDATE run
-SET status = :status, result = CAST(:result AS jsonb), error = :error,
+SET status = CASE WHEN :status = 'NEEDS_ATTENTION' AND cancel_requested
+                  THEN 'CANCELLED' ELSE :status END,
+    result = CAST(:result AS jsonb),
+    error = CASE WHEN :status = 'NEEDS_ATTENTION' AND cancel_requested
+                 THEN 'cancelled by request' ELSE :error END,
     locked_by = NULL, locked_until = NULL,
-    finished_at = CASE WHEN :status = 'NEEDS_ATTENTION' THEN NULL ELSE now() END,
+    finished_at = CASE WHEN :status = 'NEEDS_ATTENTION' AND NOT cancel_requested
+                       THEN NULL ELSE now() END,
     updated_at = now()
 WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING'
 RETURNING status;
@@ -233,18 +241,36 @@ SET status = EXCLUDED.status, response = EXCLUDED.response, error = EXCLUDED.err
 -- suspend_run --
 -- Suspend for a human: no lease, no worker slot, a new dispatch token so any message still
 -- in flight for the run is stale. Fenced.
+-- A cancel that arrived while the step ran ends the run instead.
 UPDATE run
-SET status = 'WAITING', locked_by = NULL, locked_until = NULL,
+SET status = CASE WHEN cancel_requested THEN 'CANCELLED' ELSE 'WAITING' END,
+    error = CASE WHEN cancel_requested THEN 'cancelled by request' ELSE error END,
+    finished_at = CASE WHEN cancel_requested THEN now() ELSE finished_at END,
+    locked_by = NULL, locked_until = NULL,
     dispatch_token = :next_token, claims_without_progress = 0,
     wait_reason = :reason, updated_at = now()
-WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING';
+WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING'
+RETURNING status;
 
 -- insert_approval --
 INSERT INTO approval (id, run_id, step_key, role, payload, payload_hash, timeout_policy,
                       expires_at)
 VALUES (:approval_id, :id, :step_key, :role, CAST(:payload AS jsonb), :payload_hash,
         :timeout_policy, now() + make_interval(secs => :timeout_seconds))
-ON CONFLICT (run_id, step_key) DO NOTHING;
+-- Asked again for the same step (a resumed run whose approval expired): ask afresh.
+ON CONFLICT (run_id, step_key) DO UPDATE
+SET status = 'PENDING', payload = EXCLUDED.payload, payload_hash = EXCLUDED.payload_hash,
+    role = EXCLUDED.role, timeout_policy = EXCLUDED.timeout_policy,
+    requested_at = now(), expires_at = EXCLUDED.expires_at,
+    decided_by = NULL, decided_at = NULL, comment = NULL
+RETURNING id;
+
+-- lock_run_of_approval --
+-- Decisions lock the run before the approval, in the same order as cancel, so the two
+-- cannot deadlock.
+SELECT r.id FROM run r JOIN approval a ON a.run_id = r.id
+WHERE a.id = :approval_id
+FOR UPDATE OF r;
 
 -- decide_approval --
 -- A decision on a PENDING approval, only for the payload the approver was shown.

@@ -424,23 +424,22 @@ class RunStore:
         timeout_policy: str,
     ) -> uuid.UUID:
         """Record the PENDING approval and suspend the run (no lease). Fenced."""
-        approval_id = uuid.uuid4()
         with self.engine.begin() as conn:
-            owned = conn.execute(
+            suspended = conn.execute(
                 Q["suspend_run"],
                 {
                     **_fence(claim),
                     "next_token": uuid.uuid4(),
                     "reason": f"waiting for approval by {role} ({step.step_key})",
                 },
-            ).rowcount
-            if owned == 0:
+            ).first()
+            if suspended is None:
                 raise LeaseLost(claim.run_id, "suspend refused by the fence")
             conn.execute(Q["upsert_step"], _step_params(claim, step))
-            conn.execute(
+            approval_id: uuid.UUID = conn.execute(
                 Q["insert_approval"],
                 {
-                    "approval_id": approval_id,
+                    "approval_id": uuid.uuid4(),
                     "id": claim.run_id,
                     "step_key": step.step_key,
                     "role": role,
@@ -449,7 +448,9 @@ class RunStore:
                     "timeout_policy": timeout_policy,
                     "timeout_seconds": timeout_seconds,
                 },
-            )
+            ).scalar_one()
+            if suspended.status == RunStatus.CANCELLED:  # cancelled while the step ran
+                conn.execute(Q["cancel_pending_approvals"], {"id": claim.run_id})
         return approval_id
 
     def decide_approval(
@@ -493,6 +494,7 @@ class RunStore:
         token: uuid.UUID,
     ) -> Dispatch | None:
         with self.engine.begin() as conn:
+            conn.execute(Q["lock_run_of_approval"], {"approval_id": approval_id})
             row = conn.execute(
                 Q["decide_approval"],
                 {

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from db.errors import DarError
+from db.errors import DarError, LeaseLost
 from db.records import (
     Claim,
     NewStep,
@@ -43,6 +43,7 @@ from runtime.codec import decode, encode, return_type
 from runtime.faults import crash_point
 from runtime.guard import guard
 from runtime.llm.base import LlmRequest, LlmResponse
+from runtime.llm.retry import RetryLater
 from runtime.logctx import set_step
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TIMEOUT_POLICIES = ("FAIL", "REJECT", "APPROVE")
-_pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dar-step")
+_pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="dar-step")
 
 
 # -- errors a durable function may see -----------------------------------------------------
@@ -431,6 +432,7 @@ class _Execution:
         self.llm_prompt_hash: str | None = None
         self.llm_request_id: str | None = None
         self.steps_api = Steps(self)
+        self.yielded: _Yield | None = None
 
     # -- keys and strict replay ---------------------------------------------------------------
 
@@ -468,16 +470,28 @@ class _Execution:
     def _yield(self, rows: list[NewStep], **kwargs: Any) -> typing.NoReturn:
         from runtime.driver import Outcome, StepResult
 
-        if self.lease.lost.is_set():
-            from db.errors import LeaseLost
-
-            raise LeaseLost(self.claim.run_id, "heartbeat found the lease taken over")
-        dispatch = self.driver.store.record_steps(self.claim, [*self.children, *rows], **kwargs)
+        try:
+            if self.lease.lost.is_set():
+                raise LeaseLost(self.claim.run_id, "heartbeat found the lease taken over")
+            dispatch = self.driver.store.record_steps(self.claim, [*self.children, *rows], **kwargs)
+        except LeaseLost:
+            if self.llm_usage.total:  # billed model calls: counted even though not a step
+                self.driver.store.record_unrecorded_usage(
+                    self.claim.run_id, self.llm_usage, self.llm_cost
+                )
+            raise
         self.children = []
         delayed = kwargs.get("delay_seconds") is not None
         outcome = Outcome.WAITING if delayed else Outcome.CONTINUE
         send = None if delayed and not kwargs.get("message_at_due", True) else dispatch
-        raise _Yield(StepResult(outcome, dispatch=send))
+        self.yielded = _Yield(StepResult(outcome, dispatch=send))
+        raise self.yielded
+
+    def _check_yielded(self) -> None:
+        """After this task's step was checkpointed nothing else may run, even if user code
+        caught the unwinding (a ``finally`` that calls another step): unwind again."""
+        if self.yielded is not None:
+            raise self.yielded
 
     def _guard(self, kind: StepKind) -> None:
         run = self.claim.run
@@ -525,13 +539,15 @@ class _Execution:
         compensate: Callable[[Any], Any] | None,
         options: StepOptions,
     ) -> Any:
+        self._check_yielded()
         rec = self.recorded.get(key)
         if rec is not None and rec.status is StepStatus.DONE:
             value = decode(rec.response, type)
             self._remember(key, name, compensate, value)
             return value
-        if rec is not None and rec.status is StepStatus.ERROR:
+        if rec is not None and rec.status is StepStatus.ERROR and not self.stack:
             raise StepError(key, rec.error or "unknown error")
+        # (a nested step that failed in an earlier attempt of its parent runs again)
         attempt = (rec.attempt if rec is not None else 0) + 1
         if self.stack:  # nested: runs inline and is recorded with its parent
             return self._run_nested(kind, key, name, thunk, compensate, options, attempt)
@@ -541,13 +557,23 @@ class _Execution:
         started = time.monotonic()
         self.stack.append(key)
         self.llm_usage, self.llm_cost = Usage(), Decimal(0)
+        children_before = len(self.compensations)
         try:
             value = self._call(thunk, options.timeout)
             encoded = encode(value)
+        except RetryLater as e:  # the model asks us to come back later: a durable timer
+            self.stack.pop()
+            self._yield(
+                [],
+                delay_seconds=e.delay_seconds,
+                reason=f"{key}: model call rate limited; retrying in {e.delay_seconds:.1f}s",
+                message_at_due=e.delay_seconds <= self.driver.settings.max_countdown_seconds,
+            )
         except Exception as e:
             self.stack.pop()
             latency = int((time.monotonic() - started) * 1000)
             error = f"{type_name(e)}: {e}"
+            undo = self.compensations[children_before:]  # nested steps this attempt completed
             if options.retries and attempt < options.retries:
                 delay = options.backoff * 2 ** (attempt - 1)
                 log.info(
@@ -564,9 +590,10 @@ class _Execution:
             log.info(
                 "run=%s seq=%d %s %s failed: %s", str(self.claim.run_id)[:8], seq, kind, key, error
             )
-            self._yield(
-                [self._row(seq, key, kind, StepStatus.ERROR, None, error, attempt, latency)]
-            )
+            failed = self._row(seq, key, kind, StepStatus.ERROR, None, error, attempt, latency)
+            # Replays will not enter this step again, so its completed nested steps are undone
+            # now, latest first, recorded with the failure.
+            self._yield([failed, *(self._run_compensation(c) for c in reversed(undo))])
         self.stack.pop()
         latency = int((time.monotonic() - started) * 1000)
         crash_point("after_tool_effect")
@@ -588,7 +615,7 @@ class _Execution:
         attempt: int,
         latency_ms: int,
     ) -> NewStep:
-        llm = kind is StepKind.LLM
+        llm = self.llm_usage.total > 0 or kind is StepKind.LLM  # model calls made in this step
         return NewStep(
             seq=seq,
             step_key=key,
@@ -650,6 +677,7 @@ class _Execution:
         try:
             return future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
+            future.cancel()  # if it never started, it never will
             raise StepTimeout(f"step ran longer than {timeout:g}s") from None
 
     def _remember(
@@ -668,6 +696,9 @@ class _Execution:
             self.compensations.append(_Compensation(key, name, fn, value))
 
     def version(self, name: str, minimum: int, maximum: int) -> int:
+        self._check_yielded()
+        if self.stack:
+            raise DurableConfigError("steps.version() belongs at the top level, not inside a step")
         key = self._key(name)
         self._check_replay(key)
         rec = self.recorded.get(key)
@@ -723,6 +754,7 @@ class _Execution:
         args: tuple[Any, ...],
         type: Any,
     ) -> Any:
+        self._check_yielded()
         if self.stack:
             raise DurableConfigError("an approval cannot be asked for inside another step")
         if builder.role not in self.agent.approval_roles:
@@ -736,7 +768,9 @@ class _Execution:
         digest = _hash(payload)
         rec = self.recorded.get(key)
         if rec is not None and rec.status is StepStatus.DONE:
-            return decode(rec.response, type)
+            value = decode(rec.response, type)
+            self._remember(key, name, None, value)
+            return value
         if rec is not None and rec.status is StepStatus.REJECTED:
             approval = self._approval_record(key)
             raise ApprovalRejected(
@@ -858,6 +892,27 @@ class _Execution:
             return self.driver._finish(self.claim, RunStatus.FAILED, error=str(e))
         return self.driver._finish(self.claim, RunStatus.SUCCEEDED, result=result)
 
+    def _run_compensation(self, c: _Compensation) -> NewStep:
+        """Run one compensation; its row (DONE or ERROR) is for the caller to record."""
+        seq = self._take_seq()
+        set_step(seq)
+        started = time.monotonic()
+        status, error = StepStatus.DONE, None
+        try:
+            c.fn(c.result)
+        except Exception as e:
+            status, error = StepStatus.ERROR, f"{type_name(e)}: {e}"
+        log.info("run=%s seq=%d COMPENSATION %s %s", str(self.claim.run_id)[:8], seq, c.key, status)
+        return NewStep(
+            seq=seq,
+            step_key=f"compensate:{c.key}",
+            kind=StepKind.COMPENSATION,
+            status=status,
+            error=error,
+            attempt=1,
+            latency_ms=int((time.monotonic() - started) * 1000),
+        )
+
     def _compensate_or_fail(self, error: Exception) -> StepResult:
         """After a failure: the compensations of completed steps, in reverse order, one per
         task and each recorded so none runs twice; then FAILED."""
@@ -872,35 +927,7 @@ class _Execution:
             if rec is not None and rec.status is StepStatus.ERROR:
                 failed.append(f"{c.name}: {rec.error}")
                 continue
-            seq = self._take_seq()
-            set_step(seq)
-            started = time.monotonic()
-            try:
-                c.fn(c.result)
-            except Exception as e:
-                row = NewStep(
-                    seq=seq,
-                    step_key=key,
-                    kind=StepKind.COMPENSATION,
-                    status=StepStatus.ERROR,
-                    error=f"{type_name(e)}: {e}",
-                    attempt=1,
-                    latency_ms=int((time.monotonic() - started) * 1000),
-                )
-            else:
-                row = NewStep(
-                    seq=seq,
-                    step_key=key,
-                    kind=StepKind.COMPENSATION,
-                    status=StepStatus.DONE,
-                    attempt=1,
-                    latency_ms=int((time.monotonic() - started) * 1000),
-                )
-            log.info(
-                "run=%s seq=%d COMPENSATION %s %s",
-                str(self.claim.run_id)[:8], seq, c.key, row.status,
-            )  # fmt: skip
-            self._yield([row])
+            self._yield([self._run_compensation(c)])
         message = f"{type_name(error)}: {error}"
         if done_names:
             message += f" (compensated: {', '.join(done_names)})"
