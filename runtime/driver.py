@@ -521,7 +521,11 @@ class Driver:
         """Run user code with a wall-clock limit, in a pool thread that carries the log
         context. A crash (a ``BaseException``) propagates; a timed-out call is abandoned."""
         future = _tool_pool.submit(contextvars.copy_context().run, fn, *args)
-        return future.result(timeout=timeout)
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # if it never started (the pool was busy), it never will
+            raise
 
     def _needs_attention(self, claim: Claim, reason: str) -> StepResult:
         return self._finish(claim, RunStatus.NEEDS_ATTENTION, error=reason)
