@@ -78,8 +78,22 @@ def _nullable(schema: JsonObj) -> JsonObj:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
+def _model_parameter(fn: Callable[..., Any]) -> tuple[str, Any] | None:
+    """``(name, model class)`` when the tool takes its whole input as one pydantic model."""
+    hints = typing.get_type_hints(fn)
+    params = [p for p in inspect.signature(fn).parameters if hints.get(p) is not ToolContext]
+    if len(params) == 1 and hasattr(hints.get(params[0]), "model_json_schema"):
+        return params[0], hints[params[0]]
+    return None
+
+
 def schema_from_signature(fn: Callable[..., Any]) -> JsonObj:
-    """A JSON schema for a function's keyword arguments, from its type hints."""
+    """A JSON schema for a function's keyword arguments, from its type hints, or, when its
+    only parameter is a pydantic model, that model's schema."""
+    model = _model_parameter(fn)
+    if model is not None:
+        schema: JsonObj = model[1].model_json_schema()
+        return schema
     hints = typing.get_type_hints(fn)
     properties: JsonObj = {}
     required: list[str] = []
@@ -90,7 +104,7 @@ def schema_from_signature(fn: Callable[..., Any]) -> JsonObj:
         properties[name] = _schema_for(annotation)
         if param.default is inspect.Parameter.empty:
             required.append(name)
-    schema: JsonObj = {"type": "object", "properties": properties}
+    schema = {"type": "object", "properties": properties}
     if required:
         schema["required"] = required
     return schema
@@ -142,7 +156,8 @@ class Tool:
     def invoke(self, arguments: JsonObj, context: ToolContext) -> Any:
         self.validate(arguments)
         hints = typing.get_type_hints(self.fn)
-        kwargs = dict(arguments)
+        model = _model_parameter(self.fn)
+        kwargs = {model[0]: model[1].model_validate(arguments)} if model else dict(arguments)
         for name in inspect.signature(self.fn).parameters:
             if hints.get(name) is ToolContext:
                 kwargs[name] = context

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Literal, Optional
 
+import pydantic
 import pytest
 
 from db.demo import TicketStore
@@ -338,3 +339,24 @@ def test_render_output_cuts_long_output_and_says_so() -> None:
     structured = render_output([{"id": i} for i in range(100)], limit=20)
     assert structured.startswith('[{"id": 0}, {"id": 1\n[output truncated')
     assert "truncated" in structured
+
+
+def test_a_pydantic_model_parameter_gives_the_schema_and_the_value() -> None:
+
+    class Refund(pydantic.BaseModel):
+        order_id: int
+        amount: float
+        reason: str = "unspecified"
+
+    @tool
+    def refund(request: Refund, ctx: ToolContext) -> str:
+        """Refund an order."""
+        return f"{request.order_id}:{request.amount}:{request.reason}:{ctx.idempotency_key}"
+
+    schema = refund.input_schema
+    assert schema["required"] == ["order_id", "amount"]
+    assert schema["properties"]["amount"]["type"] == "number"
+    context = ToolContext(run_id=RUN_ID, tool_use_id="toolu_9")
+    assert refund.invoke({"order_id": 7, "amount": 2.5}, context) == "7:2.5:unspecified:toolu_9"
+    with pytest.raises(ToolInputError, match="order_id"):
+        refund.invoke({"amount": 2.5}, context)
