@@ -341,13 +341,13 @@ def test_render_output_cuts_long_output_and_says_so() -> None:
     assert "truncated" in structured
 
 
+class Refund(pydantic.BaseModel):
+    order_id: int
+    amount: float
+    reason: str = "unspecified"
+
+
 def test_a_pydantic_model_parameter_gives_the_schema_and_the_value() -> None:
-
-    class Refund(pydantic.BaseModel):
-        order_id: int
-        amount: float
-        reason: str = "unspecified"
-
     @tool
     def refund(request: Refund, ctx: ToolContext) -> str:
         """Refund an order."""
