@@ -70,10 +70,10 @@ class Settings:
     agent_modules: tuple[str, ...] = ()
     max_tokens: int = 4096
     default_max_steps: int = 50
-    lease_seconds: float = 15.0
-    heartbeat_seconds: float = 5.0
+    lease_seconds: float = 8.0
+    heartbeat_seconds: float = 8.0 / 3
     redispatch_after_seconds: float = 30.0
-    reaper_interval_seconds: float = 2.0
+    reaper_interval_seconds: float = 1.0
     max_claims_without_progress: int = 3
     store_requests: bool = False
     model_timeout_seconds: float = 120.0
@@ -111,7 +111,7 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         e: Mapping[str, str] = os.environ if env is None else env
         modules = tuple(m.strip() for m in _get(e, "DAR_AGENT_MODULES", "").split(",") if m.strip())
-        lease = _num(e, "DAR_LEASE_SECONDS", 15.0, minimum=1)
+        lease = _num(e, "DAR_LEASE_SECONDS", 8.0, minimum=1)
         settings = cls(
             database_url=e.get("DATABASE_URL") or None,
             redis_url=e.get("REDIS_URL") or None,
@@ -125,7 +125,7 @@ class Settings:
             lease_seconds=lease,
             heartbeat_seconds=_num(e, "DAR_HEARTBEAT_SECONDS", lease / 3, minimum=0.1),
             redispatch_after_seconds=_num(e, "DAR_REDISPATCH_AFTER_SECONDS", 30.0, minimum=1),
-            reaper_interval_seconds=_num(e, "DAR_REAPER_INTERVAL_SECONDS", 2.0, minimum=0.1),
+            reaper_interval_seconds=_num(e, "DAR_REAPER_INTERVAL_SECONDS", 1.0, minimum=0.1),
             max_claims_without_progress=_int(e, "DAR_MAX_CLAIMS_WITHOUT_PROGRESS", 3, minimum=1),
             store_requests=_bool(e, "DAR_STORE_REQUESTS", False),
             model_timeout_seconds=_num(e, "DAR_MODEL_TIMEOUT_SECONDS", 120.0, minimum=1),

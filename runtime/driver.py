@@ -132,19 +132,21 @@ class Driver:
             log_context(run_id=str(run.id), worker=self.worker, step_seq="-"),
             self.heartbeat.hold(claim) as lease,
         ):
-            steps = self.store.steps(run.id)
-            next_seq = len(steps) + 1
+            # Checked before anything else may fail on this run (reading its steps included),
+            # so a run that keeps breaking its worker ends instead of being retried forever.
             if run.claims_without_progress > self.settings.max_claims_without_progress:
                 return self._finish(
                     claim,
                     RunStatus.FAILED,
                     error=(
                         f"the run stopped its worker {run.claims_without_progress - 1} times "
-                        f"at seq={next_seq} without completing a step; giving up "
+                        "without completing a step; giving up "
                         f"(DAR_MAX_CLAIMS_WITHOUT_PROGRESS="
                         f"{self.settings.max_claims_without_progress})"
                     ),
                 )
+            steps = self.store.steps(run.id)
+            next_seq = len(steps) + 1
             if run.claims_without_progress > 1:
                 log.info("run=%s resumed at seq=%d", short(run.id), self._resume_seq(steps))
             try:
@@ -434,7 +436,6 @@ class Driver:
         tool = agent.tools_by_name.get(name)
         context = ToolContext(run_id=claim.run_id, tool_use_id=tool_use_id)
         rid = short(claim.run_id)
-        started = time.monotonic()
         reconciled: Reconciled | None = None
 
         if existing is not None:  # STARTED by a worker that stopped before recording it
@@ -469,6 +470,7 @@ class Driver:
             log.info("run=%s seq=%d TOOL %s id=%s started", rid, seq, name, tool_use_id)
             crash_point("after_tool_start")
 
+        started = time.monotonic()  # the tool's own time (a reconcile hook's, on resume)
         status = StepStatus.DONE
         error: str | None = None
         limit = self.settings.max_tool_output_chars

@@ -100,3 +100,7 @@ def configure_logging(
     # Libraries that would print request bodies or headers at DEBUG stay at WARNING.
     for noisy in ("anthropic", "httpx", "httpx2", "httpcore", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Celery's "Task received" / "Task succeeded" lines, two per step, cost ~10% of a
+    # worker's throughput and repeat what the runtime's own step lines say.
+    for per_task in ("celery.app.trace", "celery.worker.strategy"):
+        logging.getLogger(per_task).setLevel(logging.WARNING)

@@ -57,10 +57,10 @@ def test_defaults_with_an_empty_environment() -> None:
     assert s.agent_modules == ()
     assert s.max_tokens == 4096
     assert s.default_max_steps == 50
-    assert s.lease_seconds == 15.0
-    assert s.heartbeat_seconds == 5.0
+    assert s.lease_seconds == 8.0
+    assert s.heartbeat_seconds == pytest.approx(8.0 / 3)
     assert s.redispatch_after_seconds == 30.0
-    assert s.reaper_interval_seconds == 2.0
+    assert s.reaper_interval_seconds == 1.0
     assert s.max_claims_without_progress == 3
     assert s.store_requests is False
     assert s.model_timeout_seconds == 120.0
@@ -92,7 +92,7 @@ def test_empty_and_blank_values_take_the_default() -> None:
     s = Settings.from_env({"DAR_MAX_TOKENS": "", "DAR_QUEUE": "   ", "DAR_LEASE_SECONDS": " "})
     assert s.max_tokens == 4096
     assert s.queue == "dar"
-    assert s.lease_seconds == 15.0
+    assert s.lease_seconds == 8.0
 
 
 def test_values_are_read() -> None:

@@ -1,0 +1,46 @@
+"""Worker module of the bare-hop baseline: ``celery -A bench.hop_app worker --pool threads``.
+
+Configured by environment: ``DATABASE_URL``, ``REDIS_URL``, ``BENCH_HOP_QUEUE``,
+``BENCH_HOP_EVENTS`` (1: send task events like the runtime's workers do).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+
+from sqlalchemy import Engine
+
+from bench.hop import HOP_TASK, checkpoint, make_hop_app
+from db.engine import make_engine
+
+app = make_hop_app(
+    os.environ["REDIS_URL"],
+    os.environ.get("BENCH_HOP_QUEUE", "dar-bench-hop"),
+    events=os.environ.get("BENCH_HOP_EVENTS", "0") == "1",
+)
+_engine: tuple[int, Engine] | None = None
+_lock = threading.Lock()
+WORKER = f"hop:{socket.gethostname()}:{os.getpid()}"
+
+
+def engine() -> Engine:
+    global _engine
+    if _engine is None or _engine[0] != os.getpid():
+        with _lock:
+            if _engine is None or _engine[0] != os.getpid():
+                # The runtime's pool: 10 + 10 overflow per process.
+                _engine = (os.getpid(), make_engine(os.environ["DATABASE_URL"], pool_size=10))
+    return _engine[1]
+
+
+@app.task(name=HOP_TASK, ignore_result=True, shared=False)
+def hop(run_id: str, token: str, seq: int, total: int) -> None:
+    next_token = str(uuid.uuid4())
+    with engine().begin() as conn:
+        if not checkpoint(conn, run_id, token, next_token, seq, WORKER):
+            return
+    if seq < total:
+        hop.apply_async((run_id, next_token, seq + 1, total))

@@ -1,0 +1,334 @@
+"""The benchmark sections and what each measures; ``python -m bench`` runs them.
+
+Baselines are measured in the same section as the figure they are compared with, on the
+same database and broker, interleaved repeat by repeat (baseline, runtime, baseline, ...),
+so that a machine whose load drifts during the run (other jobs, a noisy neighbour) shifts
+both sides alike. Each figure is the median over the repeats.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bench import inproc
+from bench import runtime_bench as rb
+from bench.baselines import hop_latency, hop_throughput, raw_checkpoint
+from bench.dbos_bench import DbosFleet, dbos_latency, dbos_throughput, reset_schema
+from bench.dbos_bench import available as dbos_available
+from bench.env import BenchEnv
+from bench.stack import HopFleet, RuntimeFleet
+from bench.stats import median
+
+
+@dataclass
+class Plan:
+    quick: bool = False
+    repeats: int = 3
+    concurrency: int = 16
+    """Threads per worker process (``--pool threads``), runtime and bare hop alike."""
+    dbos: bool = True
+    # (a) and the latency baselines
+    raw_seconds: float = 2.0
+    hop_latency_hops: int = 300
+    overhead_runs: int = 5
+    overhead_tools: int = 20
+    dbos_latency_steps: int = 200
+    # (b) and the throughput baselines
+    processes: tuple[int, ...] = (1, 2, 4)
+    runs: int = 50
+    tools: int = 10
+    """Each run: ``tools`` model turns calling ``noop``, then a final turn: 2*tools+1 steps."""
+    # (d)
+    long_tools: int = 100
+    long_runs: int = 3
+    # (c)
+    inflight_levels: tuple[tuple[int, int], ...] = ((50, 10), (100, 10), (500, 5))
+    inflight_concurrency: int = 256
+    inflight_workers: int = 2
+    model_latency_ms: int = 1000
+    # (e)
+    recovery_runs: int = 16
+    recovery_configs: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+        ("default (DAR_LEASE_SECONDS=15)", ()),
+        ("DAR_LEASE_SECONDS=5", (("DAR_LEASE_SECONDS", "5"),)),
+    )
+    sections: tuple[str, ...] = ("latency", "throughput", "replay", "inflight", "recovery")
+
+    @property
+    def steps_per_run(self) -> int:
+        return 2 * self.tools + 1
+
+    @classmethod
+    def make(cls, *, quick: bool, repeats: int | None, dbos: bool) -> Plan:
+        if not quick:
+            p = cls(dbos=dbos)
+        else:
+            p = cls(
+                quick=True,
+                repeats=1,
+                dbos=dbos,
+                raw_seconds=1.0,
+                tools=5,
+                hop_latency_hops=150,
+                overhead_runs=2,
+                dbos_latency_steps=100,
+                long_runs=1,
+                inflight_levels=((500, 4),),
+                recovery_configs=(("default (DAR_LEASE_SECONDS=15)", ()),),
+            )
+        if repeats:
+            p.repeats = repeats
+        return p
+
+
+@dataclass
+class Results:
+    plan: dict[str, Any]
+    sections: dict[str, Any] = field(default_factory=dict)
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _med(xs: list[float]) -> float:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return median(xs) if xs else math.nan
+
+
+# -- (a) + latency baselines --------------------------------------------------------------
+
+
+def section_latency(env: BenchEnv, plan: Plan) -> dict[str, Any]:
+    """(a) the runtime's per-step overhead, one run at a time on one worker process, against
+    one bare-hop chain alone, the raw checkpoint transaction, and one DBOS workflow alone."""
+    env.reset_redis()
+    use_dbos = plan.dbos and dbos_available()
+    if use_dbos:
+        reset_schema(env)
+    rep: dict[str, list[Any]] = {"raw_1": [], "raw_8": [], "hop": [], "runtime": [], "dbos": []}
+    with (
+        HopFleet(env, workers=1, concurrency=plan.concurrency, name="latency-hop") as hop,
+        RuntimeFleet(env, workers=1, concurrency=plan.concurrency, name="latency-runtime") as rt,
+        _maybe_dbos(env, 1 if use_dbos else 0) as dbos,
+    ):
+        hop_latency(env, hop, 20)  # warm-up
+        rb.overhead(env, rt, 1, 3)
+        for i in range(plan.repeats):
+            _log(f"latency: repeat {i + 1}/{plan.repeats}")
+            rep["raw_1"].append(raw_checkpoint(env, 1, plan.raw_seconds))
+            rep["raw_8"].append(raw_checkpoint(env, 8, plan.raw_seconds))
+            rep["hop"].append(hop_latency(env, hop, plan.hop_latency_hops))
+            rep["runtime"].append(rb.overhead(env, rt, plan.overhead_runs, plan.overhead_tools))
+            if dbos is not None:
+                rep["dbos"].append(dbos_latency(dbos, plan.dbos_latency_steps))
+    _log("latency: in-process breakdown")
+    breakdown = inproc.breakdown(env, plan.overhead_runs, plan.overhead_tools)
+    rt_p50 = [r["ms_per_step"]["p50"] for r in rep["runtime"]]
+    hop_p50 = [r["ms_per_hop"]["p50"] for r in rep["hop"]]
+    out: dict[str, Any] = {
+        "runtime_p50_ms": _med(rt_p50),
+        "runtime_p99_ms": _med([r["ms_per_step"]["p99"] for r in rep["runtime"]]),
+        "runtime_by_kind_p50_ms": {
+            k: _med([r["by_kind"][k]["p50"] for r in rep["runtime"]]) for k in ("MODEL", "TOOL")
+        },
+        "hop_p50_ms": _med(hop_p50),
+        "hop_p99_ms": _med([r["ms_per_hop"]["p99"] for r in rep["hop"]]),
+        "ratio_to_hop_p50": _med([a / b for a, b in zip(rt_p50, hop_p50, strict=True)]),
+        "raw_checkpoint_p50_ms": _med([r["latency_ms"]["p50"] for r in rep["raw_1"]]),
+        "raw_checkpoint_tx_per_s_1": _med([r["tx_per_s"] for r in rep["raw_1"]]),
+        "raw_checkpoint_tx_per_s_8": _med([r["tx_per_s"] for r in rep["raw_8"]]),
+        "inproc": breakdown,
+        "db_calls_per_step": breakdown["db_calls_per_step"],
+        "hop_db_calls_per_step": rep["raw_1"][-1]["db_calls_per_tx"],
+        "repeats": rep,
+    }
+    if use_dbos:
+        dbos_p50 = [r["ms_per_step"]["p50"] for r in rep["dbos"]]
+        out["dbos_p50_ms"] = _med(dbos_p50)
+        out["dbos_p99_ms"] = _med([r["ms_per_step"]["p99"] for r in rep["dbos"]])
+        out["ratio_to_dbos_p50"] = _med([a / b for a, b in zip(rt_p50, dbos_p50, strict=True)])
+    return out
+
+
+# -- (b) + throughput baselines -----------------------------------------------------------
+
+
+def section_throughput(env: BenchEnv, plan: Plan) -> dict[str, Any]:
+    """(b) steps/s of ``plan.runs`` runs at once with the zero-latency model, on 1, 2 and 4
+    worker processes, against the bare hop (same chains, same process count) and DBOS."""
+    use_dbos = plan.dbos and dbos_available()
+    if use_dbos:
+        reset_schema(env)
+    steps = plan.steps_per_run
+    out: dict[str, Any] = {"runs": plan.runs, "steps_per_run": steps, "by_processes": {}}
+    for n in plan.processes:
+        env.reset_redis()
+        rep: dict[str, list[Any]] = {"runtime": [], "hop": [], "dbos": [], "cpu": [], "hop_cpu": []}
+        with (
+            HopFleet(env, workers=n, concurrency=plan.concurrency, name=f"tput-hop-{n}") as hop,
+            RuntimeFleet(
+                env, workers=n, concurrency=plan.concurrency, name=f"tput-runtime-{n}"
+            ) as rt,
+            _maybe_dbos(env, n if use_dbos and n <= 2 else 0) as dbos,
+        ):
+            for i in range(plan.repeats):
+                _log(f"throughput: {n} process(es), repeat {i + 1}/{plan.repeats}")
+                h = hop_throughput(env, hop, plan.runs, steps, 1)
+                rep["hop"].append(h["steps_per_s"])
+                rep["hop_cpu"].append(h["cpu_ms_per_step"])
+                r = rb.throughput(env, rt, plan.runs, plan.tools)
+                rep["runtime"].append(r["steps_per_s"])
+                rep["cpu"].append(r["cpu_ms_per_step"])
+                if dbos is not None:
+                    rep["dbos"].append(dbos_throughput(dbos, plan.runs, steps))
+        row: dict[str, Any] = {
+            "runtime_steps_per_s": _med(rep["runtime"]),
+            "hop_steps_per_s": _med(rep["hop"]),
+            "ratio_to_hop": _med([a / b for a, b in zip(rep["runtime"], rep["hop"], strict=True)]),
+            "runtime_cpu_ms_per_step": _median_dict(rep["cpu"]),
+            "hop_cpu_ms_per_step": _median_dict(rep["hop_cpu"]),
+            "repeats": rep,
+        }
+        if rep["dbos"]:
+            row["dbos_steps_per_s"] = _med(rep["dbos"])
+            row["ratio_to_dbos"] = _med(
+                [a / b for a, b in zip(rep["runtime"], rep["dbos"], strict=True)]
+            )
+        out["by_processes"][n] = row
+    return out
+
+
+@contextlib.contextmanager
+def _maybe_dbos(env: BenchEnv, processes: int) -> Iterator[DbosFleet | None]:
+    if not processes:
+        yield None
+        return
+    with DbosFleet(env, processes) as fleet:
+        yield fleet
+
+
+def _median_dict(ds: list[dict[str, float]]) -> dict[str, float]:
+    keys = ds[0].keys() if ds else []
+    return {k: _med([d[k] for d in ds]) for k in keys}
+
+
+# -- (d) -----------------------------------------------------------------------------------
+
+
+def section_replay(env: BenchEnv, plan: Plan) -> dict[str, Any]:
+    """(d) the cost of step ~200 of a run against steps 1-10 of another run measured at the
+    same moments, end to end through one worker process, and in-process phase by phase."""
+    env.reset_redis()
+    last = 2 * plan.long_tools + 1
+    with RuntimeFleet(env, workers=1, concurrency=plan.concurrency, name="replay") as rt:
+        _log(f"replay: {plan.long_runs} run(s) of {last} steps, each followed by a fresh run")
+        e2e = rb.long_run(env, rt, plan.long_tools, plan.long_runs)
+    _log("replay: in-process, old and young runs alternately")
+    records = inproc.old_and_young(env, plan.long_tools, plan.long_runs)
+    phases: dict[str, Any] = {}
+    for label, role, lo, hi in (("first", "young", 2, 11), ("last", "old", last - 9, last)):
+        rs = [
+            r
+            for r in records
+            if r["role"] == role and lo <= r["seq"] <= hi and r["kind"] != "FINISH"
+        ]
+        names = sorted({p for r in rs for p in r["phases"]})
+        phases[label] = {"total": median([r["total_ms"] for r in rs])} | {
+            p: median([r["phases"].get(p, 0.0) for r in rs]) for p in names
+        }
+    old_run = next(r["run"] for r in reversed(records) if r["role"] == "old")
+    return {
+        **e2e,
+        "read_variants_ms": inproc.read_variants(env, old_run),
+        "inproc_first_ms": phases["first"]["total"],
+        "inproc_last_ms": phases["last"]["total"],
+        "inproc_ratio": phases["last"]["total"] / phases["first"]["total"],
+        "inproc_phases_p50": phases,
+    }
+
+
+# -- (c) -----------------------------------------------------------------------------------
+
+
+def section_inflight(env: BenchEnv, plan: Plan) -> dict[str, Any]:
+    """(c) many runs in flight with a 1 s model on one host (2 worker processes)."""
+    env.reset_redis()
+    levels = []
+    with RuntimeFleet(
+        env,
+        workers=plan.inflight_workers,
+        concurrency=plan.inflight_concurrency,
+        name="inflight",
+    ) as rt:
+        for runs, steps in plan.inflight_levels:
+            _log(f"in flight: {runs} runs x {steps} steps of {plan.model_latency_ms} ms")
+            levels.append(rb.in_flight(env, rt, runs, steps, plan.model_latency_ms))
+    ok = [lv["runs"] for lv in levels if lv["ratio_to_ideal"] >= 0.9]
+    conns = [c["max"] for lv in levels for c in lv["connections"]["per_process"].values()]
+    return {
+        "workers": plan.inflight_workers,
+        "concurrency": plan.inflight_concurrency,
+        "levels": levels,
+        "largest_level_at_90pct": max(ok) if ok else None,
+        "max_connections_per_process": max(conns) if conns else None,
+    }
+
+
+# -- (e) -----------------------------------------------------------------------------------
+
+
+def section_recovery(env: BenchEnv, plan: Plan) -> dict[str, Any]:
+    """(e) SIGKILL of a whole worker process while it holds runs mid model call."""
+    out = []
+    for label, extra in plan.recovery_configs:
+        _log(f"recovery: {label}")
+        out.append(
+            rb.recovery(
+                env,
+                runs=plan.recovery_runs,
+                concurrency=8,
+                extra_env=dict(extra),
+                label=label,
+            )
+        )
+    return {"configs": out}
+
+
+SECTIONS = {
+    "latency": section_latency,
+    "throughput": section_throughput,
+    "replay": section_replay,
+    "inflight": section_inflight,
+    "recovery": section_recovery,
+}
+
+
+def _diagnose(env: BenchEnv, plan: Plan) -> dict[str, Any]:
+    from bench.diagnose import section_diagnose
+
+    return section_diagnose(env, plan)
+
+
+EXTRA = {"diagnose": _diagnose}
+"""Sections that ``all`` leaves out."""
+
+
+def run(env: BenchEnv, plan: Plan, sections: list[str]) -> Results:
+    res = Results(plan=asdict(plan))
+    for name in sections:
+        t0 = time.monotonic()
+        res.sections[name] = {**SECTIONS, **EXTRA}[name](env, plan)
+        res.timings_s[name] = time.monotonic() - t0
+        _log(f"{name}: done in {res.timings_s[name]:.0f}s")
+    env.truncate()
+    return res
+
+
+__all__ = ["EXTRA", "SECTIONS", "Plan", "Results", "run"]
