@@ -342,7 +342,13 @@ WHERE run_id = :id AND status = 'ERROR'
 SELECT count(*) FROM run_step WHERE run_id = :id AND kind = 'COMPENSATION';
 
 -- list_steps --
-SELECT * FROM run_step WHERE run_id = :id ORDER BY seq;
+-- Every column but the optional full request (DAR_STORE_REQUESTS), which replay never needs
+-- and which is the largest by far when kept.
+SELECT run_id, seq, step_key, kind, status, tool_name, tool_use_id, model, prompt_hash,
+       response, stop_reason, input_tokens, output_tokens, cache_creation_input_tokens,
+       cache_read_input_tokens, cost_usd, latency_ms, request_id, error, resolution, attempt,
+       input_hash, worker, lease_epoch, started_at, finished_at
+FROM run_step WHERE run_id = :id ORDER BY seq;
 
 -- list_runs --
 -- Newest first, keyset-paginated on (created_at, id).
