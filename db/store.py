@@ -43,6 +43,15 @@ def _json(value: Any) -> str | None:
     return None if value is None else json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
+def _usage(row: RowMapping) -> Usage:
+    return Usage(
+        row["input_tokens"],
+        row["output_tokens"],
+        row["cache_creation_input_tokens"],
+        row["cache_read_input_tokens"],
+    )
+
+
 def _run(row: RowMapping) -> Run:
     return Run(
         id=row["id"],
@@ -53,12 +62,7 @@ def _run(row: RowMapping) -> Run:
         max_steps=row["max_steps"],
         token_budget=row["token_budget"],
         tokens_used=row["tokens_used"],
-        usage=Usage(
-            row["input_tokens"],
-            row["output_tokens"],
-            row["cache_creation_input_tokens"],
-            row["cache_read_input_tokens"],
-        ),
+        usage=_usage(row),
         cost_usd=row["cost_usd"],
         cost_budget_usd=row["cost_budget_usd"],
         unrecorded_tokens=row["unrecorded_tokens"],
@@ -94,12 +98,7 @@ def _step(row: RowMapping) -> Step:
         prompt_hash=row["prompt_hash"],
         response=row["response"],
         stop_reason=row["stop_reason"],
-        usage=Usage(
-            row["input_tokens"],
-            row["output_tokens"],
-            row["cache_creation_input_tokens"],
-            row["cache_read_input_tokens"],
-        ),
+        usage=_usage(row),
         cost_usd=row["cost_usd"],
         latency_ms=row["latency_ms"],
         request_id=row["request_id"],
