@@ -12,11 +12,10 @@ from db.records import Dispatch, NewRun, Run
 from db.store import RunStore
 from runtime.agents import Agent, AgentRegistry
 from runtime.driver import Driver, Outcome
+from runtime.testkit import SimulatedCrash
 from runtime.tools import Tool
 
-
-class SimulatedCrash(BaseException):
-    """The process died here: not caught by the runtime, so the lease stays held."""
+__all__ = ["SimulatedCrash", "drive_to_end", "expire_lease", "register_agent", "submit"]
 
 
 def submit(
