@@ -213,13 +213,16 @@ def resume(run_id: str) -> tuple[Response, int]:
             "timeoutSeconds", f"must be a whole number from 1 to {settings.max_timeout_seconds}"
         )
     try:
-        run = s.runtime.store.get_run(rid)
+        s.runtime.store.get_run(rid)  # 404 for an unknown run
     except RunNotFound as e:
         raise ApiError(404, str(e), code="not_found") from None
-    if timeout is None and run.deadline_at <= datetime.now(run.deadline_at.tzinfo):
-        timeout = settings.default_timeout_seconds  # a past deadline would stop it at once
     try:
-        dispatch = s.runtime.store.resume_failed(rid, token_budget=budget, timeout_seconds=timeout)
+        dispatch = s.runtime.store.resume_failed(
+            rid,
+            token_budget=budget,
+            timeout_seconds=timeout,
+            default_timeout_seconds=settings.default_timeout_seconds,
+        )
     except InvalidTransition as e:
         raise ApiError(409, str(e), code="not_resumable") from None
     send_drive(s.celery, s.runtime.store, dispatch)

@@ -62,8 +62,8 @@ STORE_PHASES = {
     "claim": "claim",
     "steps": "read_steps",
     "checkpoint_model": "checkpoint_model",
-    "start_tool": "start_tool",
-    "finish_tool": "finish_tool",
+    "start_step": "start_step",
+    "record_steps": "record_steps",
     "finish": "finish_run",
     "get_run": "get_run",
 }
@@ -151,7 +151,7 @@ def _step(drv: TimedDriver, current: Dispatch, seq: int) -> tuple[dict[str, Any]
     total = time.perf_counter() - t0
     phases = {k: v * 1000 for k, v in _current.items()}
     kind = (
-        "MODEL" if "checkpoint_model" in phases else "TOOL" if "finish_tool" in phases else "FINISH"
+        "MODEL" if "checkpoint_model" in phases else "TOOL" if "start_step" in phases else "FINISH"
     )
     phases["other"] = total * 1000 - sum(phases.values())
     record = {

@@ -27,12 +27,16 @@ SELECT * FROM run WHERE id = :id;
 -- Claim one run for the drive_run message carrying its current dispatch token. A stale or
 -- duplicated message, a run whose lease is live, a timer not yet due: no row. Bumps the
 -- fencing token (lease_epoch) and counts claims since the last checkpoint.
+-- FOR UPDATE waits (briefly) instead of SKIP LOCKED: a row lock held for a moment by another
+-- transaction (a heartbeat whose UPDATE re-checked the row the previous step just handed over
+-- keeps that lock until it commits) must not make the message carrying the current token
+-- look stale. Every transaction on a run row is short, so the wait is too.
 WITH target AS (
     SELECT id FROM run
     WHERE id = :id AND dispatch_token = :token
       AND status IN ('QUEUED', 'RUNNING') AND run_at <= now()
       AND (locked_until IS NULL OR locked_until < now())
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE
 )
 UPDATE run r
 SET status = 'RUNNING', locked_by = :worker,
@@ -90,25 +94,43 @@ SET tokens_used = tokens_used + :total_tokens,
     cache_creation_input_tokens = cache_creation_input_tokens + :cache_creation_input_tokens,
     cache_read_input_tokens = cache_read_input_tokens + :cache_read_input_tokens,
     cost_usd = cost_usd + :cost_usd,
-    claims_without_progress = 0,
+    claims_without_progress = 0, model_attempts = 0,
     locked_by = NULL, locked_until = NULL,
     dispatch_token = :next_token, dispatched_at = now(),
     wait_reason = NULL,
     updated_at = now()
 WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING';
 
+-- charge_run --
+-- Add a billed model call made inside a step to the run's counters without ending the step
+-- (the call is recorded as a child step in the same transaction). Fenced.
+UPDATE run
+SET tokens_used = tokens_used + :total_tokens,
+    input_tokens = input_tokens + :input_tokens,
+    output_tokens = output_tokens + :output_tokens,
+    cache_creation_input_tokens = cache_creation_input_tokens + :cache_creation_input_tokens,
+    cache_read_input_tokens = cache_read_input_tokens + :cache_read_input_tokens,
+    cost_usd = cost_usd + :cost_usd,
+    claims_without_progress = 0, model_attempts = 0,
+    updated_at = now()
+WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING';
+
 -- schedule_run --
--- A durable timer: the step could not run now (rate limited, overloaded). Release the lease
--- and set run_at; no worker slot waits. When a countdown message is sent for the due time,
--- dispatched_at is that time, so the reaper only steps in if the message is lost; otherwise
--- the reaper sends it when the timer is due. Fenced.
+-- A durable timer: the step could not run now (rate limited, overloaded, a retry backoff).
+-- Release the lease and set run_at; no worker slot waits. dispatched_at stays before run_at,
+-- so the reaper re-dispatches the run at its first sweep after the timer is due unless the
+-- countdown message (when one was sent) claimed it first: a countdown that fires early (the
+-- worker's clock ahead of the database's) or is lost costs at most one reaper interval.
+-- A timer is not progress: claims_without_progress is reset only when step rows were
+-- recorded with it (:progress). model_attempts carries the attempts of the step in flight.
+-- Fenced.
 UPDATE run
 SET run_at = now() + make_interval(secs => :delay_seconds),
-    dispatched_at = CASE WHEN :message_at_due
-                         THEN now() + make_interval(secs => :delay_seconds) ELSE now() END,
+    dispatched_at = now(),
     dispatch_token = :next_token,
     locked_by = NULL, locked_until = NULL,
-    claims_without_progress = 0,
+    claims_without_progress = CASE WHEN :progress THEN 0 ELSE claims_without_progress END,
+    model_attempts = :model_attempts,
     wait_reason = :reason,
     updated_at = now()
 WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING';
@@ -132,22 +154,32 @@ VALUES (:id, :seq, :step_key, 'MODEL', 'DONE', :model, CAST(:request AS jsonb), 
         :latency_ms, :request_id, :worker, :epoch,
         now() - make_interval(secs => :latency_ms / 1000.0), now());
 
--- start_tool_step --
--- Write the tool step STARTED before the tool runs. Fenced: no row when the lease is gone.
-INSERT INTO run_step (run_id, seq, step_key, kind, status, tool_name, tool_use_id,
-                      worker, lease_epoch)
-SELECT r.id, :seq, :step_key, 'TOOL', 'STARTED', :tool_name, :tool_use_id, :worker, :epoch
+-- start_step --
+-- Write a step with an effect STARTED before its code runs (a tool, a durable step, an
+-- approved action, a compensation). Entering it again (a retry, an operator's one-time
+-- 'retry', a paused body) rewrites the same row and consumes the resolution. Fenced: no row
+-- when the lease is gone.
+INSERT INTO run_step (run_id, seq, step_key, kind, status, tool_name, tool_use_id, attempt,
+                      input_hash, worker, lease_epoch)
+SELECT r.id, :seq, :step_key, :kind, 'STARTED', :tool_name, :tool_use_id, :attempt,
+       :input_hash, :worker, :epoch
 FROM run r
 WHERE r.id = :id AND r.locked_by = :worker AND r.lease_epoch = :epoch AND r.status = 'RUNNING'
 -- The row lock makes the fence hold: a claim committed meanwhile is seen after the wait.
 FOR SHARE OF r
+ON CONFLICT (run_id, step_key) DO UPDATE
+SET status = 'STARTED', resolution = NULL, attempt = EXCLUDED.attempt, error = NULL,
+    input_hash = COALESCE(EXCLUDED.input_hash, run_step.input_hash),
+    worker = EXCLUDED.worker, lease_epoch = EXCLUDED.lease_epoch,
+    started_at = now(), finished_at = NULL
 RETURNING seq;
 
--- finish_tool_step --
-UPDATE run_step
-SET status = :status, response = CAST(:response AS jsonb), latency_ms = :latency_ms,
-    error = :error, worker = :worker, lease_epoch = :epoch, finished_at = now()
-WHERE run_id = :id AND step_key = :step_key AND status = 'STARTED';
+-- fence_check --
+-- Holds the run row (shared) for the rest of the transaction if this worker still holds the
+-- lease; no row otherwise.
+SELECT r.id FROM run r
+WHERE r.id = :id AND r.locked_by = :worker AND r.lease_epoch = :epoch AND r.status = 'RUNNING'
+FOR SHARE OF r;
 
 -- finish_run --
 -- End the run (or park it for a human, NEEDS_ATTENTION), releasing the lease. Fenced.
@@ -166,21 +198,41 @@ WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RU
 RETURNING status;
 
 -- cancel_run --
--- Cooperative cancel. A run no worker holds (queued, between steps, parked) ends at once; a
--- run whose lease is live notices at its next guard.
+-- Cooperative cancel. A run no worker holds (queued, between steps, parked) ends at once,
+-- unless it is a durable function with completed steps that may have compensations (only
+-- its code knows): then it is handed to the next reaper sweep (RUNNING, due now) so a worker
+-- runs them, one per task, and ends it CANCELLED. A run whose lease is live notices at its
+-- next guard.
+WITH state AS (
+    SELECT r.id,
+           (r.locked_until IS NULL OR r.locked_until < now()) AS free,
+           EXISTS (
+               SELECT 1 FROM run_step s
+               WHERE s.run_id = r.id AND s.status = 'DONE' AND s.kind IN ('STEP', 'APPROVAL')
+                 AND NOT EXISTS (
+                     SELECT 1 FROM run_step c
+                     WHERE c.run_id = s.run_id AND c.step_key = 'compensate:' || s.step_key
+                       AND c.status IN ('DONE', 'ERROR'))
+           ) AS undo
+    FROM run r
+    WHERE r.id = :id AND r.status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION')
+    FOR UPDATE OF r
+)
 UPDATE run
 SET cancel_requested = true,
-    status = CASE WHEN locked_until IS NULL OR locked_until < now()
-                  THEN 'CANCELLED' ELSE status END,
-    error = CASE WHEN locked_until IS NULL OR locked_until < now()
-                 THEN 'cancelled by request' ELSE error END,
-    finished_at = CASE WHEN locked_until IS NULL OR locked_until < now()
-                       THEN now() ELSE finished_at END,
-    locked_by = CASE WHEN locked_until IS NULL OR locked_until < now()
-                     THEN NULL ELSE locked_by END,
+    status = CASE WHEN NOT state.free THEN run.status
+                  WHEN state.undo THEN 'RUNNING' ELSE 'CANCELLED' END,
+    error = CASE WHEN state.free AND NOT state.undo THEN 'cancelled by request'
+                 ELSE run.error END,
+    finished_at = CASE WHEN state.free AND NOT state.undo THEN now() ELSE run.finished_at END,
+    locked_by = CASE WHEN state.free THEN NULL ELSE run.locked_by END,
+    dispatch_token = CASE WHEN state.free AND state.undo THEN gen_random_uuid()
+                          ELSE run.dispatch_token END,
+    dispatched_at = CASE WHEN state.free AND state.undo THEN 'epoch' ELSE run.dispatched_at END,
+    run_at = CASE WHEN state.free AND state.undo THEN now() ELSE run.run_at END,
     updated_at = now()
-WHERE id = :id AND status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION')
-RETURNING status;
+FROM state WHERE run.id = state.id
+RETURNING run.status;
 
 -- resolve_reopen_run --
 -- An operator resolved a NEEDS_ATTENTION run: it runs again under a new dispatch token.
@@ -191,16 +243,21 @@ WHERE id = :id AND status = 'NEEDS_ATTENTION'
 RETURNING id;
 
 -- resolve_supply_result --
--- The operator supplies the result of the tool step left STARTED.
+-- The operator supplies the result of the step left STARTED (the innermost one: a nested
+-- step's row comes after its parent's).
 UPDATE run_step
 SET status = :status, response = CAST(:response AS jsonb), resolution = 'supplied',
+    error = CASE WHEN :status = 'ERROR' THEN 'supplied by ' || :operator END,
     worker = :operator, finished_at = now()
-WHERE run_id = :id AND kind = 'TOOL' AND status = 'STARTED';
+WHERE run_id = :id AND status = 'STARTED'
+  AND seq = (SELECT max(seq) FROM run_step WHERE run_id = :id AND status = 'STARTED');
 
--- resolve_retry_tool --
--- The operator authorises running the STARTED tool step again.
+-- resolve_retry_step --
+-- The operator authorises exactly one more execution of the step left STARTED: the flag is
+-- consumed when the step is written STARTED again.
 UPDATE run_step SET resolution = 'retry'
-WHERE run_id = :id AND kind = 'TOOL' AND status = 'STARTED';
+WHERE run_id = :id AND status = 'STARTED'
+  AND seq = (SELECT max(seq) FROM run_step WHERE run_id = :id AND status = 'STARTED');
 
 -- resolve_fail_run --
 UPDATE run
@@ -215,15 +272,18 @@ RETURNING id;
 INSERT INTO run_step (run_id, seq, step_key, kind, status, response, error, attempt,
                       input_hash, model, prompt_hash, input_tokens, output_tokens,
                       cache_creation_input_tokens, cache_read_input_tokens, cost_usd,
-                      latency_ms, request_id, worker, lease_epoch, started_at, finished_at)
+                      latency_ms, request_id, tool_name, tool_use_id, compensation,
+                      stop_reason, worker, lease_epoch, started_at, finished_at)
 VALUES (:id, :seq, :step_key, :kind, :status, CAST(:response AS jsonb), :error, :attempt,
         :input_hash, :model, :prompt_hash, :input_tokens, :output_tokens,
         :cache_creation_input_tokens, :cache_read_input_tokens, :cost_usd,
-        :latency_ms, :request_id, :worker, :epoch,
+        :latency_ms, :request_id, :tool_name, :tool_use_id, :compensation, :stop_reason,
+        :worker, :epoch,
         now() - make_interval(secs => COALESCE(:latency_ms, 0) / 1000.0),
         CASE WHEN :status IN ('DONE', 'ERROR', 'REJECTED') THEN now() END)
 ON CONFLICT (run_id, step_key) DO UPDATE
 SET status = EXCLUDED.status, response = EXCLUDED.response, error = EXCLUDED.error,
+    compensation = COALESCE(EXCLUDED.compensation, run_step.compensation),
     attempt = EXCLUDED.attempt, input_hash = COALESCE(EXCLUDED.input_hash, run_step.input_hash),
     model = COALESCE(EXCLUDED.model, run_step.model),
     prompt_hash = COALESCE(EXCLUDED.prompt_hash, run_step.prompt_hash),
@@ -235,6 +295,7 @@ SET status = EXCLUDED.status, response = EXCLUDED.response, error = EXCLUDED.err
                               + EXCLUDED.cache_read_input_tokens,
     cost_usd = run_step.cost_usd + EXCLUDED.cost_usd,
     latency_ms = EXCLUDED.latency_ms, request_id = EXCLUDED.request_id,
+    stop_reason = EXCLUDED.stop_reason,
     worker = EXCLUDED.worker, lease_epoch = EXCLUDED.lease_epoch,
     finished_at = EXCLUDED.finished_at;
 
@@ -327,6 +388,10 @@ SET status = 'RUNNING', error = NULL, finished_at = NULL, cancel_requested = fal
     token_budget = COALESCE(CAST(:token_budget AS bigint), token_budget),
     deadline_at = CASE WHEN CAST(:timeout_seconds AS integer) IS NOT NULL
                        THEN now() + make_interval(secs => CAST(:timeout_seconds AS integer))
+                       WHEN deadline_at <= now()
+                            AND CAST(:default_timeout_seconds AS integer) IS NOT NULL
+                       THEN now() + make_interval(
+                                secs => CAST(:default_timeout_seconds AS integer))
                        ELSE deadline_at END,
     dispatch_token = :next_token, dispatched_at = now(), updated_at = now()
 WHERE id = :id AND status IN ('FAILED', 'TIMED_OUT')
@@ -347,7 +412,7 @@ SELECT count(*) FROM run_step WHERE run_id = :id AND kind = 'COMPENSATION';
 SELECT run_id, seq, step_key, kind, status, tool_name, tool_use_id, model, prompt_hash,
        response, stop_reason, input_tokens, output_tokens, cache_creation_input_tokens,
        cache_read_input_tokens, cost_usd, latency_ms, request_id, error, resolution, attempt,
-       input_hash, worker, lease_epoch, started_at, finished_at
+       input_hash, compensation, worker, lease_epoch, started_at, finished_at
 FROM run_step WHERE run_id = :id ORDER BY seq;
 
 -- list_runs --

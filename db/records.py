@@ -50,6 +50,8 @@ class StepStatus(enum.StrEnum):
     PENDING = "PENDING"
     APPROVED = "APPROVED"
     REJECTED = "REJECTED"
+    PAUSED = "PAUSED"
+    """Interrupted cleanly (a durable timer inside its body): entered again, not in doubt."""
 
 
 class ApprovalStatus(enum.StrEnum):
@@ -108,6 +110,8 @@ class Run:
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+    model_attempts: int = 0
+    """Model attempts made for the step in flight, across durable timers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +153,7 @@ class Step:
     lease_epoch: int
     started_at: datetime
     finished_at: datetime | None
+    compensation: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +197,7 @@ class Dispatch:
 
 @dataclass(frozen=True, slots=True)
 class NewStep:
-    """A durable-function step row to record in a checkpoint."""
+    """A step row to record (STARTED before an effect, or its result in a checkpoint)."""
 
     seq: int
     step_key: str
@@ -208,6 +213,10 @@ class NewStep:
     cost_usd: Decimal = Decimal(0)
     latency_ms: int | None = None
     request_id: str | None = None
+    tool_name: str | None = None
+    tool_use_id: str | None = None
+    compensation: str | None = None
+    stop_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

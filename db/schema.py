@@ -72,6 +72,8 @@ run = Table(
     Column("dispatched_at", TZ, nullable=False, server_default=text("now()")),
     # Claims since the last checkpoint: a run that keeps killing its worker is failed.
     Column("claims_without_progress", Integer, nullable=False, server_default=text("0")),
+    # Model attempts made for the step in flight, kept across durable timers.
+    Column("model_attempts", Integer, nullable=False, server_default=text("0")),
     Column("cancel_requested", Boolean, nullable=False, server_default=text("false")),
     Column("result", JSONB),
     Column("error", Text),
@@ -140,6 +142,9 @@ run_step = Table(
     # Durable functions: attempts of a retried step; the hash of an approval step's input.
     Column("attempt", Integer, nullable=False, server_default=text("0")),
     Column("input_hash", Text),
+    # A completed step's compensation: 'module:qualname' (importable), 'step:<path>' (a
+    # @step's declared compensation) or '*' (a closure known only to the code that ran it).
+    Column("compensation", Text),
     Column("worker", Text),
     Column("lease_epoch", BigInteger, nullable=False),
     Column("started_at", TZ, nullable=False, server_default=text("now()")),
@@ -151,7 +156,8 @@ run_step = Table(
         name="run_step_kind_ck",
     ),
     CheckConstraint(
-        "status IN ('STARTED', 'DONE', 'ERROR', 'RETRYING', 'PENDING', 'APPROVED', 'REJECTED')",
+        "status IN ('STARTED', 'DONE', 'ERROR', 'RETRYING', 'PENDING', 'APPROVED', 'REJECTED', "
+        "'PAUSED')",
         name="run_step_status_ck",
     ),
 )

@@ -82,6 +82,7 @@ def _run(row: RowMapping) -> Run:
         created_at=row["created_at"],
         updated_at=row["updated_at"],
         finished_at=row["finished_at"],
+        model_attempts=row["model_attempts"],
     )
 
 
@@ -110,6 +111,7 @@ def _step(row: RowMapping) -> Step:
         lease_epoch=row["lease_epoch"],
         started_at=row["started_at"],
         finished_at=row["finished_at"],
+        compensation=row["compensation"],
     )
 
 
@@ -151,6 +153,21 @@ def _step_params(claim: Claim, step: NewStep) -> dict[str, Any]:
         "cost_usd": step.cost_usd,
         "latency_ms": step.latency_ms,
         "request_id": step.request_id,
+        "tool_name": step.tool_name,
+        "tool_use_id": step.tool_use_id,
+        "compensation": step.compensation,
+        "stop_reason": step.stop_reason,
+    }
+
+
+def _usage_params(usage: Usage, cost: Decimal) -> dict[str, Any]:
+    return {
+        "total_tokens": usage.total,
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "cache_creation_input_tokens": usage.cache_creation_input_tokens,
+        "cache_read_input_tokens": usage.cache_read_input_tokens,
+        "cost_usd": cost,
     }
 
 
@@ -304,16 +321,7 @@ class RunStore:
     ) -> None:
         owned = conn.execute(
             Q["advance_run"],
-            {
-                **_fence(claim),
-                "total_tokens": usage.total,
-                "input_tokens": usage.input_tokens,
-                "output_tokens": usage.output_tokens,
-                "cache_creation_input_tokens": usage.cache_creation_input_tokens,
-                "cache_read_input_tokens": usage.cache_read_input_tokens,
-                "cost_usd": cost,
-                "next_token": next_token,
-            },
+            {**_fence(claim), **_usage_params(usage, cost), "next_token": next_token},
         ).rowcount
         if owned == 0:
             raise LeaseLost(claim.run_id, "checkpoint refused by the fence")
@@ -346,12 +354,19 @@ class RunStore:
         return Dispatch(claim.run_id, token)
 
     def schedule(
-        self, claim: Claim, delay_seconds: float, *, reason: str, message_at_due: bool
+        self,
+        claim: Claim,
+        delay_seconds: float,
+        *,
+        reason: str,
+        model_attempts: int = 0,
     ) -> Dispatch:
-        """Park the run on a durable timer and release the lease. Fenced."""
+        """Park the run on a durable timer and release the lease; nothing recorded, so it
+        is not progress. ``model_attempts`` persists the attempts of the model step in flight.
+        Fenced."""
         token = uuid.uuid4()
         with self.engine.begin() as conn:
-            self._schedule(conn, claim, delay_seconds, message_at_due, token, reason)
+            self._schedule(conn, claim, delay_seconds, token, reason, False, model_attempts)
         return Dispatch(claim.run_id, token, delay_seconds)
 
     @staticmethod
@@ -359,18 +374,20 @@ class RunStore:
         conn: Connection,
         claim: Claim,
         delay_seconds: float,
-        message_at_due: bool,
         token: uuid.UUID,
         reason: str | None,
+        progress: bool,
+        model_attempts: int,
     ) -> None:
         owned = conn.execute(
             Q["schedule_run"],
             {
                 **_fence(claim),
                 "delay_seconds": delay_seconds,
-                "message_at_due": message_at_due,
                 "next_token": token,
                 "reason": reason,
+                "progress": progress,
+                "model_attempts": model_attempts,
             },
         ).rowcount
         if owned == 0:
@@ -391,10 +408,10 @@ class RunStore:
         *,
         delay_seconds: float | None = None,
         reason: str | None = None,
-        message_at_due: bool = True,
+        model_attempts: int = 0,
     ) -> Dispatch:
-        """Checkpoint durable-function steps: the rows, the token counters and the lease
-        hand-over (or a durable timer, with ``delay_seconds``) in one transaction."""
+        """Checkpoint steps: the rows, the token counters and the lease hand-over (or a
+        durable timer, with ``delay_seconds``) in one transaction. Fenced."""
         token = uuid.uuid4()
         usage = Usage(
             sum(s.usage.input_tokens for s in steps),
@@ -407,7 +424,11 @@ class RunStore:
             if delay_seconds is None:
                 self._advance(conn, claim, usage, cost, token)
             else:
-                self._schedule(conn, claim, delay_seconds, message_at_due, token, reason)
+                if usage.total:
+                    conn.execute(Q["charge_run"], {**_fence(claim), **_usage_params(usage, cost)})
+                self._schedule(
+                    conn, claim, delay_seconds, token, reason, bool(steps), model_attempts
+                )
             for step in steps:
                 conn.execute(Q["upsert_step"], _step_params(claim, step))
         return Dispatch(claim.run_id, token, delay_seconds or 0.0)
@@ -555,8 +576,11 @@ class RunStore:
         *,
         token_budget: int | None = None,
         timeout_seconds: int | None = None,
+        default_timeout_seconds: int | None = None,
     ) -> Dispatch:
-        """Retry a FAILED or TIMED_OUT run from its first step without a result. Raises
+        """Retry a FAILED or TIMED_OUT run from its first step without a result; a deadline
+        already past (by the database's clock) is replaced by ``default_timeout_seconds``
+        from now. Raises
         :class:`InvalidTransition` when the run is in another state or compensations ran."""
         token = uuid.uuid4()
         with self.engine.begin() as conn:
@@ -571,6 +595,7 @@ class RunStore:
                     "id": run_id,
                     "token_budget": token_budget,
                     "timeout_seconds": timeout_seconds,
+                    "default_timeout_seconds": default_timeout_seconds,
                     "next_token": token,
                 },
             ).first()
@@ -579,52 +604,37 @@ class RunStore:
             conn.execute(Q["retry_failed_steps"], {"id": run_id})
         return Dispatch(run_id, token)
 
-    def start_tool(
-        self, claim: Claim, *, seq: int, step_key: str, tool_name: str, tool_use_id: str
-    ) -> None:
-        """Record the tool step STARTED before the tool runs."""
+    def start_step(self, claim: Claim, step: NewStep) -> None:
+        """Record a step with an effect STARTED before its code runs (or again, when it is
+        entered once more). Fenced."""
         with self.engine.begin() as conn:
             row = conn.execute(
-                Q["start_tool_step"],
+                Q["start_step"],
                 {
                     **_fence(claim),
-                    "seq": seq,
-                    "step_key": step_key,
-                    "tool_name": tool_name,
-                    "tool_use_id": tool_use_id,
+                    "seq": step.seq,
+                    "step_key": step.step_key,
+                    "kind": str(step.kind),
+                    "tool_name": step.tool_name,
+                    "tool_use_id": step.tool_use_id,
+                    "attempt": step.attempt,
+                    "input_hash": step.input_hash,
                 },
             ).first()
             if row is None:
-                raise LeaseLost(claim.run_id, "tool start refused by the fence")
+                raise LeaseLost(claim.run_id, "step start refused by the fence")
 
-    def finish_tool(
-        self,
-        claim: Claim,
-        *,
-        step_key: str,
-        status: StepStatus,
-        output: Any,
-        latency_ms: int,
-        error: str | None = None,
-    ) -> Dispatch:
-        """Record the tool's result and hand the lease on, in one transaction."""
-        token = uuid.uuid4()
+    def record_child(self, claim: Claim, step: NewStep) -> None:
+        """Record a step inside a step that is still running (a model call inside
+        ``steps.llm``, a nested step) and add its tokens to the run, without handing the
+        lease on. Fenced."""
         with self.engine.begin() as conn:
-            self._advance(conn, claim, Usage(), Decimal(0), token)
-            updated = conn.execute(
-                Q["finish_tool_step"],
-                {
-                    **_fence(claim),
-                    "step_key": step_key,
-                    "status": str(status),
-                    "response": _json(output),
-                    "latency_ms": latency_ms,
-                    "error": error,
-                },
+            owned = conn.execute(
+                Q["charge_run"], {**_fence(claim), **_usage_params(step.usage, step.cost_usd)}
             ).rowcount
-            if updated != 1:
-                raise RuntimeError(f"tool step {step_key} of run {claim.run_id} is not STARTED")
-        return Dispatch(claim.run_id, token)
+            if owned == 0:
+                raise LeaseLost(claim.run_id, "step refused by the fence")
+            conn.execute(Q["upsert_step"], _step_params(claim, step))
 
     def finish(
         self,
@@ -650,7 +660,7 @@ class RunStore:
         run does not exist or has already finished."""
         with self.engine.begin() as conn:
             row = conn.execute(Q["cancel_run"], {"id": run_id}).first()
-            if row is not None and row.status == RunStatus.CANCELLED:
+            if row is not None:  # a run with a pending approval holds no lease
                 conn.execute(Q["cancel_pending_approvals"], {"id": run_id})
         return RunStatus(row.status) if row else None
 
@@ -665,7 +675,7 @@ class RunStore:
         operator: str = "operator",
     ) -> Dispatch | None:
         """An operator's decision on a NEEDS_ATTENTION run: ``supply_result`` (record the
-        STARTED tool's result and continue), ``retry`` (run the tool again and continue), or
+        STARTED step's result and continue), ``retry`` (run the step once more), or
         ``fail``. Returns the message to send, ``None`` for ``fail``. Raises
         :class:`InvalidTransition` when the run is not NEEDS_ATTENTION (someone else resolved
         or cancelled it first)."""
@@ -691,7 +701,7 @@ class RunStore:
                         },
                     )
                 elif row is not None:
-                    conn.execute(Q["resolve_retry_tool"], {"id": run_id})
+                    conn.execute(Q["resolve_retry_step"], {"id": run_id})
             if row is None:
                 raise InvalidTransition(f"run {run_id} is not waiting for an operator")
         return None if action == "fail" else Dispatch(run_id, token)

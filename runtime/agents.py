@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Protocol
 
 from db.errors import DarError
 from runtime.tools import Tool
-
-if TYPE_CHECKING:
-    from runtime.durable import DurableAgent
 
 
 class UnknownAgent(DarError):
@@ -51,7 +48,15 @@ class Agent:
         return [t for t in self.tools if isinstance(t, str)]
 
 
-AnyAgent = Union["Agent", "DurableAgent"]
+class AnyAgent(Protocol):
+    """What the registry needs of an agent: an :class:`Agent` (the agent loop) or a
+    ``DurableAgent`` (a durable function)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def max_steps(self) -> int | None: ...
 
 
 class AgentRegistry:
@@ -120,7 +125,7 @@ class AgentRegistry:
             role
             for a in self._agents.values()
             if not isinstance(a, Agent)
-            for role in a.approval_roles
+            for role in getattr(a, "approval_roles", ())
         }
 
     def __contains__(self, name: object) -> bool:

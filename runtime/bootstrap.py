@@ -87,6 +87,7 @@ class Runtime:
     agents: AgentRegistry
     llm: LlmClient
     pricing: PriceTable
+    _lease_store: RunStore | None = None
 
     @classmethod
     def build(
@@ -103,6 +104,19 @@ class Runtime:
             llm=llm or build_llm(settings),
             pricing=PriceTable.from_json(settings.prices_json),
         )
+
+    def lease_store(self) -> RunStore:
+        """A store on its own small pool, for the heartbeat: renewing leases must never wait
+        behind tools and steps for a connection of the main pool."""
+        if self._lease_store is None:
+            engine = make_engine(
+                self.settings.require_database_url(),
+                pool_size=1,
+                max_overflow=1,
+                application_name="dar-heartbeat",
+            )
+            self._lease_store = RunStore(engine)
+        return self._lease_store
 
     def driver(
         self,
@@ -152,3 +166,5 @@ class Runtime:
 
     def close(self) -> None:
         self.engine.dispose()
+        if self._lease_store is not None:
+            self._lease_store.engine.dispose()

@@ -86,6 +86,9 @@ class Settings:
     strict_budget: bool = False
     prices_json: str | None = None
     max_tool_output_chars: int = 50_000
+    cancel_grace_seconds: float = 5.0
+    """After a step's timeout: how long it has to stop on its context's ``cancelled`` before
+    it is treated as still running (in doubt)."""
     llm_factory: str | None = None
     metrics_port: int = 0
     api_tokens: str | None = field(default=None, repr=False)
@@ -138,6 +141,7 @@ class Settings:
             strict_budget=_bool(e, "DAR_STRICT_BUDGET", False),
             prices_json=e.get("DAR_PRICES") or None,
             max_tool_output_chars=_int(e, "DAR_MAX_TOOL_OUTPUT_CHARS", 50_000, minimum=100),
+            cancel_grace_seconds=_num(e, "DAR_CANCEL_GRACE_SECONDS", 5.0, minimum=0),
             llm_factory=e.get("DAR_LLM_FACTORY") or None,
             metrics_port=_int(e, "DAR_METRICS_PORT", 0),
             api_tokens=e.get("DAR_API_TOKENS") or None,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import threading
+import time
 import types
 import typing
 import uuid
@@ -22,13 +24,40 @@ JsonObj = dict[str, Any]
 
 @dataclass(frozen=True, slots=True)
 class ToolContext:
+    """What a tool (or a durable step, as ``steps.context``) knows about its call.
+
+    ``cancelled`` is set when the call ran past its timeout (or the run was cancelled): stop
+    and raise. ``remaining()`` is the time left before the timeout, for the timeouts of the
+    HTTP calls the tool makes, so a call that must stop does stop.
+    """
+
     run_id: uuid.UUID
     tool_use_id: str
+    cancelled: threading.Event = field(default_factory=threading.Event, compare=False)
+    deadline: float | None = field(default=None, compare=False)
+    """``time.monotonic()`` at which the call times out, if it has a limit."""
 
     @property
     def idempotency_key(self) -> str:
         """Stable across re-executions of the same call: pass it downstream."""
         return self.tool_use_id
+
+    @property
+    def key(self) -> str:
+        return self.tool_use_id
+
+    def remaining(self, default: float | None = None) -> float | None:
+        """Seconds left before the timeout (``default`` when the call has none); 0 once
+        cancelled."""
+        if self.cancelled.is_set():
+            return 0.0
+        if self.deadline is None:
+            return default
+        return max(0.0, self.deadline - time.monotonic())
+
+
+StepContext = ToolContext
+"""The same context, for durable steps (``steps.context``): ``key`` is the step key."""
 
 
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}

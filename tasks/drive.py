@@ -57,7 +57,7 @@ def worker_state(app: Celery) -> WorkerState:
         if runtime is None:
             runtime = Runtime.build(settings)
         heartbeat = Heartbeat(
-            runtime.store,
+            runtime.lease_store(),
             settings.worker_name,
             lease_seconds=settings.lease_seconds,
             interval_seconds=settings.heartbeat_seconds,
@@ -120,7 +120,12 @@ def register_tasks(app: Celery) -> None:
         except LeaseLost as e:
             # Another worker took the run over while this step ran: the fence refused our
             # write and rolled it back. Nothing to redo here; the new holder carries on.
-            log.warning("run=%s step abandoned, nothing written: %s", run_id[:8], e)
+            log.warning(
+                "run=%s step abandoned, nothing written: %s",
+                run_id[:8],
+                e,
+                extra={"run_id": run_id},
+            )
             return "LEASE_LOST"
         if result.dispatch is not None:
             send_drive(app, state.runtime.store, result.dispatch)
@@ -134,7 +139,11 @@ def register_tasks(app: Celery) -> None:
         settings = state.runtime.settings
         due = state.runtime.store.redispatch_due(redispatch_after=settings.redispatch_after_seconds)
         for d in due:
-            log.info("run=%s re-dispatched by the reaper", str(d.run_id)[:8])
+            log.info(
+                "run=%s re-dispatched by the reaper",
+                str(d.run_id)[:8],
+                extra={"run_id": str(d.run_id)},
+            )
             send_drive(app, state.runtime.store, d)
         for approval_id, policy in state.runtime.store.due_approvals():
             woke = expire_approval(state.runtime.store, approval_id, policy)

@@ -29,6 +29,22 @@ from runtime.llm.base import LlmClient, LlmError, LlmRequest, LlmResponse
 
 log = logging.getLogger(__name__)
 
+_prior_attempts: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "dar_prior_model_attempts", default=0
+)
+
+
+def prior_attempts(n: int) -> contextvars.Token[int]:
+    """Tell the retry loop how many attempts earlier tasks already made for the model step
+    in flight (persisted on the run across durable timers), so the total stays capped at
+    ``max_attempts``. Reset the returned token when the call is over."""
+    return _prior_attempts.set(max(0, n))
+
+
+def reset_prior_attempts(token: contextvars.Token[int]) -> None:
+    _prior_attempts.reset(token)
+
+
 # 429 rate limited, 500/502/503/504 server side, 529 overloaded, -1 I/O error or timeout.
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504, 529, -1})
 
@@ -179,6 +195,8 @@ class RetryingLlmClient:
 
     ``first_attempt`` is the number of attempts already made for this step by earlier tasks
     (see :class:`RetryLater`); it counts against ``max_attempts`` and the backoff exponent.
+    The engine passes the attempts it persisted on the run through :func:`prior_attempts`,
+    which adds to ``first_attempt``.
     """
 
     def __init__(
@@ -206,7 +224,7 @@ class RetryingLlmClient:
         return wait
 
     def send(self, request: LlmRequest) -> LlmResponse:
-        attempt = self.first_attempt
+        attempt = self.first_attempt + _prior_attempts.get()
         while True:
             try:
                 return self.delegate.send(request)

@@ -105,11 +105,19 @@ def test_a_stale_payload_hash_is_refused(client: FlaskClient, runtime: Runtime) 
 def test_approve_after_cancel_is_refused(client: FlaskClient, runtime: Runtime) -> None:
     run_id, approval = _waiting_refund(client, runtime)
     cancelled = client.post(f"/api/runs/{run_id}/cancel", headers=_h("ci"))
-    assert cancelled.get_json()["status"] == "CANCELLED", "a suspended run ends at once"
+    body = cancelled.get_json()
+    # The run has a completed reservation to undo: a worker compensates it, then it ends.
+    assert (body["status"], body["cancelRequested"]) == ("RUNNING", True)
     late = client.post(f"/api/approvals/{approval['id']}/approve", headers=_h("ann"))
     assert late.status_code == 409
     after = client.get(f"/api/approvals/{approval['id']}", headers=_h("ann")).get_json()
     assert after["status"] == "CANCELLED"
+    (due,) = runtime.store.redispatch_due(redispatch_after=3600)
+    drive_to_end(runtime.driver(), due)
+    run = client.get(f"/api/runs/{run_id}", headers=_h("ci")).get_json()
+    assert run["status"] == "CANCELLED"
+    assert "compensated: reserve" in run["error"]
+    assert runtime.tickets.count_comments(105) == 2, "reserved once, released once"
 
 
 def test_pending_approvals_gauge(client: FlaskClient, runtime: Runtime) -> None:

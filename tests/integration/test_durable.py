@@ -54,8 +54,9 @@ def test_resumes_after_crash(tester: DurableTester, model: FakeModel, runtime: R
     assert runtime.tickets.count_comments(101) == 1, "applied exactly once"
     classify = next(s for s in done.steps if s.step_key == "classify:0")
     assert classify.kind is StepKind.LLM
-    assert classify.usage.input_tokens == 10
-    assert classify.prompt_hash is not None
+    call = next(s for s in done.steps if s.step_key == "classify:0/llm:0")
+    assert call.usage.input_tokens == 10, "each model call is its own recorded child step"
+    assert call.prompt_hash is not None
     assert runtime.store.get_run(done.run_id).tokens_used == 15
     assert done.result == {
         "ticket_id": 101,
@@ -177,13 +178,20 @@ def test_retries_exhausted_fail_the_run_with_the_last_error(tester: DurableTeste
 def test_timeout(tester: DurableTester) -> None:
     @durable_agent("slow")
     def fn(_: object, steps: Steps) -> str:
+        def wait() -> str:
+            context = steps.context
+            assert context is not None
+            if context.cancelled.wait(3):  # cooperative: stops when cancelled
+                raise TimeoutError("stopped")
+            return "late"
+
         try:
-            return steps.timeout(0.2).run("wait", lambda: time.sleep(3) or "late", type=str)
-        except Exception as e:  # the recorded error, raised again on every replay
+            return steps.timeout(0.2).run("wait", wait, type=str)
+        except StepTimeout as e:  # the recorded error, raised again on every replay
             return f"gave up: {type(e).__name__}"
 
     result = tester.run(fn, {})
-    assert_run(result).completed().output("gave up: StepError")
+    assert_run(result).completed().output("gave up: StepTimeout")
     (row,) = [s for s in result.steps if s.step_key == "wait:0"]
     assert row.status is StepStatus.ERROR
     assert StepTimeout.__name__ in (row.error or "")

@@ -11,7 +11,7 @@ from sqlalchemy import text
 
 from db.errors import LeaseLost
 from db.queries import QUERIES as Q
-from db.records import ApprovalStatus, RunStatus, StepStatus, Usage
+from db.records import ApprovalStatus, NewStep, RunStatus, StepKind, StepStatus, Usage
 from runtime.bootstrap import Runtime
 from runtime.driver import Outcome
 from runtime.durable import Model, Steps, durable_agent, step
@@ -73,7 +73,10 @@ def test_a_rate_limited_durable_llm_step_waits_on_a_timer(runtime: Runtime) -> N
     parked = runtime.store.get_run(run.id)
     assert parked.status is RunStatus.RUNNING
     assert parked.locked_by is None
-    assert runtime.store.steps(run.id) == [], "no error recorded: it is a wait, not a failure"
+    rows = runtime.store.steps(run.id)
+    assert [(s.step_key, s.status) for s in rows] == [("ask:0", StepStatus.PAUSED)], (
+        "no error recorded: it is a wait, not a failure"
+    )
     done = DurableTester(runtime).resume(run.id)
     assert_run(done).completed().output("ok")
 
@@ -94,7 +97,7 @@ def test_a_finally_cannot_run_a_second_step_in_the_same_task(tester: DurableTest
     assert effects == ["a", "cleanup"], "each effect once, each in its own task"
 
 
-def test_start_tool_is_fenced_against_a_claim_committing_meanwhile(runtime: Runtime) -> None:
+def test_start_step_is_fenced_against_a_claim_committing_meanwhile(runtime: Runtime) -> None:
     run, dispatch = runtime.submit("acme-tickets", "hi")
     stale = runtime.store.claim(run.id, dispatch.token, "A", 5)
     assert stale is not None
@@ -110,8 +113,11 @@ def test_start_tool_is_fenced_against_a_claim_committing_meanwhile(runtime: Runt
 
     def start() -> None:
         try:
-            runtime.store.start_tool(
-                stale, seq=1, step_key="tool:x", tool_name="t", tool_use_id="x"
+            runtime.store.start_step(
+                stale,
+                NewStep(
+                    1, "tool:x", StepKind.TOOL, StepStatus.STARTED, tool_name="t", tool_use_id="x"
+                ),
             )
             outcome.append("written")
         except LeaseLost:
@@ -246,5 +252,5 @@ def test_model_helper_parses_fenced_json(runtime: Runtime, model: FakeModel) -> 
 
     done = DurableTester(runtime).run(fn, {})
     assert_run(done).completed().output({"a": 1})
-    with runtime.engine.connect() as conn:
-        assert conn.execute(text("SELECT count(*) FROM run_step")).scalar_one() == 1
+    with runtime.engine.connect() as conn:  # the step and its one model call
+        assert conn.execute(text("SELECT count(*) FROM run_step")).scalar_one() == 2

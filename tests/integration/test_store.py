@@ -9,7 +9,7 @@ from decimal import Decimal
 import pytest
 
 from db.errors import LeaseLost
-from db.records import ModelCheckpoint, RunStatus, StepStatus, Usage
+from db.records import ModelCheckpoint, NewStep, RunStatus, StepKind, StepStatus, Usage
 from runtime.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from tests.support import expire_lease, register_agent, submit
@@ -83,6 +83,17 @@ def test_checkpoint_commits_step_tokens_and_hands_the_lease_on(runtime: Runtime)
     assert runtime.store.claim(run.id, nxt.token, "w", 30) is not None
 
 
+def _tool_row(tool_use_id: str) -> NewStep:
+    return NewStep(
+        1,
+        f"tool:{tool_use_id}",
+        StepKind.TOOL,
+        StepStatus.STARTED,
+        tool_name="x",
+        tool_use_id=tool_use_id,
+    )
+
+
 def test_fenced_checkpoint_rolls_back_everything(runtime: Runtime) -> None:
     run, dispatch = submit(runtime.store)
     stale = runtime.store.claim(run.id, dispatch.token, "w", 30)
@@ -93,7 +104,7 @@ def test_fenced_checkpoint_rolls_back_everything(runtime: Runtime) -> None:
     with pytest.raises(LeaseLost):
         runtime.store.checkpoint_model(stale, _checkpoint())
     with pytest.raises(LeaseLost):
-        runtime.store.start_tool(stale, seq=1, step_key="tool:t", tool_name="x", tool_use_id="t")
+        runtime.store.start_step(stale, _tool_row("t"))
     with pytest.raises(LeaseLost):
         runtime.store.finish(stale, RunStatus.SUCCEEDED)
     assert runtime.store.steps(run.id) == []

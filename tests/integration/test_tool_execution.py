@@ -41,9 +41,10 @@ def test_timeout_becomes_an_error_result_and_the_run_goes_on(
     runtime: Runtime, llm: ScriptedLlm
 ) -> None:
     @tool(timeout_seconds=0.2)
-    def slow() -> str:
-        """Slow."""
-        time.sleep(2)
+    def slow(ctx: ToolContext) -> str:
+        """Slow, but stops when its context is cancelled."""
+        if ctx.cancelled.wait(2):
+            raise TimeoutError("cancelled: nothing sent")
         return "late"
 
     run, steps = _run_one_tool(runtime, llm, slow, {})
@@ -54,6 +55,58 @@ def test_timeout_becomes_an_error_result_and_the_run_goes_on(
     seen = _result_seen_by_model(llm)
     assert seen["is_error"] is True
     assert "timed out after 0.2s" in str(seen["content"])
+
+
+def test_a_timed_out_tool_that_finishes_anyway_records_what_it_did(
+    runtime: Runtime, llm: ScriptedLlm
+) -> None:
+    """Scenario: the model must never see "timed out" for a call whose effect happened
+    (it would ask again and the email would go out twice)."""
+    sent: list[str] = []
+
+    @tool(timeout_seconds=0.2)
+    def send_email() -> str:
+        """Ignores its cancellation, finishes within the grace period."""
+        time.sleep(0.6)
+        sent.append("email")
+        return "sent"
+
+    run, steps = _run_one_tool(runtime, llm, send_email, {})
+    assert run.status is RunStatus.SUCCEEDED
+    assert sent == ["email"]
+    assert steps[1].status is StepStatus.DONE
+    assert _result_seen_by_model(llm)["content"] == "sent"
+
+
+def test_a_timed_out_tool_still_running_stays_in_doubt(
+    runtime: Runtime, llm: ScriptedLlm, settings: object
+) -> None:
+    runtime.settings = replace(runtime.settings, cancel_grace_seconds=0.1)
+    sent: list[str] = []
+
+    @tool(timeout_seconds=0.2)
+    def send_email() -> str:
+        """Ignores its cancellation for longer than the grace period."""
+        time.sleep(1.0)
+        sent.append("email")
+        return "sent"
+
+    llm.then_tool_use("toolu_1", send_email.name, {}).then_text("ok")
+    register_agent(runtime.agents, send_email)
+    run, dispatch = submit(runtime.store)
+    driver = runtime.driver()
+    current: Dispatch | None = dispatch
+    while current is not None:
+        time.sleep(current.delay_seconds)  # the durable timer, if any
+        current = driver.drive(current.run_id, current.token).dispatch
+    after = runtime.store.get_run(run.id)
+    tool_row = runtime.store.steps(run.id)[1]
+    assert tool_row.status is StepStatus.STARTED, "not recorded as failed while it may finish"
+    assert after.status is RunStatus.NEEDS_ATTENTION, after.error
+    assert "not declared idempotent" in (after.error or "")
+    time.sleep(1.2)
+    assert sent == ["email"], "it did finish: an operator now supplies the result"
+    assert len(llm.requests) == 1, "the model never saw a timeout to retry"
 
 
 def test_schema_error_says_what_was_wrong(runtime: Runtime, llm: ScriptedLlm) -> None:

@@ -1,0 +1,620 @@
+"""One task's replay of a durable function.
+
+The function runs from the top on every task. A step whose key is recorded returns its
+recorded result (or raises its recorded error) without running; the first step without a
+result runs through the one step executor (:mod:`runtime.effects`: STARTED first, in-doubt
+rules, timeouts), is checkpointed, and the task ends there (one step per task). Model calls
+inside ``steps.llm`` are child steps recorded the moment they return (:mod:`runtime.modelcall`).
+Compensations are in :mod:`runtime.durable.compensation`.
+
+Keys are ``name:n`` at the top level (``n`` counts earlier calls with that name, so loops
+work) and ``parent/name:n`` inside another step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from db.records import NewStep, RunStatus, Step, StepKind, StepStatus
+from runtime import effects, modelcall
+from runtime.codec import decode, encode
+from runtime.durable.api import (
+    ApprovalBuilder,
+    DurableAgent,
+    StepOptions,
+    Steps,
+    compensation_ref,
+    reset_current_steps,
+    set_current_steps,
+)
+from runtime.durable.compensation import Compensations
+from runtime.durable.errors import (
+    ApprovalMismatch,
+    ApprovalRejected,
+    DurableConfigError,
+    InfrastructureError,
+    NonDeterministicReplay,
+    Pause,
+    StepError,
+    StepTimeout,
+    VersionUnsupported,
+    Yield,
+)
+from runtime.durable.notify import notify_approval
+from runtime.guard import Stop
+from runtime.llm.base import LlmError, LlmRequest, LlmResponse
+from runtime.llm.retry import RetryLater
+from runtime.logctx import set_step
+from runtime.task import Outcome, StepResult, Task
+from runtime.tools import ToolContext
+
+log = logging.getLogger(__name__)
+
+
+def _hash(value: Any) -> str:
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _base_name(key: str) -> str:
+    return key.rsplit(":", 1)[0]
+
+
+def type_name(e: BaseException) -> str:
+    return type(e).__name__
+
+
+@dataclass
+class Frame:
+    """A step whose body is running."""
+
+    key: str
+    kind: StepKind
+    seq: int
+    attempt: int
+    context: ToolContext | None = None
+
+
+class Execution:
+    """Implements ``steps`` (the :class:`~runtime.durable.api.Engine` protocol) for one task."""
+
+    def __init__(self, task: Task, agent: DurableAgent) -> None:
+        self.task = task
+        self.agent = agent
+        self.recorded: dict[str, Step] = {s.step_key: s for s in task.steps}
+        self.history = [
+            s.step_key
+            for s in task.steps
+            if "/" not in s.step_key and s.kind is not StepKind.COMPENSATION
+        ]
+        self._next_seq = task.next_seq
+        self.counters: dict[tuple[str, str], int] = {}
+        self.calls = 0
+        self.stack: list[Frame] = []
+        self.compensations = Compensations(self)
+        self.yielded: Yield | None = None
+        self.steps_api = Steps(self)
+
+    # -- the Engine protocol's plain parts --------------------------------------------------
+
+    @property
+    def run_id(self) -> uuid.UUID:
+        return self.task.run_id
+
+    @property
+    def default_model(self) -> str:
+        return self.task.claim.run.model
+
+    @property
+    def default_max_tokens(self) -> int:
+        return self.task.settings.max_tokens
+
+    def current_key(self) -> str | None:
+        return self.stack[-1].key if self.stack else None
+
+    def current_context(self) -> ToolContext | None:
+        return self.stack[-1].context if self.stack else None
+
+    # -- the whole function -----------------------------------------------------------------
+
+    def run(self) -> StepResult:
+        run = self.task.claim.run
+        token = set_current_steps(self.steps_api)
+        try:
+            argument = decode(run.input, self.agent.input_type)
+            output = self.agent.fn(argument, self.steps_api)
+        except Yield as y:
+            return y.result
+        except NonDeterministicReplay as e:
+            return self.task.finish(RunStatus.FAILED, error=str(e))
+        except Exception as e:
+            try:
+                return self.compensations.unwind(RunStatus.FAILED, f"{type_name(e)}: {e}")
+            except Yield as y:
+                return y.result
+        finally:
+            reset_current_steps(token)
+        try:
+            result = encode(output)
+        except Exception as e:
+            return self.task.finish(RunStatus.FAILED, error=f"{type_name(e)}: {e}")
+        return self.task.finish(RunStatus.SUCCEEDED, result=result)
+
+    # -- keys, strict replay, ending the task -----------------------------------------------
+
+    def _key(self, name: str) -> str:
+        if "/" in name or not name:
+            raise DurableConfigError(f"step names must be non-empty and contain no '/': {name!r}")
+        parent = self.stack[-1].key if self.stack else ""
+        n = self.counters.get((parent, name), 0)
+        self.counters[(parent, name)] = n + 1
+        return f"{parent}/{name}:{n}" if parent else f"{name}:{n}"
+
+    def _check_replay(self, key: str) -> None:
+        position = self.calls
+        self.calls += 1
+        if not self.task.settings.strict_replay or position >= len(self.history):
+            return
+        if self.history[position] != key:
+            recorded = ", ".join(_base_name(k) for k in self.history)
+            raise NonDeterministicReplay(
+                f"Run {self.run_id} diverged from its history at step #{position}: "
+                f"recorded {_base_name(self.history[position])!r} but the code called "
+                f"{_base_name(key)!r}. Recorded sequence: [{recorded}]. Either the agent code "
+                "changed in an incompatible way or it is not deterministic between steps."
+            )
+
+    def take_seq(self) -> int:
+        seq = self._next_seq
+        self._next_seq += 1
+        return seq
+
+    def end(self, result: StepResult) -> NoReturn:
+        """End the task: nothing else may run in it, even if user code catches this."""
+        self.yielded = Yield(result)
+        raise self.yielded
+
+    def _check_yielded(self) -> None:
+        if self.yielded is not None:
+            raise self.yielded
+
+    @contextlib.contextmanager
+    def engine_call(self) -> Iterator[None]:
+        """Around the engine's own work inside the function: a failure there is not the
+        function's (it must not be caught, compensated or recorded as a step error)."""
+        try:
+            yield
+        except Exception as e:
+            raise InfrastructureError(e) from e
+
+    def _guard(self, kind: StepKind) -> None:
+        steps_taken = len(self.history)
+        with self.engine_call():
+            stop = self.task.guard(steps_taken=steps_taken, next_is_model=kind is StepKind.LLM)
+            run = self.task.claim.run
+            if stop is None and steps_taken >= run.max_steps:
+                stop = Stop(
+                    RunStatus.FAILED,
+                    f"step cap reached: {steps_taken} steps of maxSteps {run.max_steps}",
+                )
+            if stop is not None:
+                self.end(self.compensations.unwind(stop.status, stop.reason))
+
+    def _pause_open_steps(self) -> None:
+        """Before a step inside another ends the task, record the open steps around it as
+        PAUSED: they were interrupted at a known point, so they are not in doubt."""
+        with self.engine_call():
+            for frame in self.stack:
+                self.task.store.record_child(
+                    self.task.claim,
+                    NewStep(
+                        frame.seq, frame.key, frame.kind, StepStatus.PAUSED, attempt=frame.attempt
+                    ),
+                )
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def step(
+        self,
+        kind: str,
+        name: str,
+        thunk: Callable[[], Any],
+        *,
+        type: Any,
+        compensate: Callable[[Any], Any] | None,
+        options: StepOptions,
+        declared_by: str | None = None,
+    ) -> Any:
+        self._check_yielded()
+        step_kind = StepKind(kind)
+        key = self._key(name)
+        if not self.stack:
+            self._check_replay(key)
+        rec = self.recorded.get(key)
+        if rec is not None and rec.status is StepStatus.DONE:
+            value = decode(rec.response, type)
+            self.compensations.completed(key, value, compensate)
+            return value
+        if rec is not None and rec.status is StepStatus.ERROR and not self.stack:
+            self.compensations.undo_children(key)  # ends the task while any is left
+            raise self._recorded_error(key, rec)
+        if not self.stack:
+            self._guard(step_kind)
+        return self._execute(step_kind, key, thunk, type, compensate, options, rec, declared_by)
+
+    @staticmethod
+    def _recorded_error(key: str, rec: Step) -> StepError:
+        message = rec.error or "unknown error"
+        if message.startswith("StepTimeout:"):
+            return StepTimeout(key, message)
+        return StepError(key, message)
+
+    def _execute(
+        self,
+        kind: StepKind,
+        key: str,
+        thunk: Callable[[], Any],
+        type: Any,
+        compensate: Callable[[Any], Any] | None,
+        options: StepOptions,
+        rec: Step | None,
+        declared_by: str | None,
+        input_hash: str | None = None,
+    ) -> Any:
+        if rec is None:
+            seq, attempt = self.take_seq(), 1
+        elif rec.status is StepStatus.PAUSED:
+            seq, attempt = rec.seq, rec.attempt
+        else:
+            seq, attempt = rec.seq, rec.attempt + 1
+        nested = bool(self.stack)
+        if not nested:
+            set_step(seq)
+        frame = Frame(key, kind, seq, attempt)
+
+        def body(context: ToolContext) -> Any:
+            frame.context = context
+            return thunk()
+
+        effect = effects.Effect(
+            key=key,
+            kind=kind,
+            seq=seq,
+            fn=body,
+            label=f"step {key!r} (seq={seq})",
+            idempotent=options.idempotent or kind in (StepKind.LLM, StepKind.SIDE_EFFECT),
+            reconcile=options.reconcile,
+            timeout_seconds=options.timeout,
+            attempt=attempt,
+            input_hash=input_hash,
+        )
+        in_doubt = rec if rec is not None and rec.status is StepStatus.STARTED else None
+        self.stack.append(frame)
+        try:
+            with self.engine_call():
+                verdict = effects.execute(self.task, effect, in_doubt)
+        except Pause as p:
+            self.stack.pop()
+            paused = NewStep(seq, key, kind, StepStatus.PAUSED, attempt=attempt)
+            if nested:
+                p.rows.append(paused)
+                raise
+            self._paused(p, [*p.rows, paused])
+        finally:
+            if self.stack and self.stack[-1] is frame:
+                self.stack.pop()
+        if isinstance(verdict, effects.InDoubt | effects.StillRunning):
+            self._pause_open_steps()
+            with self.engine_call():
+                if isinstance(verdict, effects.InDoubt):
+                    self.end(self.task.needs_attention(verdict.reason))
+                log.warning("run=%s seq=%d %s", self.task.rid, seq, verdict.reason)
+                self.end(
+                    self.task.schedule(self.task.settings.cancel_grace_seconds, verdict.reason)
+                )
+        error: Exception | None = None
+        timed_out = False
+        latency = 0
+        if isinstance(verdict, effects.WasReconciled):
+            value = verdict.output
+        elif isinstance(verdict, effects.Ran):
+            value, latency = verdict.value, verdict.latency_ms
+        else:
+            error, latency, timed_out = verdict.error, verdict.latency_ms, verdict.timed_out
+        if error is None:
+            try:
+                encoded = encode(value)
+                value = (
+                    decode(encoded, type) if isinstance(verdict, effects.WasReconciled) else value
+                )
+            except Exception as e:
+                error = e
+        if error is not None:
+            return self._failed(kind, key, seq, attempt, latency, error, timed_out, options)
+        row = NewStep(
+            seq=seq,
+            step_key=key,
+            kind=kind,
+            status=StepStatus.DONE,
+            response=encoded,
+            attempt=attempt,
+            latency_ms=latency,
+            input_hash=input_hash,
+            compensation=compensation_ref(compensate, declared_by) if compensate else None,
+        )
+        self.compensations.completed(key, value, compensate)
+        if nested:
+            with self.engine_call():
+                self.task.store.record_child(self.task.claim, row)
+            return value
+        log.info("run=%s seq=%d %s %s done %dms", self.task.rid, seq, kind, key, latency)
+        with self.engine_call():
+            self.end(self.task.checkpoint([row]))
+
+    def _failed(
+        self,
+        kind: StepKind,
+        key: str,
+        seq: int,
+        attempt: int,
+        latency: int,
+        error: Exception,
+        timed_out: bool,
+        options: StepOptions,
+    ) -> Any:
+        text = (
+            f"StepTimeout: step ran longer than {options.timeout:g}s"
+            if timed_out
+            else f"{type_name(error)}: {error}"
+        )
+        row = NewStep(
+            seq, key, kind, StepStatus.ERROR, error=text, attempt=attempt, latency_ms=latency
+        )
+        if self.stack:  # nested: recorded, and the parent's code sees the exception
+            with self.engine_call():
+                self.task.store.record_child(self.task.claim, row)
+            raise StepTimeout(key, text) if timed_out else error
+        if options.retries and attempt < options.retries:
+            delay = options.backoff * 2 ** (attempt - 1)
+            log.info(
+                "run=%s seq=%d %s %s attempt %d failed (%s); retry in %.1fs",
+                self.task.rid,
+                seq,
+                kind,
+                key,
+                attempt,
+                text,
+                delay,
+            )
+            retrying = NewStep(
+                seq, key, kind, StepStatus.RETRYING, error=text, attempt=attempt, latency_ms=latency
+            )
+            with self.engine_call():
+                self.end(
+                    self.task.schedule(
+                        delay, f"{key} attempt {attempt} failed; retrying", rows=[retrying]
+                    )
+                )
+        log.info("run=%s seq=%d %s %s failed: %s", self.task.rid, seq, kind, key, text)
+        with self.engine_call():
+            self.end(self.task.checkpoint([row]))
+
+    def _paused(self, pause: Pause, rows: list[NewStep]) -> NoReturn:
+        with self.engine_call():
+            if pause.stop is not None:  # the guard stopped the run inside a step
+                for row in rows:
+                    self.task.store.record_child(self.task.claim, row)
+                self.end(self.compensations.unwind(pause.stop.status, pause.stop.reason))
+            assert pause.delay_seconds is not None
+            self.end(
+                self.task.schedule(
+                    pause.delay_seconds,
+                    pause.reason,
+                    rows=rows,
+                    model_attempts=pause.model_attempts,
+                )
+            )
+
+    def compensate_last(self, fn: Callable[[Any], Any]) -> None:
+        self.compensations.attach_to_last(fn)
+
+    # -- versions ---------------------------------------------------------------------------
+
+    def version(self, name: str, minimum: int, maximum: int) -> int:
+        self._check_yielded()
+        if self.stack:
+            raise DurableConfigError("steps.version() belongs at the top level, not inside a step")
+        before = dict(self.counters)
+        key = self._key(name)
+        rec = self.recorded.get(key)
+        if rec is not None and rec.status is StepStatus.DONE:
+            self._check_replay(key)
+            recorded = int(rec.response)
+            if not minimum <= recorded <= maximum:
+                raise VersionUnsupported(
+                    f"run {self.run_id} recorded version {recorded} of {name!r}; this "
+                    f"code supports {minimum} to {maximum}"
+                )
+            return recorded
+        if self.calls < len(self.history):
+            # The run's history went past this point before the marker existed: it started
+            # on the old code and stays on the old branch. Nothing is recorded.
+            self.counters = before
+            return minimum
+        self._check_replay(key)
+        self._guard(StepKind.VERSION)
+        row = NewStep(
+            self.take_seq(),
+            key,
+            StepKind.VERSION,
+            StepStatus.DONE,
+            response=maximum,
+            attempt=1,
+            latency_ms=0,
+        )
+        with self.engine_call():
+            self.end(self.task.checkpoint([row]))
+
+    # -- the model ----------------------------------------------------------------------------
+
+    def model_call(self, request: LlmRequest) -> LlmResponse:
+        self._check_yielded()
+        if not self.stack:
+            raise DurableConfigError("the model is called inside steps.llm(...)")
+        parent = self.stack[-1]
+        key = self._key("llm")
+        rec = self.recorded.get(key)
+        if rec is not None and rec.status is StepStatus.DONE and rec.attempt == parent.attempt:
+            return LlmResponse(
+                rec.response or [],
+                rec.stop_reason,
+                rec.usage,
+                rec.model or request.model,
+                rec.request_id,
+            )
+        body = request.to_json()
+        with self.engine_call():
+            stop = self.task.guard(steps_taken=0, next_is_model=True)
+            refusal = modelcall.strict_budget_refusal(self.task, request, body)
+        if stop is None and refusal:
+            stop = Stop(RunStatus.FAILED, refusal)
+        if stop is not None:
+            raise Pause(stop.reason, stop=stop)
+        try:
+            answer = modelcall.send(self.task, request, body)
+        except RetryLater as e:
+            status = "I/O error" if e.status == -1 else f"HTTP {e.status}"
+            raise Pause(
+                f"{key}: model call {status}; retrying in {e.delay_seconds:.1f}s",
+                delay_seconds=e.delay_seconds,
+                model_attempts=e.attempts,
+            ) from None
+        except LlmError:
+            raise
+        response = answer.response
+        row = NewStep(
+            seq=rec.seq if rec is not None else self.take_seq(),
+            step_key=key,
+            kind=StepKind.LLM,
+            status=StepStatus.DONE,
+            response=response.content,
+            attempt=parent.attempt,
+            model=answer.model,
+            prompt_hash=modelcall.prompt_hash(body),
+            usage=response.usage,
+            cost_usd=answer.cost,
+            latency_ms=answer.latency_ms,
+            request_id=response.request_id,
+            stop_reason=response.stop_reason,
+        )
+        with self.engine_call():
+            modelcall.record_billed(
+                self.task, answer, lambda: self.task.store.record_child(self.task.claim, row)
+            )
+        log.info(
+            "run=%s seq=%d MODEL %s stop=%s in=%d out=%d latency=%dms",
+            self.task.rid,
+            row.seq,
+            key,
+            response.stop_reason,
+            response.usage.input_tokens,
+            response.usage.output_tokens,
+            answer.latency_ms,
+        )
+        return response
+
+    # -- approvals ----------------------------------------------------------------------------
+
+    def approval(
+        self,
+        builder: ApprovalBuilder,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        type: Any,
+        idempotent: bool,
+    ) -> Any:
+        self._check_yielded()
+        if self.stack:
+            raise DurableConfigError("an approval cannot be asked for inside another step")
+        if builder.role not in self.agent.approval_roles:
+            raise DurableConfigError(
+                f"approval role {builder.role!r} is not declared: add it to "
+                f"@durable_agent({self.agent.name!r}, approval_roles=[...])"
+            )
+        key = self._key(name)
+        self._check_replay(key)
+        payload = {"stepKey": key, "input": encode(list(args))}
+        digest = _hash(payload)
+        rec = self.recorded.get(key)
+        if rec is not None and rec.status is StepStatus.DONE:
+            value = decode(rec.response, type)
+            self.compensations.completed(key, value, None)
+            return value
+        if rec is not None and rec.status is StepStatus.REJECTED:
+            approval = self._approval_record(key)
+            raise ApprovalRejected(
+                key,
+                approval.decided_by if approval else None,
+                approval.comment if approval else None,
+            )
+        if rec is not None and rec.status is StepStatus.ERROR:
+            raise StepError(key, rec.error or "approval failed")
+        approved = (StepStatus.APPROVED, StepStatus.STARTED, StepStatus.PAUSED)
+        if rec is not None and rec.status in approved:
+            if rec.input_hash != digest:
+                raise ApprovalMismatch(
+                    f"{key} was approved for input hash {rec.input_hash}, but the code would now "
+                    f"run it with {digest}: what runs must be what was approved"
+                )
+            self._guard(StepKind.APPROVAL)
+            options = StepOptions(self.steps_api, idempotent=idempotent)
+            return self._execute(
+                StepKind.APPROVAL,
+                key,
+                functools.partial(fn, *args),
+                type,
+                None,
+                options,
+                rec,
+                None,
+                input_hash=digest,
+            )
+        self._guard(StepKind.APPROVAL)
+        return self._suspend(builder, key, payload, digest)
+
+    def _suspend(self, builder: ApprovalBuilder, key: str, payload: Any, digest: str) -> NoReturn:
+        seq = self.take_seq()
+        row = NewStep(
+            seq=seq,
+            step_key=key,
+            kind=StepKind.APPROVAL,
+            status=StepStatus.PENDING,
+            input_hash=digest,
+        )
+        with self.engine_call():
+            self.task.ensure_lease()
+            approval_id = self.task.store.suspend_for_approval(
+                self.task.claim,
+                row,
+                role=builder.role,
+                payload=payload,
+                timeout_seconds=builder.timeout_seconds,
+                timeout_policy=builder.policy,
+            )
+        log.info("run=%s seq=%d APPROVAL %s waiting for %s", self.task.rid, seq, key, builder.role)
+        notify_approval(self.task, self.agent, approval_id, key, builder, payload, digest)
+        self.end(StepResult(Outcome.WAITING, status=RunStatus.WAITING))
+
+    def _approval_record(self, key: str) -> Any:
+        with self.engine_call():
+            approvals = self.task.store.list_approvals(status=None, run_id=self.run_id)
+        return next((a for a in approvals if a.step_key == key), None)

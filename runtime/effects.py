@@ -1,0 +1,229 @@
+"""Steps with an effect: the one place that decides what runs again after a crash.
+
+Every kind of step whose code may change the world goes through :func:`execute`: a tool call
+of the agent loop, a durable ``steps.run`` / ``@step`` body, an approved action, a
+compensation. The rule, written once:
+
+1. The step is written ``STARTED`` (fenced) before its code runs; its key is its idempotency
+   key (``ctx.idempotency_key``).
+2. A step found ``STARTED`` when a task begins is *in doubt*: its worker stopped between the
+   effect and the record. It runs again only when it is declared idempotent, or an operator
+   authorised exactly one more execution (``resolve`` with ``retry``); else its ``reconcile``
+   hook is asked whether the effect happened; else the run stops ``NEEDS_ATTENTION`` for an
+   operator, with the reason.
+3. A step that runs past its timeout gets ``ctx.cancelled`` set and ``cancel_grace`` seconds
+   to stop. If it returns, what it returned is recorded (the effect happened: saying "timed
+   out" would invite a second one); if it raises, the timeout is recorded; if it is still
+   running, it stays ``STARTED`` and rule 2 decides on the next task. A timed-out call is never
+   recorded as failed while its code may still produce the effect.
+
+The caller records the verdict (and so chooses the step's row), in the same transaction that
+hands the lease on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextvars
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from db.records import NewStep, Step, StepKind, StepStatus
+from runtime.faults import crash_point
+from runtime.task import Task
+from runtime.tools import Reconciled, ToolContext
+
+log = logging.getLogger(__name__)
+
+_pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="dar-step")
+
+
+@dataclass(frozen=True)
+class Effect:
+    key: str
+    kind: StepKind
+    seq: int
+    fn: Callable[[ToolContext], Any]
+    label: str
+    """How messages name the step: ``tool 'send_email' (tool_use id ..., seq=4)``."""
+    idempotent: bool = False
+    reconcile: Callable[[ToolContext], Reconciled | None] | None = None
+    timeout_seconds: float | None = None
+    attempt: int = 1
+    tool_name: str | None = None
+    tool_use_id: str | None = None
+    input_hash: str | None = None
+    context_key: str | None = None
+    """The idempotency key the code sees (``ctx.idempotency_key``); the step key if unset."""
+
+
+@dataclass(frozen=True)
+class Ran:
+    value: Any
+    latency_ms: int
+    late: bool = False
+    """It returned after its timeout (within the grace): the effect happened."""
+
+
+@dataclass(frozen=True)
+class Raised:
+    error: Exception
+    latency_ms: int
+    timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class WasReconciled:
+    output: Any
+
+
+@dataclass(frozen=True)
+class InDoubt:
+    reason: str
+
+
+@dataclass(frozen=True)
+class StillRunning:
+    reason: str
+
+
+Verdict = Ran | Raised | WasReconciled | InDoubt | StillRunning
+
+
+def execute(task: Task, effect: Effect, recorded: Step | None) -> Verdict:
+    """Run ``effect`` under the rules above. ``recorded`` is its row when one exists."""
+    context = ToolContext(run_id=task.run_id, tool_use_id=effect.context_key or effect.key)
+    if recorded is not None and recorded.status is StepStatus.STARTED:
+        decided = _in_doubt(task, effect, recorded, context)
+        if decided is not None:
+            return decided
+    task.ensure_lease()
+    task.store.start_step(
+        task.claim,
+        NewStep(
+            seq=effect.seq,
+            step_key=effect.key,
+            kind=effect.kind,
+            status=StepStatus.STARTED,
+            attempt=effect.attempt,
+            tool_name=effect.tool_name,
+            tool_use_id=effect.tool_use_id,
+            input_hash=effect.input_hash,
+        ),
+    )
+    crash_point("after_tool_start")
+    verdict = _run(task, effect, context)
+    crash_point("after_tool_effect")
+    return verdict
+
+
+def _in_doubt(task: Task, effect: Effect, recorded: Step, context: ToolContext) -> Verdict | None:
+    """``None``: run it again. Otherwise what to do instead."""
+    if effect.idempotent or recorded.resolution == "retry":
+        why = "an operator authorised one retry" if not effect.idempotent else "idempotent"
+        log.info(
+            "run=%s seq=%d %s was left started; running it again (%s)",
+            task.rid,
+            effect.seq,
+            effect.label,
+            why,
+        )
+        return None
+    if effect.reconcile is None:
+        return InDoubt(
+            f"{effect.label} was started but its worker stopped before recording a result, "
+            "and it is not declared idempotent, so it was not run again: check whether its "
+            "effect happened, then resolve the run (supply_result, retry or fail)"
+        )
+    reconcile = effect.reconcile
+    try:
+        answer = _run(
+            task,
+            Effect(
+                effect.key,
+                effect.kind,
+                effect.seq,
+                reconcile,
+                effect.label,
+                timeout_seconds=effect.timeout_seconds,
+            ),
+            context,
+        )
+    except Exception as e:  # pragma: no cover - _run returns Raised for user errors
+        answer = Raised(e, 0)
+    if isinstance(answer, Raised | StillRunning):
+        detail = (
+            f"{type(answer.error).__name__}: {answer.error}"
+            if isinstance(answer, Raised)
+            else "it did not return"
+        )
+        return InDoubt(
+            f"{effect.label} was left started and its reconcile hook failed ({detail}); "
+            "resolve the run (supply_result, retry or fail)"
+        )
+    if isinstance(answer, Ran) and isinstance(answer.value, Reconciled):
+        log.info(
+            "run=%s seq=%d %s reconciled: the effect had happened",
+            task.rid,
+            effect.seq,
+            effect.label,
+        )
+        return WasReconciled(answer.value.output)
+    log.info(
+        "run=%s seq=%d %s reconciled: the effect had not happened: running it",
+        task.rid,
+        effect.seq,
+        effect.label,
+    )
+    return None
+
+
+def _run(task: Task, effect: Effect, context: ToolContext) -> Verdict:
+    """The step's own code, with its timeout and cancellation. A crash (a ``BaseException``:
+    a lost lease, a simulated crash, a durable function unwinding) propagates."""
+    started = time.monotonic()
+
+    def took() -> int:
+        return int((time.monotonic() - started) * 1000)
+
+    timeout = effect.timeout_seconds
+    if timeout is None:
+        try:
+            return Ran(effect.fn(context), took())
+        except Exception as e:
+            return Raised(e, took())
+    context = ToolContext(
+        run_id=context.run_id, tool_use_id=context.tool_use_id, deadline=started + timeout
+    )
+    future = _pool.submit(contextvars.copy_context().run, effect.fn, context)
+    # (The code's own TimeoutError is an exception like any other: done-ness decides.)
+    concurrent.futures.wait([future], timeout=timeout)
+    late = not future.done()
+    if late:
+        if future.cancel():  # never started (the pool was busy): it never will
+            return Raised(TimeoutError(f"did not start within {timeout:g}s"), took(), True)
+        context.cancelled.set()
+        grace = task.settings.cancel_grace_seconds
+        concurrent.futures.wait([future], timeout=grace)
+        if not future.done():
+            return StillRunning(
+                f"{effect.label} ran past its {timeout:g}s timeout and did not stop within "
+                f"{grace:g}s of being cancelled; it may still produce its effect"
+            )
+    error = future.exception()
+    if error is not None:
+        if not isinstance(error, Exception):
+            raise error  # a crash, a lost lease, the function unwinding
+        return Raised(error, took(), timed_out=late)
+    if late:
+        log.warning(
+            "run=%s seq=%d %s returned after its %gs timeout; its result is recorded",
+            task.rid,
+            effect.seq,
+            effect.label,
+            timeout,
+        )
+    return Ran(future.result(), took(), late=late)

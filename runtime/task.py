@@ -1,0 +1,180 @@
+"""One task: what a program (the agent loop, a durable function) gets for the run it holds.
+
+A :class:`Task` lives for one claim. It carries the services of the executor (store, model
+client, settings, pricing, metrics), the claim that fences every write, and the lease the
+heartbeat renews. Its methods are the ways a task may end: a checkpoint hands the lease on
+(:meth:`checkpoint`), a durable timer parks the run (:meth:`schedule`), :meth:`finish` ends
+it or parks it for a human. Each is one fenced transaction, and each is the only way to do
+that thing, for every kind of step.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from decimal import Decimal
+from typing import Any
+
+from db.errors import LeaseLost
+from db.records import Claim, Dispatch, NewStep, RunStatus, Step, Usage
+from db.store import RunStore
+from runtime.config import Settings
+from runtime.guard import Stop, guard
+from runtime.heartbeat import HeldLease
+from runtime.llm.base import LlmClient
+from runtime.metrics import Metrics
+from runtime.pricing import PriceTable
+from runtime.tracing import run_span
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(enum.StrEnum):
+    CONTINUE = "CONTINUE"
+    """A step was committed; send ``dispatch`` to run the next one."""
+    FINISHED = "FINISHED"
+    """The run ended (or is parked for a human); nothing to send."""
+    DROPPED = "DROPPED"
+    """The message was stale or duplicated, or the run is held by a live lease: nothing ran."""
+    WAITING = "WAITING"
+    """The run is parked on a durable timer or for a decision; ``dispatch`` (if any) is sent
+    with its delay."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    outcome: Outcome
+    dispatch: Dispatch | None = None
+    status: RunStatus | None = None
+
+
+@dataclass(frozen=True)
+class Services:
+    """What every task of one executor shares."""
+
+    store: RunStore
+    llm: LlmClient
+    settings: Settings
+    pricing: PriceTable
+    metrics: Metrics | None
+    worker: str
+
+
+def short(run_id: uuid.UUID) -> str:
+    return str(run_id)[:8]
+
+
+@dataclass
+class Task:
+    services: Services
+    claim: Claim
+    lease: HeldLease
+    steps: list[Step]
+    spent: Usage = field(default_factory=Usage)
+    """Tokens recorded by this task so far (model calls inside a step), for the guard."""
+    spent_cost: Decimal = field(default_factory=Decimal)
+
+    @property
+    def store(self) -> RunStore:
+        return self.services.store
+
+    @property
+    def settings(self) -> Settings:
+        return self.services.settings
+
+    @property
+    def run_id(self) -> uuid.UUID:
+        return self.claim.run_id
+
+    @property
+    def rid(self) -> str:
+        return short(self.claim.run_id)
+
+    @property
+    def next_seq(self) -> int:
+        return max((s.seq for s in self.steps), default=0) + 1
+
+    # -- the lease ------------------------------------------------------------------------
+
+    def ensure_lease(self) -> None:
+        """Stop before writing when the heartbeat already knows the run was taken over (the
+        fence would refuse the write anyway; this only saves the work)."""
+        if self.lease.lost.is_set():
+            raise LeaseLost(self.claim.run_id, "heartbeat found the lease taken over")
+
+    # -- the guard ------------------------------------------------------------------------
+
+    def guard(self, *, steps_taken: int, next_is_model: bool) -> Stop | None:
+        """Cancellation, deadline, token and cost budget, step cap: checked before every
+        step (the budget and the cap before model steps), with what this task spent."""
+        run = self.claim.run
+        if self.spent.total:
+            run = replace(
+                run,
+                tokens_used=run.tokens_used + self.spent.total,
+                cost_usd=run.cost_usd + self.spent_cost,
+            )
+        return guard(
+            run, now=self.claim.db_now, steps_taken=steps_taken, next_is_model=next_is_model
+        )
+
+    # -- ending the task --------------------------------------------------------------------
+
+    def checkpoint(self, rows: list[NewStep]) -> StepResult:
+        """Record ``rows`` (their tokens added to the run) and hand the lease on, in one
+        transaction; the returned message runs the next step."""
+        self.ensure_lease()
+        dispatch = self.store.record_steps(self.claim, rows)
+        return StepResult(Outcome.CONTINUE, dispatch=dispatch)
+
+    def schedule(
+        self,
+        delay_seconds: float,
+        reason: str,
+        *,
+        rows: list[NewStep] | None = None,
+        model_attempts: int = 0,
+    ) -> StepResult:
+        """A durable timer: record ``rows`` (if any), release the lease, come back in
+        ``delay_seconds``. No thread and no lease wait; a countdown message is sent when the
+        wait is short, the reaper sends one when it is due otherwise."""
+        self.ensure_lease()
+        if rows:
+            dispatch = self.store.record_steps(
+                self.claim,
+                rows,
+                delay_seconds=delay_seconds,
+                reason=reason,
+                model_attempts=model_attempts,
+            )
+        else:
+            dispatch = self.store.schedule(
+                self.claim, delay_seconds, reason=reason, model_attempts=model_attempts
+            )
+        send = delay_seconds <= self.settings.max_countdown_seconds
+        return StepResult(Outcome.WAITING, dispatch=dispatch if send else None)
+
+    def finish(
+        self, status: RunStatus, *, result: Any = None, error: str | None = None
+    ) -> StepResult:
+        """End the run with ``status`` (or park it NEEDS_ATTENTION), releasing the lease."""
+        self.store.finish(self.claim, status, result=result, error=error)
+        run = self.store.get_run(self.claim.run_id)
+        if run.finished_at is not None:
+            if self.services.metrics is not None:
+                took = (run.finished_at - run.created_at).total_seconds()
+                self.services.metrics.run_finished(str(run.status), took)
+            run_span(str(run.id), run.agent, str(run.status), run.created_at, run.finished_at)
+        detail = f" reason={error}" if error else ""
+        log.info("run=%s %s tokens=%d%s", self.rid, run.status, run.tokens_used, detail)
+        return StepResult(Outcome.FINISHED, status=run.status)
+
+    def needs_attention(self, reason: str) -> StepResult:
+        return self.finish(RunStatus.NEEDS_ATTENTION, error=reason)
+
+    def observe(self, kind: str, outcome: str, started: float) -> None:
+        if self.services.metrics is not None:
+            self.services.metrics.step(kind, outcome, time.monotonic() - started)
