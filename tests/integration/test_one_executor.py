@@ -1,0 +1,513 @@
+"""The promises of the one step executor, each a scenario on the real engine and PostgreSQL
+that failed on the two-executor code (issue "One engine, exactly-once everywhere")."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
+
+from db.errors import LeaseLost
+from db.records import Dispatch, NewStep, RunStatus, StepKind, StepStatus, Usage
+from examples.order_refund import build as build_refund
+from runtime.bootstrap import Runtime
+from runtime.durable import Model, Steps, StepTimeout, durable_agent, idempotent, step
+from runtime.durable.errors import InfrastructureError
+from runtime.heartbeat import Heartbeat
+from runtime.llm.base import LlmError, LlmRequest, LlmResponse
+from runtime.llm.retry import RetryingLlmClient, RetryPolicy
+from runtime.testkit import DurableTester, FakeModel, SimulatedCrash
+from tests.support import expire_lease
+
+EFFECTS: list[str] = []
+
+
+def _resume(runtime: Runtime, run_id: uuid.UUID) -> RunStatus:
+    """What happens after a worker died holding the run: its lease lapses, the reaper
+    re-dispatches, another worker goes on."""
+    expire_lease(runtime.engine, run_id)
+    due = [d for d in runtime.store.redispatch_due(redispatch_after=3600) if d.run_id == run_id]
+    current: Dispatch | None = due[0] if due else None
+    driver = runtime.driver(worker="worker-B")
+    for _ in range(50):
+        if current is None:
+            break
+        runtime.store.make_due_now(run_id)
+        current = driver.drive(current.run_id, current.token).dispatch
+    return runtime.store.get_run(run_id).status
+
+
+def _start(runtime: Runtime, agent: Any, input: Any = None) -> tuple[uuid.UUID, Dispatch]:
+    if agent.name not in runtime.agents:
+        runtime.agents.register(agent)
+    run, dispatch = runtime.submit(agent.name, input or {})
+    return run.id, dispatch
+
+
+def _drive(runtime: Runtime, dispatch: Dispatch, worker: str = "worker-A") -> RunStatus:
+    driver = runtime.driver(worker=worker)
+    current: Dispatch | None = dispatch
+    for _ in range(50):
+        if current is None:
+            break
+        runtime.store.make_due_now(current.run_id)
+        current = driver.drive(current.run_id, current.token).dispatch
+    return runtime.store.get_run(dispatch.run_id).status
+
+
+# -- durable steps get the tool steps' rigor ------------------------------------------------
+
+
+def _crashing_pay(idempotent_pay: bool = False, reconcile: Any = None) -> Any:
+    crashed: list[bool] = []
+
+    def pay() -> str:
+        EFFECTS.append("pay")
+        if not crashed:
+            crashed.append(True)
+            raise SimulatedCrash("worker died after the effect, before the checkpoint")
+        return "paid"
+
+    @durable_agent(f"payer-{idempotent_pay}-{reconcile is not None}")
+    def fn(_: object, steps: Steps) -> str:
+        return steps.run("pay", pay, type=str, idempotent=idempotent_pay, reconcile=reconcile)
+
+    return fn
+
+
+def test_a_step_with_an_effect_is_not_run_again_after_a_crash(runtime: Runtime) -> None:
+    EFFECTS.clear()
+    run_id, dispatch = _start(runtime, _crashing_pay())
+    with pytest.raises(SimulatedCrash):
+        _drive(runtime, dispatch)
+    assert _resume(runtime, run_id) is RunStatus.NEEDS_ATTENTION
+    assert EFFECTS == ["pay"], "in doubt: not run again"
+    run = runtime.store.get_run(run_id)
+    assert "step 'pay:0'" in (run.error or "")
+    assert "resolve" in (run.error or "")
+    # The operator checked: the payment went through. The supplied result is what replays.
+    dispatch2 = runtime.store.resolve(run_id, "supply_result", output="paid")
+    assert dispatch2 is not None
+    assert _drive(runtime, dispatch2) is RunStatus.SUCCEEDED
+    assert runtime.store.get_run(run_id).result == "paid"
+    assert EFFECTS == ["pay"]
+
+
+def test_an_idempotent_step_runs_again_with_the_same_key(runtime: Runtime) -> None:
+    EFFECTS.clear()
+    run_id, dispatch = _start(runtime, _crashing_pay(idempotent_pay=True))
+    with pytest.raises(SimulatedCrash):
+        _drive(runtime, dispatch)
+    assert _resume(runtime, run_id) is RunStatus.SUCCEEDED
+    assert EFFECTS == ["pay", "pay"], "declared idempotent: re-run (downstream dedupes by key)"
+
+
+def test_a_reconcile_hook_decides_an_in_doubt_step(runtime: Runtime) -> None:
+    from runtime.tools import Reconciled
+
+    EFFECTS.clear()
+    asked: list[str] = []
+
+    def reconcile(ctx: Any) -> Reconciled:
+        asked.append(ctx.idempotency_key)
+        return Reconciled("paid (found in the ledger)")
+
+    run_id, dispatch = _start(runtime, _crashing_pay(reconcile=reconcile))
+    with pytest.raises(SimulatedCrash):
+        _drive(runtime, dispatch)
+    assert _resume(runtime, run_id) is RunStatus.SUCCEEDED
+    assert asked == ["pay:0"]
+    assert EFFECTS == ["pay"]
+    assert runtime.store.get_run(run_id).result == "paid (found in the ledger)"
+
+
+# -- scenario 1: infrastructure errors are never the user's failure ---------------------------
+
+
+def test_a_database_error_at_the_checkpoint_is_not_a_failure_of_the_function(
+    runtime: Runtime,
+) -> None:
+    runtime.tickets.seed()
+    refund = build_refund(runtime.tickets)
+    run_id, dispatch = _start(runtime, refund, {"order_id": 105, "amount": 3.0, "reason": "x"})
+    driver = runtime.driver(worker="worker-A")
+    first = driver.drive(dispatch.run_id, dispatch.token)  # reserve
+    assert first.dispatch is not None
+    real = runtime.store.record_steps
+    calls = {"n": 0}
+
+    def blip(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        raise OperationalError("COMMIT", {}, Exception("server closed the connection"))
+
+    waiting = driver.drive(first.dispatch.run_id, first.dispatch.token)
+    assert runtime.store.get_run(run_id).status is RunStatus.WAITING, waiting
+    (approval,) = runtime.store.list_approvals(run_id=run_id)
+    from db.records import ApprovalStatus
+
+    woke = runtime.store.decide_approval(approval.id, ApprovalStatus.APPROVED, decided_by="fin")
+    assert woke is not None
+    runtime.store.record_steps = blip  # type: ignore[method-assign]
+    with pytest.raises(InfrastructureError):
+        driver.drive(woke.run_id, woke.token)
+    runtime.store.record_steps = real  # type: ignore[method-assign]
+    assert calls["n"] == 1
+    run = runtime.store.get_run(run_id)
+    assert run.status is RunStatus.RUNNING, "not failed, not compensated"
+    keys = {s.step_key: s.status for s in runtime.store.steps(run_id)}
+    assert "compensate:reserve:0" not in keys
+    assert keys["pay:0"] is StepStatus.STARTED
+    # The next task finds `pay` in doubt and asks a person instead of paying twice.
+    assert _resume(runtime, run_id) is RunStatus.NEEDS_ATTENTION
+    assert runtime.tickets.count_comments(105) == 2, "reserved once, paid once, released never"
+
+
+# -- scenarios 2 and 3: every billed call counts, none is repeated ----------------------------
+
+
+def test_tokens_of_retried_model_attempts_count(runtime: Runtime) -> None:
+    model = FakeModel()
+    model.respond_with_text("not json", 1000, 500).respond_with_text('{"a": 1}', 1000, 500)
+    runtime.llm = model
+
+    @durable_agent("json-retry")
+    def fn(_: object, steps: Steps) -> Any:
+        return steps.retry(2, 0.01).llm("ask", lambda m: Model.complete_json(m, "json please"))
+
+    run_id, dispatch = _start(runtime, fn)
+    assert _drive(runtime, dispatch) is RunStatus.SUCCEEDED
+    assert model.calls == 2, "the second attempt called the model afresh"
+    assert runtime.store.get_run(run_id).tokens_used == 3000, "both billed attempts counted"
+
+
+def test_the_guard_sees_every_billed_token(runtime: Runtime) -> None:
+    model = FakeModel()
+    for _ in range(4):
+        model.respond_with_text("x", 1000, 500)
+    runtime.llm = model
+
+    @durable_agent("spender")
+    def fn(_: object, steps: Steps) -> list[str]:
+        return [steps.llm(f"ask{i}", lambda m: m.complete("go")) for i in range(4)]
+
+    runtime.agents.register(fn)
+    run, dispatch = runtime.submit("spender", {}, token_budget=2000)
+    assert _drive(runtime, dispatch) is RunStatus.FAILED
+    after = runtime.store.get_run(run.id)
+    assert "token budget exhausted" in (after.error or "")
+    assert model.calls == 2, "stopped at the budget, overshoot bounded by one call"
+    assert after.tokens_used == 3000
+
+
+def test_an_answered_call_is_not_repeated_after_a_rate_limit_wait(runtime: Runtime) -> None:
+    class Script:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def send(self, request: LlmRequest) -> LlmResponse:
+            prompt = request.messages[0]["content"]
+            self.calls.append(prompt)
+            if prompt == "second" and self.calls.count("second") == 1:
+                raise LlmError("rate limited", status=429, retry_after=30)
+            return LlmResponse([{"type": "text", "text": prompt}], "end_turn", Usage(5, 5), "m")
+
+    script = Script()
+    runtime.llm = RetryingLlmClient(script, RetryPolicy(max_attempts=5, long_wait_threshold=1))
+
+    @durable_agent("two-calls")
+    def fn(_: object, steps: Steps) -> str:
+        return steps.llm("ask", lambda m: m.complete("first") + m.complete("second"))
+
+    _run_id, dispatch = _start(runtime, fn)
+    assert _drive(runtime, dispatch) is RunStatus.SUCCEEDED
+    assert script.calls == ["first", "second", "second"], "the answered call was replayed"
+
+
+# -- scenario 4: model attempts are capped across durable timers ------------------------------
+
+
+def test_a_model_that_rate_limits_forever_fails_after_max_attempts(runtime: Runtime) -> None:
+    class Always429:
+        calls = 0
+
+        def send(self, request: LlmRequest) -> LlmResponse:
+            Always429.calls += 1
+            raise LlmError("rate limited", status=429, retry_after=30)
+
+    runtime.llm = RetryingLlmClient(Always429(), RetryPolicy(max_attempts=3, long_wait_threshold=1))
+    run, dispatch = runtime.submit("acme-tickets", "hi", timeout_seconds=7 * 86400)
+    status = _drive(runtime, dispatch)
+    assert status is RunStatus.FAILED
+    assert Always429.calls == 3
+    after = runtime.store.get_run(run.id)
+    assert "HTTP 429" in (after.error or "")
+
+
+def test_a_timer_is_not_progress(runtime: Runtime) -> None:
+    run, dispatch = runtime.submit("acme-tickets", "hi")
+    claim = runtime.store.claim(run.id, dispatch.token, "w", 5)
+    assert claim is not None
+    runtime.store.schedule(claim, 0, reason="rate limited", model_attempts=2)
+    after = runtime.store.get_run(run.id)
+    assert after.claims_without_progress == 1
+    assert after.model_attempts == 2
+
+
+# -- scenario 6: an operator's retry authorises exactly one re-execution ----------------------
+
+
+def test_an_operator_retry_authorises_exactly_one_more_execution(runtime: Runtime) -> None:
+    EFFECTS.clear()
+
+    def pay() -> str:
+        EFFECTS.append("pay")
+        raise SimulatedCrash("died again")
+
+    @durable_agent("twice-crashing")
+    def fn(_: object, steps: Steps) -> str:
+        return steps.run("pay", pay, type=str)
+
+    run_id, dispatch = _start(runtime, fn)
+    with pytest.raises(SimulatedCrash):
+        _drive(runtime, dispatch)
+    assert _resume(runtime, run_id) is RunStatus.NEEDS_ATTENTION
+    retry = runtime.store.resolve(run_id, "retry")
+    assert retry is not None
+    with pytest.raises(SimulatedCrash):
+        _drive(runtime, retry)
+    assert _resume(runtime, run_id) is RunStatus.NEEDS_ATTENTION, "the retry was used up"
+    assert EFFECTS == ["pay", "pay"]
+
+
+# -- scenario 7: compensations of nested steps survive replay ----------------------------------
+
+UNDONE: list[str] = []
+
+
+def release(booking: str) -> None:
+    UNDONE.append(booking)
+
+
+@step(compensate=release)
+def book(what: str) -> str:
+    return what
+
+
+def test_compensations_of_nested_steps_survive_replay(runtime: Runtime) -> None:
+    UNDONE.clear()
+
+    @durable_agent("trip")
+    def fn(_: object, steps: Steps) -> None:
+        steps.run("plan", lambda: [book("flight"), book("hotel")])
+        steps.run("pay", lambda: 1 / 0)
+
+    _run_id, dispatch = _start(runtime, fn)
+    assert _drive(runtime, dispatch) is RunStatus.FAILED
+    assert UNDONE == ["hotel", "flight"], "found again from the rows, in reverse order"
+
+
+# -- scenario 8: versions -----------------------------------------------------------------------
+
+
+def test_a_version_marker_added_mid_flight_keeps_old_runs_on_the_old_branch(
+    runtime: Runtime,
+) -> None:
+    @durable_agent("pricing", approval_roles=["ops"])
+    def v1(_: object, steps: Steps) -> str:
+        steps.run("a", lambda: "a", type=str)
+        steps.approval("ops", 3600).run("b", lambda: "b", type=str)
+        return "old"
+
+    @durable_agent("pricing", approval_roles=["ops"])
+    def v2(_: object, steps: Steps) -> str:
+        steps.run("a", lambda: "a", type=str)
+        v = steps.version("discount", 1, 2)
+        steps.approval("ops", 3600).run("b", lambda: "b", type=str)
+        return "new" if v == 2 else "old"
+
+    tester = DurableTester(runtime)
+    old = tester.run(v1, {})
+    assert old.status is RunStatus.WAITING
+    runtime.agents.replace(v2)
+    assert tester.approve(old.run_id).result == "old", "history predates the marker"
+    new = tester.run("pricing", {})
+    assert tester.approve(new.run_id).result == "new"
+
+
+# -- scenario 9: a guard stop compensates --------------------------------------------------------
+
+
+def test_a_timed_out_refund_releases_its_reservation(runtime: Runtime) -> None:
+    runtime.tickets.seed()
+    refund = build_refund(runtime.tickets)
+    run_id, dispatch = _start(runtime, refund, {"order_id": 105, "amount": 3.0, "reason": "x"})
+    driver = runtime.driver()
+    first = driver.drive(dispatch.run_id, dispatch.token)  # reserve
+    assert first.dispatch is not None
+    with runtime.engine.begin() as conn:
+        conn.execute(text("UPDATE run SET deadline_at = now() WHERE id = :id"), {"id": run_id})
+    assert _drive(runtime, first.dispatch) is RunStatus.TIMED_OUT
+    run = runtime.store.get_run(run_id)
+    assert "compensated: reserve" in (run.error or "")
+    comments = runtime.tickets.count_comments(105)
+    assert comments == 2, "reserved once, released once"
+
+
+# -- scenario 10: compensations one per task, none repeated --------------------------------------
+
+
+def test_a_crash_inside_a_compensation_repeats_none(runtime: Runtime) -> None:
+    EFFECTS.clear()
+    crashed: list[bool] = []
+
+    def undo_a(_: str) -> None:
+        EFFECTS.append("undo a")
+
+    def undo_b(_: str) -> None:
+        EFFECTS.append("undo b")
+        if not crashed:
+            crashed.append(True)
+            raise SimulatedCrash("died inside the compensation")
+
+    @durable_agent("saga")
+    def fn(_: object, steps: Steps) -> None:
+        steps.run("a", lambda: "a", type=str, compensate=undo_a)
+        steps.run("b", lambda: "b", type=str, compensate=idempotent(undo_b))
+        steps.run("c", lambda: 1 / 0)
+
+    run_id, dispatch = _start(runtime, fn)
+    with pytest.raises(SimulatedCrash):
+        _drive(runtime, dispatch)
+    assert _resume(runtime, run_id) is RunStatus.FAILED
+    assert EFFECTS == ["undo b", "undo b", "undo a"], "b re-run (idempotent), a once"
+    rows = [s for s in runtime.store.steps(run_id) if s.kind is StepKind.COMPENSATION]
+    assert [s.step_key for s in rows] == ["compensate:b:0", "compensate:a:0"]
+
+
+# -- scenario 11: a timer fires within one sweep of due, whatever the clocks say -----------------
+
+
+def test_an_early_countdown_costs_at_most_one_sweep(runtime: Runtime) -> None:
+    run, dispatch = runtime.submit("acme-tickets", "hi")
+    claim = runtime.store.claim(run.id, dispatch.token, "w", 5)
+    assert claim is not None
+    timer = runtime.store.schedule(claim, 0.3, reason="rate limited")
+    assert runtime.store.claim(run.id, timer.token, "w", 5) is None, "fired early: dropped"
+    time.sleep(0.4)
+    due = runtime.store.redispatch_due(redispatch_after=3600)
+    assert [d.run_id for d in due] == [run.id], "the next sweep after due sends it"
+
+
+# -- scenario 12: the heartbeat never waits behind the main pool ---------------------------------
+
+
+def test_the_heartbeat_has_its_own_connections(runtime: Runtime) -> None:
+    run, dispatch = runtime.submit("acme-tickets", "hi")
+    claim = runtime.store.claim(run.id, dispatch.token, runtime.settings.worker_name, 2)
+    assert claim is not None
+    held = [runtime.engine.connect() for _ in range(runtime.engine.pool.size())]  # type: ignore[attr-defined]
+    try:
+        beat = Heartbeat(runtime.lease_store(), claim.worker, lease_seconds=30,
+                         interval_seconds=1)  # fmt: skip
+        with beat.hold(claim):
+            t0 = time.monotonic()
+            beat.beat()
+            assert time.monotonic() - t0 < 2
+    finally:
+        for c in held:
+            c.close()
+    assert runtime.store.get_run(run.id).locked_until is not None
+
+
+# -- scenario 13: a message with the current token is never dropped by a passing lock ------------
+
+
+def test_a_claim_waits_for_a_momentary_row_lock(runtime: Runtime) -> None:
+    run, dispatch = runtime.submit("acme-tickets", "hi")
+    conn = runtime.engine.connect()
+    txn = conn.begin()
+    conn.execute(text("SELECT id FROM run WHERE id = :id FOR UPDATE"), {"id": run.id})
+    got: list[object] = []
+    t = threading.Thread(
+        target=lambda: got.append(runtime.store.claim(run.id, dispatch.token, "B", 5))
+    )
+    t.start()
+    time.sleep(0.3)
+    txn.commit()
+    conn.close()
+    t.join(10)
+    assert len(got) == 1
+    assert got[0] is not None, "claimed after the lock went, not dropped"
+
+
+# -- scenario 14: every fenced write checks the epoch, not only the name -------------------------
+
+
+def _reclaimed_under_the_same_name(runtime: Runtime) -> tuple[Any, Any]:
+    run, dispatch = runtime.submit("acme-tickets", "hi")
+    old = runtime.store.claim(run.id, dispatch.token, "host:1", 5)
+    assert old is not None
+    expire_lease(runtime.engine, run.id)
+    (again,) = runtime.store.redispatch_due(redispatch_after=3600)
+    new = runtime.store.claim(run.id, again.token, "host:1", 5)
+    assert new is not None
+    assert new.epoch == old.epoch + 1
+    return old, new
+
+
+WRITES = {
+    "schedule": lambda s, c: s.schedule(c, 5, reason="x"),
+    "record_steps": lambda s, c: s.record_steps(
+        c, [NewStep(1, "a:0", StepKind.STEP, StepStatus.DONE, response=1)]
+    ),
+    "record_steps with a timer": lambda s, c: s.record_steps(
+        c, [NewStep(1, "a:0", StepKind.STEP, StepStatus.RETRYING)], delay_seconds=1, reason="r"
+    ),
+    "record_child": lambda s, c: s.record_child(
+        c, NewStep(1, "a:0/llm:0", StepKind.LLM, StepStatus.DONE, usage=Usage(5, 5))
+    ),
+    "start_step": lambda s, c: s.start_step(
+        c, NewStep(1, "a:0", StepKind.STEP, StepStatus.STARTED)
+    ),
+    "suspend_for_approval": lambda s, c: s.suspend_for_approval(
+        c, NewStep(1, "ok:0", StepKind.APPROVAL, StepStatus.PENDING, input_hash="h"),
+        role="r", payload={}, timeout_seconds=5, timeout_policy="FAIL",
+    ),
+    "finish": lambda s, c: s.finish(c, RunStatus.SUCCEEDED),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("write", sorted(WRITES))
+def test_an_old_claim_under_the_same_worker_name_writes_nothing(
+    runtime: Runtime, write: str
+) -> None:
+    old, _new = _reclaimed_under_the_same_name(runtime)
+    with pytest.raises(LeaseLost):
+        WRITES[write](runtime.store, old)
+    assert runtime.store.steps(old.run_id) == []
+    after = runtime.store.get_run(old.run_id)
+    assert (after.status, after.tokens_used, after.lease_epoch) == (
+        RunStatus.RUNNING,
+        0,
+        old.epoch + 1,
+    )
+
+
+def test_the_heartbeat_reports_a_lease_retaken_under_the_same_name(runtime: Runtime) -> None:
+    old, _new = _reclaimed_under_the_same_name(runtime)
+    taken = runtime.store.renew_leases("host:1", [(old.run_id, old.epoch)], 30)
+    assert taken == {old.run_id}
+
+
+# -- scenario 15 ---------------------------------------------------------------------------------
+
+
+def test_step_timeout_is_a_step_error_callers_can_catch() -> None:
+    from runtime.durable import StepError
+
+    assert issubclass(StepTimeout, StepError)
