@@ -67,7 +67,8 @@ def worker_state(app: Celery) -> WorkerState:
         metrics = Metrics(registry)
         if settings.metrics_port:
             try:
-                start_http_server(settings.metrics_port, registry=registry)
+                addr = os.environ.get("DAR_METRICS_ADDR", "0.0.0.0")  # dar dev: 127.0.0.1
+                start_http_server(settings.metrics_port, addr=addr, registry=registry)
                 log.info("worker metrics on :%d/metrics", settings.metrics_port)
             except OSError as e:
                 log.error("worker metrics port %d unavailable: %s", settings.metrics_port, e)
@@ -120,7 +121,12 @@ def register_tasks(app: Celery) -> None:
         except LeaseLost as e:
             # Another worker took the run over while this step ran: the fence refused our
             # write and rolled it back. Nothing to redo here; the new holder carries on.
-            log.warning("run=%s step abandoned, nothing written: %s", run_id[:8], e)
+            log.warning(
+                "run=%s step abandoned, nothing written: %s",
+                run_id[:8],
+                e,
+                extra={"run_id": run_id},
+            )
             return "LEASE_LOST"
         if result.dispatch is not None:
             send_drive(app, state.runtime.store, result.dispatch)
@@ -134,12 +140,21 @@ def register_tasks(app: Celery) -> None:
         settings = state.runtime.settings
         due = state.runtime.store.redispatch_due(redispatch_after=settings.redispatch_after_seconds)
         for d in due:
-            log.info("run=%s re-dispatched by the reaper", str(d.run_id)[:8])
+            log.info(
+                "run=%s re-dispatched by the reaper",
+                str(d.run_id)[:8],
+                extra={"run_id": str(d.run_id)},
+            )
             send_drive(app, state.runtime.store, d)
         for approval_id, policy in state.runtime.store.due_approvals():
             woke = expire_approval(state.runtime.store, approval_id, policy)
             if woke is not None:
-                log.info("run=%s approval timed out (%s)", str(woke.run_id)[:8], policy)
+                log.info(
+                    "run=%s approval timed out (%s)",
+                    str(woke.run_id)[:8],
+                    policy,
+                    extra={"run_id": str(woke.run_id)},
+                )
                 send_drive(app, state.runtime.store, woke)
         return len(due)
 
