@@ -168,16 +168,12 @@ def _demo(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(f"--input is not JSON: {e}") from None
     log_dir = Path(args.data_dir) / "logs"
-    stack = _stack(args, log_dir=log_dir)
+    stack = _stack(args, log_dir=log_dir, agent=args.agent)
     flags = _install_stop_handlers()
     try:
         print(f"dar: starting the stack (process logs in {log_dir}/)", flush=True)
         stack.start()
         flags["started"] = True
-        if args.agent and args.agent not in stack.agent_names:
-            from runtime.preflight import unknown_agent_message
-
-            raise CliError(unknown_agent_message(args.agent, stack.agents))
         status, accepted = stack.request(
             "POST",
             "/api/runs",

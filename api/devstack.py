@@ -147,6 +147,8 @@ class DevStack:
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     """The current process of each child, by name (``web``, ``worker-A``, ``beat``...)."""
     supervised: dict[str, Supervised] = field(default_factory=dict)
+    agent: str | None = None
+    """An agent the caller will run (``dar demo --agent``): checked by :meth:`preflight`."""
     agents: AgentRegistry | None = None
     """The agents the children will load, checked by :meth:`preflight`."""
     _postgres: EmbeddedPostgres | None = None
@@ -223,12 +225,14 @@ class DevStack:
         the settings, the API tokens, the agents."""
         from api.auth import TokenTable, check_approval_roles
         from runtime.config import Settings
-        from runtime.preflight import check_agents
+        from runtime.preflight import check_agents, unknown_agent_message
 
         settings = Settings.from_env(self._child_env())
         tokens = TokenTable.parse(settings.api_tokens)
         registry = check_agents(settings)
         check_approval_roles(tokens, registry.approval_roles())
+        if self.agent is not None and self.agent not in registry:
+            raise StackError(unknown_agent_message(self.agent, registry))
         self.agents = registry
 
     @property
@@ -257,6 +261,12 @@ class DevStack:
         return self._run_dir / f"{name}.ready"
 
     def is_ready(self, name: str) -> bool:
+        if name == "flower" and self.flower_port:
+            try:
+                socket.create_connection(("127.0.0.1", self.flower_port), timeout=0.5).close()
+            except OSError:
+                return False
+            return True
         path = self.ready_file(name)
         return path is None or path.exists()
 
