@@ -85,7 +85,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 def _gunicorn_has_control_socket() -> bool:
     # Gunicorn 27's control socket sits at one path per user: two stacks would share it.
-    from gunicorn import config
+    from gunicorn import config  # type: ignore[import-untyped]
 
     return hasattr(config, "ControlSocketDisable")
 
