@@ -22,7 +22,7 @@ from db.errors import DarError
 from db.records import TERMINAL, RunStatus
 
 DEMO_QUESTION = "Which acme tickets are overdue?"
-RUN_ID_PREFIX = re.compile(r"^[0-9a-f-]{4,36}$")
+RUN_ID_PREFIX = re.compile(r"^[0-9a-f-]{1,36}$")
 
 
 class CliError(DarError):
@@ -255,7 +255,7 @@ def resolve_run_id(base: str, raw: str, *, max_pages: int = 50) -> str:
     if len(raw) == 36:
         return raw
     if not RUN_ID_PREFIX.match(raw):
-        raise CliError(f"{raw!r} is not a run id or a prefix of one (4 or more hex characters)")
+        raise CliError(f"{raw!r} is not a run id or a prefix of one (hex characters)")
     matches: list[str] = []
     cursor: str | None = None
     for _ in range(max_pages):
