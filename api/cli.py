@@ -1,30 +1,56 @@
-"""The ``dar`` command: migrate, run the development stack, run the demo, look at runs."""
+"""The ``dar`` command: migrate, run the development stack, run the demo, and every call of
+the REST API (runs, timeline, cancel, resume, resolve, approvals)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from db.errors import DarError
 from db.records import TERMINAL, RunStatus
 
 DEMO_QUESTION = "Which acme tickets are overdue?"
+RUN_ID_PREFIX = re.compile(r"^[0-9a-f-]{1,36}$")
+
+
+class CliError(DarError):
+    """The command could not do what was asked."""
+
+
+class _Interrupted(BaseException):
+    """A stop signal arrived while the stack was starting."""
+
+
+def version() -> str:
+    try:
+        return metadata.version("durable-agent-runtime")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "unknown"
+
+
+# -- the stack ------------------------------------------------------------------------------
 
 
 def _migrate(_: argparse.Namespace) -> int:
     from db.engine import make_engine
     from db.migrate import current_revision, upgrade
     from runtime.config import Settings
+    from runtime.preflight import check_database_url
 
-    engine = make_engine(Settings.from_env().require_database_url(), pool_size=1)
+    url = check_database_url(Settings.from_env().require_database_url())
+    engine = make_engine(url, pool_size=1)
     try:
         upgrade(engine)
         print(f"dar: database at migration {current_revision(engine)}")
@@ -33,8 +59,8 @@ def _migrate(_: argparse.Namespace) -> int:
     return 0
 
 
-def _stack(args: argparse.Namespace) -> Any:
-    from api.devstack import DevStack
+def _stack(args: argparse.Namespace, **extra: Any) -> Any:
+    from api.devstack import DevStack, RestartPolicy
 
     return DevStack(
         data_dir=Path(args.data_dir),
@@ -42,67 +68,112 @@ def _stack(args: argparse.Namespace) -> Any:
         workers=args.workers,
         concurrency=args.concurrency,
         metrics_port_base=args.metrics_port,
+        flower_port=args.flower_port if getattr(args, "flower", False) else 0,
+        restart=RestartPolicy(limit=getattr(args, "restart_limit", 5)),
+        access_log=os.environ.get("DAR_LOG_LEVEL", "INFO").upper() == "DEBUG",
+        **extra,
     )
 
 
-def _banner(port: int, workers: int) -> str:
-    names = ", ".join(f"worker-{chr(65 + i)}" for i in range(workers))
+def _banner(stack: Any) -> str:
+    pids = ", ".join(f"{name} (pid {proc.pid})" for name, proc in stack.processes.items())
+    port = stack.port
+    flower = f"\n  Flower:     http://127.0.0.1:{stack.flower_port}" if stack.flower_port else ""
     return f"""
-dar: the stack is up: API on http://127.0.0.1:{port}, {names}, beat.
+dar: the stack is up: API on http://127.0.0.1:{port}; {pids}.
   Submit a run:
     curl -s -X POST localhost:{port}/api/runs -H 'Content-Type: application/json' \\
       -d '{{"input":"{DEMO_QUESTION}","tokenBudget":50000,"timeoutSeconds":300}}'
   Watch it:   dar timeline <id>      (or: curl -s localhost:{port}/api/runs/<id>/timeline)
+  Processes:  dar ps                 (kill -9 <pid> of a worker: it is restarted){flower}
   Stop:       Ctrl-C stops every process this command started.
 """
 
 
-def _dev(args: argparse.Namespace) -> int:
-    stack = _stack(args)
-    stop = False
+def _install_stop_handlers() -> dict[str, bool]:
+    """SIGINT, SIGTERM and SIGHUP all stop the stack; during start-up they interrupt it."""
+    flags = {"stop": False, "started": False}
 
     def _on_signal(signum: int, _frame: object) -> None:
-        nonlocal stop
-        stop = True
+        flags["stop"] = True
+        if not flags["started"]:
+            raise _Interrupted(signal.Signals(signum).name)
 
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
+    return flags
+
+
+def _dev(args: argparse.Namespace) -> int:
+    stack = _stack(args)
+    flags = _install_stop_handlers()
     try:
         stack.start()
-        print(_banner(args.port, args.workers), flush=True)
-        while not stop:
-            for name, proc in stack.processes.items():
-                if proc.poll() is not None:
-                    print(f"dar: {name} exited with status {proc.returncode}", flush=True)
-                    stop = True
-            time.sleep(0.5)
+        flags["started"] = True
+        print(_banner(stack), flush=True)
+        stack.supervise(lambda: flags["stop"])
+        return 0
+    except _Interrupted:
+        return 0
     finally:
-        print("dar: stopping", flush=True)
+        flags["started"] = True  # a second signal while stopping must not interrupt stop()
+        if stack.processes:
+            print("dar: stopping", flush=True)
         stack.stop()
+
+
+def _ps(args: argparse.Namespace) -> int:
+    from api.devstack import pid_alive, running_stack
+
+    state = running_stack(Path(args.data_dir))
+    if state is None:
+        print(f"dar: no `dar dev` is running on {args.data_dir}", file=sys.stderr)
+        return 1
+    rows = [["dar dev", state["pid"], "running"]]
+    for name, pid in state["processes"].items():
+        rows.append([name, pid, "running" if pid and pid_alive(int(pid)) else "restarting"])
+    print(_table(["PROCESS", "PID", "STATE"], rows))
+    print(f"API: {state['api']}")
     return 0
 
 
-def _wait_for(stack: Any, run_id: str, timeout: float) -> dict[str, Any]:
+def _wait_for(stack: Any, run_id: str, timeout: float, seen: set[int]) -> dict[str, Any]:
+    """Poll the run until it ends or waits, printing each step once it has finished."""
     deadline = time.monotonic() + timeout
     run: dict[str, Any] = {}
     while time.monotonic() < deadline:
+        _, steps = stack.request("GET", f"/api/runs/{run_id}/timeline")
+        for s in steps:
+            if s["seq"] not in seen and s["status"] not in ("STARTED", "PENDING"):
+                seen.add(s["seq"])
+                print(f"  {_step_line(s)}", flush=True)
         _, run = stack.request("GET", f"/api/runs/{run_id}")
         if RunStatus(run["status"]) in TERMINAL or run["status"] in ("NEEDS_ATTENTION", "WAITING"):
             return run
-        time.sleep(0.5)
-    raise TimeoutError(f"run {run_id} did not finish within {timeout:.0f}s")
+        time.sleep(0.3)
+    raise CliError(f"run {run_id} did not finish within {timeout:.0f}s (--timeout)")
+
+
+def _step_line(s: dict[str, Any]) -> str:
+    what = s["toolName"] or s["stopReason"] or s["stepKey"]
+    tokens = f" in={s['inputTokens']} out={s['outputTokens']}" if s["kind"] == "MODEL" else ""
+    latency = f" {s['latencyMs']}ms" if s["latencyMs"] is not None else ""
+    return f"seq={s['seq']} {s['kind']} {what} {s['status']}{tokens}{latency} ({s['worker']})"
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """Start the stack, submit the demo question, print the timeline, stop."""
-    stack = _stack(args)
+    """Start the stack, submit the demo question, show each step as it finishes, stop."""
     try:
+        run_input = json.loads(args.input) if args.input else args.question
+    except ValueError as e:
+        raise CliError(f"--input is not JSON: {e}") from None
+    log_dir = Path(args.data_dir) / "logs"
+    stack = _stack(args, log_dir=log_dir, agent=args.agent)
+    flags = _install_stop_handlers()
+    try:
+        print(f"dar: starting the stack (process logs in {log_dir}/)", flush=True)
         stack.start()
-        try:
-            run_input = json.loads(args.input) if args.input else args.question
-        except ValueError as e:
-            print(f"dar: --input is not JSON: {e}", file=sys.stderr)
-            return 2
+        flags["started"] = True
         status, accepted = stack.request(
             "POST",
             "/api/runs",
@@ -114,10 +185,10 @@ def _demo(args: argparse.Namespace) -> int:
             },
         )
         if status != 201:
-            print(f"dar: submit failed: {status} {accepted}", file=sys.stderr)
-            return 1
+            raise CliError(f"submit failed: {status} {_error_message(accepted)}")
         print(f"dar: submitted run {accepted['id']}", flush=True)
-        run = _wait_for(stack, accepted["id"], args.timeout)
+        seen: set[int] = set()
+        run = _wait_for(stack, accepted["id"], args.timeout, seen)
         while run["status"] == "WAITING" and (args.approve or args.reject):
             _, page = stack.request("GET", "/api/approvals")
             pending = [a for a in page["items"] if a["runId"] == accepted["id"]]
@@ -125,35 +196,94 @@ def _demo(args: argparse.Namespace) -> int:
             for a in pending:
                 print(f"dar: {verb} {a['stepKey']} (role {a['role']}): {a['payload']}")
                 stack.request("POST", f"/api/approvals/{a['id']}/{verb}", {"comment": "dar demo"})
-            time.sleep(0.5)
-            run = _wait_for(stack, accepted["id"], args.timeout)
+            time.sleep(0.3)
+            run = _wait_for(stack, accepted["id"], args.timeout, seen)
         _, steps = stack.request("GET", f"/api/runs/{accepted['id']}/timeline")
         print()
         print(_timeline_table(steps))
-        print(f"\nstatus={run['status']} tokens={run['tokensUsed']}")
+        print(f"\nstatus={run['status']} tokens={run['tokensUsed']} cost=${run['costUsd']:.4f}")
         if run.get("result"):
             print(f"\n{run['result']}")
         if run.get("error"):
             print(f"\nerror: {run['error']}")
         return 0 if run["status"] == "SUCCEEDED" else 1
+    except _Interrupted:
+        return 130
     finally:
+        flags["started"] = True
         stack.stop()
 
 
-def _api_get(base: str, path: str) -> Any:
+# -- the REST API ---------------------------------------------------------------------------
+
+
+def _error_message(body: Any) -> str:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message", body))
+    return str(body)
+
+
+def api_call(base: str, method: str, path: str, body: Any = None) -> Any:
+    """One REST call with ``DAR_API_TOKEN``; errors become a one-line :class:`CliError`."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(base.rstrip("/") + path, data=data, method=method)
     token = os.environ.get("DAR_API_TOKEN")
-    req = urllib.request.Request(base.rstrip("/") + path)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
-            return json.loads(resp.read())
+            return json.loads(resp.read() or b"null")
     except urllib.error.HTTPError as e:
-        body = json.loads(e.read() or b"{}")
-        msg = body.get("error", {}).get("message", e.reason)
-        raise SystemExit(f"dar: {e.code} {msg}") from None
+        try:
+            message = _error_message(json.loads(e.read() or b"{}"))
+        except ValueError:
+            message = str(e.reason)
+        raise CliError(f"{e.code} {message}") from None
     except urllib.error.URLError as e:
-        raise SystemExit(f"dar: cannot reach the API at {base}: {e.reason}") from None
+        raise CliError(
+            f"cannot reach the API at {base}: {e.reason} (is `dar dev` running? "
+            "--api or DAR_API_URL points elsewhere)"
+        ) from None
+
+
+def resolve_run_id(base: str, raw: str, *, max_pages: int = 50) -> str:
+    """A full run id from a full one or a prefix (the 8 characters the logs print), matched
+    against the runs the API lists, newest first."""
+    raw = raw.strip().lower()
+    if len(raw) == 36:
+        return raw
+    if not RUN_ID_PREFIX.match(raw):
+        raise CliError(f"{raw!r} is not a run id or a prefix of one (hex characters)")
+    matches: list[str] = []
+    cursor: str | None = None
+    for _ in range(max_pages):
+        query = "?limit=100" + (f"&cursor={urllib.parse.quote(cursor)}" if cursor else "")
+        page = api_call(base, "GET", f"/api/runs{query}")
+        matches += [r["id"] for r in page["items"] if r["id"].startswith(raw)]
+        if len(matches) > 1:
+            raise CliError(
+                f"run id prefix {raw!r} is ambiguous ({', '.join(matches)}); give more of it"
+            )
+        cursor = page.get("nextCursor")
+        if not cursor:
+            break
+    if not matches:
+        raise CliError(f"no run whose id starts with {raw!r}")
+    return matches[0]
+
+
+def resolve_approval_id(base: str, raw: str) -> str:
+    raw = raw.strip().lower()
+    if len(raw) == 36:
+        return raw
+    items = api_call(base, "GET", "/api/approvals?status=ANY")["items"]
+    matches = [a["id"] for a in items if a["id"].startswith(raw)]
+    if len(matches) != 1:
+        what = "no approval" if not matches else "more than one approval"
+        raise CliError(f"{what} whose id starts with {raw!r} (dar approvals lists them)")
+    return str(matches[0])
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -185,7 +315,7 @@ def _timeline_table(steps: list[dict[str, Any]]) -> str:
 
 def _runs(args: argparse.Namespace) -> int:
     query = f"?limit={args.limit}" + (f"&status={args.status}" if args.status else "")
-    page = _api_get(args.api, f"/api/runs{query}")
+    page = api_call(args.api, "GET", f"/api/runs{query}")
     print(
         _table(
             ["ID", "STATUS", "AGENT", "TOKENS", "COST", "CREATED", "ERROR"],
@@ -206,8 +336,107 @@ def _runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show(args: argparse.Namespace) -> int:
+    run_id = resolve_run_id(args.api, args.run_id)
+    print(json.dumps(api_call(args.api, "GET", f"/api/runs/{run_id}"), indent=2))
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    try:
+        run_input = json.loads(args.input) if args.json else args.input
+    except ValueError as e:
+        raise CliError(f"--json was given but the input is not JSON: {e}") from None
+    body: dict[str, Any] = {"input": run_input}
+    for key, value in (
+        ("agent", args.agent),
+        ("model", args.model),
+        ("tokenBudget", args.token_budget),
+        ("timeoutSeconds", args.timeout_seconds),
+        ("maxSteps", args.max_steps),
+    ):
+        if value is not None:
+            body[key] = value
+    accepted = api_call(args.api, "POST", "/api/runs", body)
+    print(accepted["id"])
+    return 0
+
+
 def _timeline(args: argparse.Namespace) -> int:
-    print(_timeline_table(_api_get(args.api, f"/api/runs/{args.run_id}/timeline")))
+    run_id = resolve_run_id(args.api, args.run_id)
+    print(_timeline_table(api_call(args.api, "GET", f"/api/runs/{run_id}/timeline")))
+    return 0
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    run_id = resolve_run_id(args.api, args.run_id)
+    run = api_call(args.api, "POST", f"/api/runs/{run_id}/cancel")
+    print(f"dar: run {run_id} {run.get('status', '')}: cancel requested".rstrip())
+    return 0
+
+
+def _resume(args: argparse.Namespace) -> int:
+    run_id = resolve_run_id(args.api, args.run_id)
+    body: dict[str, Any] = {}
+    if args.token_budget is not None:
+        body["tokenBudget"] = args.token_budget
+    if args.timeout_seconds is not None:
+        body["timeoutSeconds"] = args.timeout_seconds
+    run = api_call(args.api, "POST", f"/api/runs/{run_id}/resume", body)
+    print(f"dar: run {run_id} resumed: {run.get('status', '')}".rstrip())
+    return 0
+
+
+def _resolve(args: argparse.Namespace) -> int:
+    run_id = resolve_run_id(args.api, args.run_id)
+    body: dict[str, Any] = {"action": args.action}
+    if args.action == "supply_result":
+        if args.output is None:
+            raise CliError("--action supply_result needs --output (the tool's result)")
+        body["output"] = args.output
+        if args.is_error:
+            body["isError"] = True
+    elif args.action == "fail" and args.reason:
+        body["reason"] = args.reason
+    run = api_call(args.api, "POST", f"/api/runs/{run_id}/resolve", body)
+    print(f"dar: run {run_id} resolved ({args.action}): {run.get('status', '')}".rstrip())
+    return 0
+
+
+def _approvals(args: argparse.Namespace) -> int:
+    query = {"status": args.status}
+    if args.role:
+        query["role"] = args.role
+    items = api_call(args.api, "GET", f"/api/approvals?{urllib.parse.urlencode(query)}")["items"]
+    print(
+        _table(
+            ["ID", "RUN", "STEP", "ROLE", "STATUS", "HASH", "PAYLOAD"],
+            [
+                [
+                    a["id"],
+                    a["runId"][:8],
+                    a["stepKey"],
+                    a["role"],
+                    a["status"],
+                    a["payloadHash"][:12],
+                    json.dumps(a["payload"])[:60],
+                ]
+                for a in items
+            ],
+        )
+    )
+    return 0
+
+
+def _decide(args: argparse.Namespace) -> int:
+    approval_id = resolve_approval_id(args.api, args.approval_id)
+    body: dict[str, Any] = {}
+    if args.comment:
+        body["comment"] = args.comment
+    if args.hash:
+        body["payloadHash"] = args.hash
+    a = api_call(args.api, "POST", f"/api/approvals/{approval_id}/{args.decision}", body)
+    print(f"dar: approval {approval_id} {a['status']} by {a.get('decidedBy') or '-'}")
     return 0
 
 
@@ -226,65 +455,166 @@ def _token_new(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- the parser -----------------------------------------------------------------------------
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _status(raw: str) -> str:
+    value = raw.upper()
+    if value not in RunStatus.__members__:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(RunStatus)}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dar", description="Durable Agent Runtime")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    sub.add_parser("migrate", help="migrate DATABASE_URL to the current schema").set_defaults(
-        func=_migrate
+    parser = argparse.ArgumentParser(
+        prog="dar", description="Durable Agent Runtime", formatter_class=_Help
     )
+    parser.add_argument("--version", action="version", version=f"dar {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    def command(name: str, func: Any, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_Help)
+        p.set_defaults(func=func)
+        return p
+
+    command("migrate", _migrate, "migrate DATABASE_URL to the current schema")
+
+    data_dir_help = "where the embedded PostgreSQL keeps its data, and the process logs"
     for name, func, help_text in (
-        ("dev", _dev, "run web, workers and beat (embedded PostgreSQL/Redis if unset)"),
-        ("demo", _demo, "start the stack, run the demo question, print its timeline, stop"),
+        ("dev", _dev, "run web, workers and beat, supervised (embedded PostgreSQL/Redis if unset)"),
+        ("demo", _demo, "start the stack, run the demo question, show its steps, stop"),
     ):
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8080")))
-        p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+        p = command(name, func, help_text)
+        p.add_argument(
+            "--port", type=int, default=int(os.environ.get("PORT", "8080")),
+            help="the API's port on 127.0.0.1 ($PORT)",
+        )  # fmt: skip
+        p.add_argument("--workers", type=int, default=2, help="worker processes")
         p.add_argument("--concurrency", type=int, default=16, help="threads per worker")
-        p.add_argument("--data-dir", default=".dar", help="embedded PostgreSQL data (.dar)")
+        p.add_argument("--data-dir", default=".dar", help=data_dir_help)
         p.add_argument(
             "--metrics-port",
             type=int,
             default=int(os.environ.get("DAR_METRICS_PORT", "9808")),
-            help="worker-A serves metrics here, worker-B on the next port (0: off)",
+            help="worker-A serves /metrics on this port, worker-B on the next (0: off)",
         )
-        p.set_defaults(func=func)
+        if name == "dev":
+            p.add_argument(
+                "--flower", action="store_true", help="also run Flower (task monitoring)"
+            )
+            p.add_argument(
+                "--flower-port", type=int, default=int(os.environ.get("FLOWER_PORT", "5555")),
+                help="Flower's port on 127.0.0.1 ($FLOWER_PORT)",
+            )  # fmt: skip
+            p.add_argument(
+                "--restart-limit", type=int, default=5,
+                help="a process that exits more often than this within 60 s stops the stack",
+            )  # fmt: skip
         if name == "demo":
-            p.add_argument("--question", default=DEMO_QUESTION)
-            p.add_argument("--agent", help="agent to run (default DAR_DEFAULT_AGENT)")
+            p.add_argument("--question", default=DEMO_QUESTION, help="the question to ask")
+            p.add_argument("--agent", help="agent to run (default: DAR_DEFAULT_AGENT)")
             p.add_argument("--input", help="JSON input (durable functions) instead of --question")
             decide = p.add_mutually_exclusive_group()
             decide.add_argument("--approve", action="store_true", help="approve what it asks")
             decide.add_argument("--reject", action="store_true", help="reject what it asks")
-            p.add_argument("--timeout", type=float, default=120.0)
+            p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for it")
+
+    p = command("ps", _ps, "list the processes of the `dar dev` running here, with their pids")
+    p.add_argument("--data-dir", default=".dar", help="the data directory of that `dar dev`")
 
     api_default = os.environ.get("DAR_API_URL", "http://127.0.0.1:8080")
-    p = sub.add_parser("runs", help="list runs")
-    p.add_argument("--status", choices=[str(s) for s in RunStatus])
-    p.add_argument("--limit", type=int, default=20)
-    p.add_argument("--api", default=api_default, help="API base URL (DAR_API_URL)")
-    p.set_defaults(func=_runs)
+    run_help = "run id, or a prefix of it (the 8 characters the logs print)"
 
-    p = sub.add_parser("token", help="API tokens")
-    token_sub = p.add_subparsers(dest="token_command", required=True)
-    t = token_sub.add_parser("new", help="make a token and print its DAR_API_TOKENS entry")
-    t.add_argument("name")
+    def api_command(name: str, func: Any, help_text: str) -> argparse.ArgumentParser:
+        p = command(name, func, help_text)
+        p.add_argument("--api", default=api_default, help="API base URL ($DAR_API_URL)")
+        return p
+
+    p = api_command("runs", _runs, "list runs, newest first")
+    p.add_argument("--status", type=_status, help="only runs in this status (e.g. FAILED)")
+    p.add_argument("--limit", type=int, default=20, help="how many runs")
+
+    p = api_command("submit", _submit, "submit a run; prints its id")
+    p.add_argument("input", help="the question or task (JSON with --json)")
+    p.add_argument("--json", action="store_true", help="the input is JSON (durable functions)")
+    p.add_argument("--agent", help="agent to run (default: the server's DAR_DEFAULT_AGENT)")
+    p.add_argument("--model", help="model (default: the agent's, else DAR_DEFAULT_MODEL)")
+    p.add_argument("--token-budget", type=int, help="tokens (default: DAR_DEFAULT_TOKEN_BUDGET)")
+    p.add_argument(
+        "--timeout-seconds", type=int, help="run deadline in seconds (default: server's)"
+    )
+    p.add_argument("--max-steps", type=int, help="step cap (default: DAR_DEFAULT_MAX_STEPS)")
+
+    p = api_command("show", _show, "show one run as JSON")
+    p.add_argument("run_id", help=run_help)
+
+    p = api_command("timeline", _timeline, "show a run's steps")
+    p.add_argument("run_id", help=run_help)
+
+    p = api_command("cancel", _cancel, "cancel a run (a running one stops at its next step)")
+    p.add_argument("run_id", help=run_help)
+
+    p = api_command("resume", _resume, "retry a FAILED or TIMED_OUT run from its first open step")
+    p.add_argument("run_id", help=run_help)
+    p.add_argument("--token-budget", type=int, help="new token budget (default: unchanged)")
+    p.add_argument("--timeout-seconds", type=int, help="new deadline from now, in seconds")
+
+    p = api_command("resolve", _resolve, "decide a NEEDS_ATTENTION run's tool step (admin)")
+    p.add_argument("run_id", help=run_help)
+    p.add_argument(
+        "--action", required=True, choices=("supply_result", "retry", "fail"),
+        help="supply the tool's result, run the tool again, or fail the run",
+    )  # fmt: skip
+    p.add_argument("--output", help="with supply_result: the tool's result")
+    p.add_argument("--is-error", action="store_true", help="with supply_result: it is an error")
+    p.add_argument("--reason", help="with fail: why")
+
+    p = api_command("approvals", _approvals, "list approvals")
+    p.add_argument(
+        "--status", default="PENDING", type=str.upper,
+        help="PENDING, APPROVED, REJECTED, EXPIRED or ANY",
+    )  # fmt: skip
+    p.add_argument("--role", help="only approvals for this role")
+
+    for decision in ("approve", "reject"):
+        p = api_command(decision, _decide, f"{decision} a pending approval")
+        p.add_argument("approval_id", help="approval id, or a prefix of it (dar approvals)")
+        p.add_argument("--comment", help="kept with the decision")
+        p.add_argument(
+            "--hash",
+            help="the payloadHash you were shown: refused if what is to be approved changed",
+        )
+        p.set_defaults(decision=decision)
+
+    p = command("token", None, "API tokens")
+    token_sub = p.add_subparsers(dest="token_command", required=True, metavar="COMMAND")
+    t = token_sub.add_parser(
+        "new", help="make a token and print its DAR_API_TOKENS entry", formatter_class=_Help
+    )
+    t.add_argument("name", help="the token's name (recorded as submittedBy)")
     t.add_argument(
         "--roles", required=True, help="comma-separated: read,submit,cancel,approve,admin"
     )
     t.set_defaults(func=_token_new)
-
-    p = sub.add_parser("timeline", help="show a run's steps")
-    p.add_argument("run_id")
-    p.add_argument("--api", default=api_default, help="API base URL (DAR_API_URL)")
-    p.set_defaults(func=_timeline)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+    except DarError as e:  # configuration and API errors: one line that names the fix
+        print(f"dar: {e}", file=sys.stderr, flush=True)
+        return 1
     return result
 
 

@@ -119,3 +119,4 @@ class EmbeddedRedis:
             self._proc.kill()
             self._proc.wait(timeout=10)
             self._proc = None
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -80,10 +80,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
-def configure_logging(
-    fmt: str = "console", level: str = "INFO", *, stream: IO[str] | None = None
-) -> None:
-    """Install the context filter and a console or JSON handler on the root logger."""
+def make_handler(fmt: str = "console", *, stream: IO[str] | None = None) -> logging.Handler:
+    """A handler with the context filter and the console or JSON format (``DAR_LOG_FORMAT``);
+    gunicorn's logger class uses it too, so its banner and access lines match."""
     if fmt not in ("console", "json"):
         raise ValueError(f"DAR_LOG_FORMAT must be console or json, got {fmt!r}")
     handler = logging.StreamHandler(stream)
@@ -92,6 +91,19 @@ def configure_logging(
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter(CONSOLE_FORMAT))
+    return handler
+
+
+QUIET_AT_INFO = ("celery.beat", "alembic")
+"""Loggers held at WARNING unless DEBUG is asked for: the beat's ``Sending due task`` line
+every reaper interval, Alembic's ``Context impl`` lines on every migration check."""
+
+
+def configure_logging(
+    fmt: str = "console", level: str = "INFO", *, stream: IO[str] | None = None
+) -> None:
+    """Install the context filter and a console or JSON handler on the root logger."""
+    handler = make_handler(fmt, stream=stream)
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
@@ -104,3 +116,7 @@ def configure_logging(
     # worker's throughput and repeat what the runtime's own step lines say.
     for per_task in ("celery.app.trace", "celery.worker.strategy"):
         logging.getLogger(per_task).setLevel(logging.WARNING)
+    for chatty in QUIET_AT_INFO:
+        logging.getLogger(chatty).setLevel(
+            logging.NOTSET if root.level <= logging.DEBUG else logging.WARNING
+        )

@@ -29,9 +29,14 @@ def send_drive(app: Celery, store: RunStore, dispatch: Dispatch) -> bool:
             str(dispatch.run_id)[:8],
             type(e).__name__,
             e,
+            extra={"run_id": str(dispatch.run_id)},
         )
         try:
             store.mark_undispatched(dispatch)
         except Exception:
-            log.exception("run=%s could not mark it undispatched either", dispatch.run_id)
+            log.exception(
+                "run=%s could not mark it undispatched either",
+                dispatch.run_id,
+                extra={"run_id": str(dispatch.run_id)},
+            )
         return False

@@ -67,7 +67,8 @@ def worker_state(app: Celery) -> WorkerState:
         metrics = Metrics(registry)
         if settings.metrics_port:
             try:
-                start_http_server(settings.metrics_port, registry=registry)
+                addr = os.environ.get("DAR_METRICS_ADDR", "0.0.0.0")  # dar dev: 127.0.0.1
+                start_http_server(settings.metrics_port, addr=addr, registry=registry)
                 log.info("worker metrics on :%d/metrics", settings.metrics_port)
             except OSError as e:
                 log.error("worker metrics port %d unavailable: %s", settings.metrics_port, e)
@@ -148,7 +149,12 @@ def register_tasks(app: Celery) -> None:
         for approval_id, policy in state.runtime.store.due_approvals():
             woke = expire_approval(state.runtime.store, approval_id, policy)
             if woke is not None:
-                log.info("run=%s approval timed out (%s)", str(woke.run_id)[:8], policy)
+                log.info(
+                    "run=%s approval timed out (%s)",
+                    str(woke.run_id)[:8],
+                    policy,
+                    extra={"run_id": str(woke.run_id)},
+                )
                 send_drive(app, state.runtime.store, woke)
         return len(due)
 

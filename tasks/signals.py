@@ -1,18 +1,34 @@
-"""Worker signals: our logging instead of Celery's, and a clean shutdown of the heartbeat."""
+"""Worker signals: a configuration check before the worker starts, our logging instead of
+Celery's, and a clean shutdown of the heartbeat."""
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 from celery import Celery, signals
 
+from db.errors import DarError
 from runtime.logctx import configure_logging, set_process_worker
+from runtime.preflight import check_startup
 from runtime.tracing import configure_from_env
 from tasks.drive import stop_worker_state, worker_state
 
 
 def connect_signals(app: Celery) -> None:
+    @signals.worker_init.connect(weak=False)
+    def _check_config(**_: Any) -> None:
+        # Before the worker consumes anything: a worker that cannot load its agents or reach
+        # its database would otherwise say "ready." and fail every message it takes. One
+        # line and a non-zero exit (SystemExit is not swallowed by Celery's signal dispatch).
+        try:
+            check_startup(app.conf.dar_settings)
+        except DarError as e:
+            print(f"dar: worker cannot start: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+
     @signals.setup_logging.connect(weak=False)
     def _setup_logging(**_: Any) -> None:
         configure_logging(
@@ -26,6 +42,9 @@ def connect_signals(app: Celery) -> None:
         # Connect to PostgreSQL, start the heartbeat and the metrics endpoint at boot rather
         # than on the first task, so a misconfigured worker fails now and scrapes work.
         worker_state(app)
+        ready_file = os.environ.get("DAR_READY_FILE")
+        if ready_file:  # `dar dev` waits for it before it says the stack is up
+            Path(ready_file).write_text(str(os.getpid()))
 
     @signals.worker_shutdown.connect(weak=False)
     def _stop_heartbeats(**_: Any) -> None:

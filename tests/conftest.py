@@ -9,6 +9,7 @@ tables truncated, so tests are isolated and fast.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -37,11 +38,13 @@ def pg_admin_url() -> Iterator[str]:
     if url:
         yield normalize_url(url)
         return
-    server = EmbeddedPostgres(Path(tempfile.mkdtemp(prefix="dar-test-pg-")))
+    data_dir = Path(tempfile.mkdtemp(prefix="dar-test-pg-"))
+    server = EmbeddedPostgres(data_dir)
     try:
         yield normalize_url(server.start())
     finally:
         server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)  # ~50 MB per session otherwise
 
 
 @pytest.fixture(scope="session")

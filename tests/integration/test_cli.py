@@ -1,0 +1,173 @@
+"""The ``dar`` CLI against a real API server (werkzeug on loopback, real PostgreSQL and
+Redis): every call of the REST API, run ids by prefix, one-line errors, help with defaults."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from werkzeug.serving import make_server
+
+from api import create_app
+from api.cli import build_parser, main, version
+from db.records import Dispatch, RunStatus
+from examples.order_refund import build as build_refund
+from runtime.bootstrap import Runtime
+from tasks.celery_app import make_celery
+from tests.support import drive_to_end
+
+
+@pytest.fixture
+def api(runtime: Runtime) -> Iterator[str]:
+    runtime.tickets.seed()
+    runtime.agents.register(build_refund(runtime.tickets))
+    app = create_app(runtime=runtime, celery=make_celery(runtime.settings, register=False))
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+        server.server_close()
+
+
+def dar(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _submit(capsys: pytest.CaptureFixture[str], api: str, *extra: str) -> str:
+    code, out, err = dar(capsys, "submit", "Which acme tickets are overdue?", "--api", api, *extra)
+    assert code == 0, err
+    return out.strip()
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"dar {version()}\n"
+    assert version() == "0.1.0"
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield sub
+                yield from _subparsers(sub)
+
+
+def test_every_option_has_help_and_shows_its_default() -> None:
+    for sub in _subparsers(build_parser()):
+        text = " ".join(sub.format_help().split())
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+                continue
+            assert action.help, f"{sub.prog} {action.dest} has no help"
+            if action.option_strings and action.default not in (None, False):
+                assert f"(default: {action.default})" in text, f"{sub.prog} {action.dest}"
+
+
+def test_run_ids_by_the_prefix_the_logs_print(
+    api: str, runtime: Runtime, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = _submit(capsys, api)
+    code, out, err = dar(capsys, "timeline", run_id[:8], "--api", api)
+    assert (code, err) == (0, "")
+    assert out.startswith("SEQ  KIND")
+    code, out, _ = dar(capsys, "show", run_id[:8], "--api", api)
+    assert code == 0
+    assert f'"id": "{run_id}"' in out
+
+    code, _, err = dar(capsys, "show", "ffffffff", "--api", api)
+    assert (code, err) == (1, "dar: no run whose id starts with 'ffffffff'\n")
+    code, _, err = dar(capsys, "show", "not-hex!", "--api", api)
+    assert code == 1
+    assert err == "dar: 'not-hex!' is not a run id or a prefix of one (hex characters)\n"
+
+
+def test_an_ambiguous_prefix_cancels_nothing(
+    api: str, runtime: Runtime, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ids = [_submit(capsys, api) for _ in range(17)]  # 17 ids, 16 hex digits: two share one
+    first = next(c for c in "0123456789abcdef" if sum(i.startswith(c) for i in ids) > 1)
+    code, _, err = dar(capsys, "cancel", first, "--api", api)
+    assert code == 1
+    assert err.startswith(f"dar: run id prefix {first!r} is ambiguous (")
+    assert err.endswith("); give more of it\n")
+    assert all(runtime.store.get_run(uuid.UUID(i)).status is RunStatus.QUEUED for i in ids)
+
+
+def test_cancel_resume_resolve_and_runs_by_status(
+    api: str, runtime: Runtime, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = _submit(capsys, api)
+    code, out, err = dar(capsys, "cancel", run_id[:8], "--api", api)
+    assert (code, err) == (0, "")
+    assert out == f"dar: run {run_id} CANCELLED: cancel requested\n"
+    assert runtime.store.get_run(uuid.UUID(run_id)).status is RunStatus.CANCELLED
+
+    code, out, _ = dar(capsys, "runs", "--status", "cancelled", "--api", api)
+    assert code == 0
+    assert run_id in out
+    code, out, _ = dar(capsys, "runs", "--status", "succeeded", "--api", api)
+    assert run_id not in out
+
+    code, _, err = dar(capsys, "resume", run_id[:8], "--api", api)
+    assert code == 1
+    assert err.startswith("dar: 409 ")
+    assert err.count("\n") == 1
+    code, _, err = dar(capsys, "resolve", run_id[:8], "--action", "retry", "--api", api)
+    assert code == 1
+    assert err.startswith("dar: 409 ")
+
+
+def test_approvals_approve_and_reject_with_comment_and_hash(
+    api: str, runtime: Runtime, capsys: pytest.CaptureFixture[str]
+) -> None:
+    approvals = []
+    for order in (105, 106):
+        code, out, err = dar(
+            capsys, "submit", "--json", "--agent", "order-refund", "--api", api,
+            f'{{"order_id": {order}, "amount": 9.5, "reason": "x"}}',
+        )  # fmt: skip
+        assert code == 0, err
+        run = runtime.store.get_run(uuid.UUID(out.strip()))
+        drive_to_end(runtime.driver(), Dispatch(run.id, run.dispatch_token))
+        (approval,) = runtime.store.list_approvals(run_id=run.id)
+        approvals.append(approval)
+
+    code, out, _ = dar(capsys, "approvals", "--api", api)
+    assert code == 0
+    assert all(str(a.id) in out for a in approvals)
+
+    first, second = approvals
+    code, _, err = dar(capsys, "approve", str(first.id)[:8], "--hash", "0" * 64, "--api", api)
+    assert code == 1
+    assert "payloadHash differs" in err
+    code, out, err = dar(
+        capsys, "approve", str(first.id)[:8], "--comment", "ok", "--hash", first.payload_hash,
+        "--api", api,
+    )  # fmt: skip
+    assert (code, err) == (0, "")
+    assert out.startswith(f"dar: approval {first.id} APPROVED")
+    code, out, err = dar(capsys, "reject", str(second.id), "--comment", "no", "--api", api)
+    assert (code, err) == (0, "")
+    assert f"dar: approval {second.id} REJECTED" in out
+    decided = {a.id: a for a in runtime.store.list_approvals(status=None, role=None, limit=10)}
+    assert decided[first.id].comment == "ok"
+    assert decided[second.id].comment == "no"
+
+
+def test_an_unreachable_api_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = dar(capsys, "runs", "--api", "http://127.0.0.1:9")
+    assert code == 1
+    assert err.startswith("dar: cannot reach the API at http://127.0.0.1:9: ")
+    assert err.count("\n") == 1
