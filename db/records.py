@@ -108,6 +108,7 @@ class Run:
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +164,7 @@ class NewRun:
     idempotency_key: str | None = None
     request_hash: str | None = None
     submitted_by: str | None = None
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,3 +227,27 @@ class Approval:
     decided_by: str | None
     decided_at: datetime | None
     comment: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class NewAudit:
+    """An action a person took on a run through the API, recorded in the same transaction
+    as the action itself."""
+
+    actor: str
+    action: str
+    tenant: str = ""
+    detail: Any = None
+    approval_id: uuid.UUID | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEvent:
+    id: int
+    at: datetime
+    run_id: uuid.UUID
+    approval_id: uuid.UUID | None
+    tenant: str
+    actor: str
+    action: str
+    detail: Any

@@ -21,9 +21,11 @@ from db.queries import QUERIES as Q
 from db.records import (
     Approval,
     ApprovalStatus,
+    AuditEvent,
     Claim,
     Dispatch,
     ModelCheckpoint,
+    NewAudit,
     NewRun,
     NewStep,
     Run,
@@ -82,6 +84,7 @@ def _run(row: RowMapping) -> Run:
         created_at=row["created_at"],
         updated_at=row["updated_at"],
         finished_at=row["finished_at"],
+        tenant=row["tenant"],
     )
 
 
@@ -154,6 +157,20 @@ def _step_params(claim: Claim, step: NewStep) -> dict[str, Any]:
     }
 
 
+def _record_audit(conn: Connection, run_id: uuid.UUID, audit: NewAudit) -> None:
+    conn.execute(
+        Q["insert_audit_event"],
+        {
+            "run_id": run_id,
+            "approval_id": audit.approval_id,
+            "tenant": audit.tenant,
+            "actor": audit.actor,
+            "action": audit.action,
+            "detail": _json(audit.detail),
+        },
+    )
+
+
 def _fence(claim: Claim) -> dict[str, Any]:
     return {"id": claim.run_id, "worker": claim.worker, "epoch": claim.epoch}
 
@@ -183,6 +200,7 @@ class RunStore:
             "idempotency_key": new.idempotency_key,
             "request_hash": new.request_hash,
             "submitted_by": new.submitted_by,
+            "tenant": new.tenant,
         }
         with self.engine.begin() as conn:
             row = conn.execute(Q["create_run"], params).mappings().first()
@@ -190,7 +208,8 @@ class RunStore:
                 return _run(row), True
             existing = (
                 conn.execute(
-                    Q["get_run_by_idempotency_key"], {"idempotency_key": new.idempotency_key}
+                    Q["get_run_by_idempotency_key"],
+                    {"idempotency_key": new.idempotency_key, "tenant": new.tenant},
                 )
                 .mappings()
                 .one()
@@ -222,9 +241,12 @@ class RunStore:
         status: str | None = None,
         limit: int = 50,
         before: tuple[datetime, uuid.UUID] | None = None,
+        tenant: str | None = None,
     ) -> list[Run]:
+        """Newest first; only ``tenant``'s runs when given."""
         params = {
             "status": status,
+            "tenant": tenant,
             "limit": limit,
             "before_created": before[0] if before else None,
             "before_id": before[1] if before else None,
@@ -462,10 +484,11 @@ class RunStore:
         payload_hash: str | None = None,
         step_status: StepStatus | None = None,
         step_error: str | None = None,
+        audit: NewAudit | None = None,
     ) -> Dispatch | None:
-        """Decide a PENDING approval and wake its run, in one transaction. ``None`` when the
-        approval is no longer PENDING, the payload hash differs, or the run is not waiting
-        (cancelled meanwhile): then nothing changed."""
+        """Decide a PENDING approval and wake its run, in one transaction (with ``audit``
+        recorded in it). ``None`` when the approval is no longer PENDING, the payload hash
+        differs, or the run is not waiting (cancelled meanwhile): then nothing changed."""
         token = uuid.uuid4()
         try:
             return self._decide(
@@ -477,6 +500,7 @@ class RunStore:
                 step_status,
                 step_error,
                 token,
+                audit=audit,
             )
         except _NotWaiting:
             return None
@@ -491,6 +515,8 @@ class RunStore:
         step_status: StepStatus | None,
         step_error: str | None,
         token: uuid.UUID,
+        *,
+        audit: NewAudit | None = None,
     ) -> Dispatch | None:
         with self.engine.begin() as conn:
             conn.execute(Q["lock_run_of_approval"], {"approval_id": approval_id})
@@ -520,6 +546,8 @@ class RunStore:
                     "error": step_error,
                 },
             )
+            if audit is not None:
+                _record_audit(conn, row.run_id, audit)
         return Dispatch(row.run_id, token)
 
     def get_approval(self, approval_id: uuid.UUID) -> Approval | None:
@@ -534,8 +562,15 @@ class RunStore:
         role: str | None = None,
         run_id: uuid.UUID | None = None,
         limit: int = 100,
+        tenant: str | None = None,
     ) -> list[Approval]:
-        params = {"status": status, "role": role, "run_id": run_id, "limit": limit}
+        params = {
+            "status": status,
+            "role": role,
+            "run_id": run_id,
+            "limit": limit,
+            "tenant": tenant,
+        }
         with self.engine.connect() as conn:
             rows = conn.execute(Q["list_approvals"], params).mappings().all()
         return [_approval(r) for r in rows]
@@ -555,6 +590,7 @@ class RunStore:
         *,
         token_budget: int | None = None,
         timeout_seconds: int | None = None,
+        audit: NewAudit | None = None,
     ) -> Dispatch:
         """Retry a FAILED or TIMED_OUT run from its first step without a result. Raises
         :class:`InvalidTransition` when the run is in another state or compensations ran."""
@@ -577,6 +613,8 @@ class RunStore:
             if row is None:
                 raise InvalidTransition(f"run {run_id} is not FAILED or TIMED_OUT")
             conn.execute(Q["retry_failed_steps"], {"id": run_id})
+            if audit is not None:
+                _record_audit(conn, run_id, audit)
         return Dispatch(run_id, token)
 
     def start_tool(
@@ -645,13 +683,15 @@ class RunStore:
 
     # -- control ------------------------------------------------------------------------
 
-    def cancel(self, run_id: uuid.UUID) -> RunStatus | None:
+    def cancel(self, run_id: uuid.UUID, *, audit: NewAudit | None = None) -> RunStatus | None:
         """Request cancellation. Returns the status after the request, or ``None`` when the
         run does not exist or has already finished."""
         with self.engine.begin() as conn:
             row = conn.execute(Q["cancel_run"], {"id": run_id}).first()
             if row is not None and row.status == RunStatus.CANCELLED:
                 conn.execute(Q["cancel_pending_approvals"], {"id": run_id})
+            if row is not None and audit is not None:
+                _record_audit(conn, run_id, audit)
         return RunStatus(row.status) if row else None
 
     def resolve(
@@ -663,6 +703,7 @@ class RunStore:
         is_error: bool = False,
         reason: str | None = None,
         operator: str = "operator",
+        audit: NewAudit | None = None,
     ) -> Dispatch | None:
         """An operator's decision on a NEEDS_ATTENTION run: ``supply_result`` (record the
         STARTED tool's result and continue), ``retry`` (run the tool again and continue), or
@@ -694,6 +735,8 @@ class RunStore:
                     conn.execute(Q["resolve_retry_tool"], {"id": run_id})
             if row is None:
                 raise InvalidTransition(f"run {run_id} is not waiting for an operator")
+            if audit is not None:
+                _record_audit(conn, run_id, audit)
         return None if action == "fail" else Dispatch(run_id, token)
 
     # -- dispatch bookkeeping -----------------------------------------------------------
@@ -729,6 +772,24 @@ class RunStore:
         """Fast-forward a run's timer and lease (test kits; an operator's "wake it now")."""
         with self.engine.begin() as conn:
             conn.execute(Q["make_due_now"], {"id": run_id})
+
+    def audit_events(self, run_id: uuid.UUID) -> list[AuditEvent]:
+        """The run's audit trail, oldest first."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(Q["list_audit_events"], {"run_id": run_id}).mappings().all()
+        return [
+            AuditEvent(
+                id=r["id"],
+                at=r["at"],
+                run_id=r["run_id"],
+                approval_id=r["approval_id"],
+                tenant=r["tenant"],
+                actor=r["actor"],
+                action=r["action"],
+                detail=r["detail"],
+            )
+            for r in rows
+        ]
 
     def mark_undispatched(self, dispatch: Dispatch) -> None:
         with self.engine.begin() as conn:
