@@ -12,10 +12,10 @@
 -- Idempotency keys are scoped to the tenant: another tenant's key is another key.
 INSERT INTO run (id, agent, input, model, max_steps, token_budget, cost_budget_usd,
                  deadline_at, dispatch_token, idempotency_key, request_hash, submitted_by,
-                 tenant)
+                 tenant, timeout_seconds)
 VALUES (:id, :agent, CAST(:input AS jsonb), :model, :max_steps, :token_budget,
         :cost_budget_usd, now() + make_interval(secs => :timeout_seconds), :token,
-        :idempotency_key, :request_hash, :submitted_by, :tenant)
+        :idempotency_key, :request_hash, :submitted_by, :tenant, :timeout_seconds)
 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING *;
 

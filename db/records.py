@@ -109,6 +109,7 @@ class Run:
     updated_at: datetime
     finished_at: datetime | None
     tenant: str = ""
+    timeout_seconds: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

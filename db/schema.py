@@ -84,6 +84,8 @@ run = Table(
     # The submitting token's tenant: runs, approvals, idempotency keys and lists are scoped
     # to it in the API. '' is the tenant of an open (development) API.
     Column("tenant", Text, nullable=False, server_default=text("''")),
+    # The timeout it was submitted with: a resume by a non-admin token may not exceed it.
+    Column("timeout_seconds", Integer),
     CheckConstraint(
         "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES) + ")",
         name="run_status_ck",

@@ -85,6 +85,7 @@ def _run(row: RowMapping) -> Run:
         updated_at=row["updated_at"],
         finished_at=row["finished_at"],
         tenant=row["tenant"],
+        timeout_seconds=row["timeout_seconds"],
     )
 
 

@@ -55,7 +55,10 @@ DEFAULT_PRICES: dict[str, Price] = {
     "claude-sonnet-4": _price("3", "15", "3.75", "0.30"),
     "claude-haiku-4": _price("1", "5", "1.25", "0.10"),
     "claude-3-5-haiku": _price("0.80", "4", "1", "0.08"),
+    # The runtime's own stand-ins for a model (the demo client, the scripted test double)
+    # bill nothing, and say so here rather than by being unknown.
     "dar-demo": _price("0", "0", "0", "0"),
+    "scripted": _price("0", "0", "0", "0"),
 }
 
 

@@ -22,6 +22,7 @@ ACTIONS = "'cancel', 'resume', 'resolve', 'approve', 'reject'"
 def upgrade() -> None:
     # Existing runs belong to the default tenant '' (the one an open API submits to).
     op.add_column("run", sa.Column("tenant", sa.Text, nullable=False, server_default=sa.text("''")))
+    op.add_column("run", sa.Column("timeout_seconds", sa.Integer))
     op.drop_index("run_idempotency_uk", "run")
     op.create_index(
         "run_idempotency_uk", "run", ["tenant", "idempotency_key"], unique=True,
@@ -71,4 +72,5 @@ def downgrade() -> None:
         "run_idempotency_uk", "run", ["idempotency_key"], unique=True,
         postgresql_where=sa.text("idempotency_key IS NOT NULL"),
     )
+    op.drop_column("run", "timeout_seconds")
     op.drop_column("run", "tenant")
