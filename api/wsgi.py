@@ -1,9 +1,10 @@
-"""The WSGI entry point for gunicorn: ``gunicorn api.wsgi:app``."""
+"""The WSGI entry point for gunicorn: ``gunicorn --worker-class gevent api.wsgi:app``."""
 
 import os
 import socket
 
 from api import create_app
+from api.serving import BodyDeadline
 from runtime.logctx import configure_logging, set_process_worker
 from runtime.tracing import configure_from_env
 
@@ -13,3 +14,6 @@ configure_logging(
 set_process_worker(f"web@{socket.gethostname()}:{os.getpid()}")
 configure_from_env()
 app = create_app()
+app.wsgi_app = BodyDeadline(  # type: ignore[method-assign]
+    app.wsgi_app, float(os.environ.get("DAR_HTTP_BODY_TIMEOUT_SECONDS", "30"))
+)

@@ -88,6 +88,7 @@ class Settings:
     max_tool_output_chars: int = 50_000
     llm_factory: str | None = None
     metrics_port: int = 0
+    metrics_addr: str = "127.0.0.1"
     api_tokens: str | None = field(default=None, repr=False)
     submit_rate_per_minute: int = 0
     max_page_size: int = 200
@@ -140,6 +141,7 @@ class Settings:
             max_tool_output_chars=_int(e, "DAR_MAX_TOOL_OUTPUT_CHARS", 50_000, minimum=100),
             llm_factory=e.get("DAR_LLM_FACTORY") or None,
             metrics_port=_int(e, "DAR_METRICS_PORT", 0),
+            metrics_addr=_get(e, "DAR_METRICS_ADDR", "127.0.0.1"),
             api_tokens=e.get("DAR_API_TOKENS") or None,
             submit_rate_per_minute=_int(e, "DAR_SUBMIT_RATE_PER_MINUTE", 0),
             max_page_size=_int(e, "DAR_MAX_PAGE_SIZE", 200, minimum=1),

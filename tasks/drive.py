@@ -67,7 +67,9 @@ def worker_state(app: Celery) -> WorkerState:
         metrics = Metrics(registry)
         if settings.metrics_port:
             try:
-                start_http_server(settings.metrics_port, registry=registry)
+                start_http_server(
+                    settings.metrics_port, addr=settings.metrics_addr, registry=registry
+                )
                 log.info("worker metrics on :%d/metrics", settings.metrics_port)
             except OSError as e:
                 log.error("worker metrics port %d unavailable: %s", settings.metrics_port, e)
