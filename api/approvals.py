@@ -80,10 +80,10 @@ def get_approval(approval_id: str) -> Response:
 def _decide(approval_id: str, decision: ApprovalStatus) -> tuple[Response, int]:
     s = state()
     aid = _approval_id(approval_id)
-    approval = _load(aid)
-    decider = _may_decide(approval)
     body = optional_json_body(request)
     validate(body, decision_schema())
+    approval = _load(aid)
+    decider = _may_decide(approval)
     comment = body.get("comment")
     payload_hash = body.get("payloadHash")
     if payload_hash is not None and payload_hash != approval.payload_hash:

@@ -35,7 +35,7 @@ needs attention). It does not hold the approval roles of durable functions: an a
 decided only by a token that names its role."""
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_ROLE = re.compile(r"^[A-Za-z0-9_.-]+$")
+ROLE = re.compile(r"^[A-Za-z0-9_.-]+$")
 NAME = re.compile(r"^[A-Za-z0-9_.@-]+$")
 """Token and tenant names: no ``:`` or ``,`` (the entry's separators), no spaces."""
 F = TypeVar("F", bound=Callable[..., Any])
@@ -96,7 +96,7 @@ class TokenTable:
                     "digits and _ . @ -"
                 )
             roles = frozenset(r for r in roles_raw.split("+") if r)
-            bad = sorted(r for r in roles if not _ROLE.match(r))
+            bad = sorted(r for r in roles if not ROLE.match(r))
             if not name or not roles or bad:
                 raise ConfigError(
                     f"DAR_API_TOKENS entry {name!r}: roles are {', '.join(ROLES)}, or approval "
