@@ -9,4 +9,4 @@ COPY api ./api
 RUN pip install . && useradd --create-home dar
 USER dar
 EXPOSE 8080 5555
-CMD ["sh", "-c", "gunicorn --bind 0.0.0.0:${PORT:-8080} --workers ${WEB_CONCURRENCY:-1} --threads ${WEB_THREADS:-8} --access-logfile - api.wsgi:app"]
+CMD ["sh", "-c", "gunicorn --bind 0.0.0.0:${PORT:-8080} --worker-class gevent --workers ${WEB_CONCURRENCY:-1} --worker-connections ${WEB_CONNECTIONS:-2000} --keep-alive ${WEB_KEEPALIVE:-5} --access-logfile - api.wsgi:app"]

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from celery import Celery
 from flask import Flask, Response, g, jsonify, request
 from prometheus_client import CollectorRegistry
 from prometheus_flask_exporter import PrometheusMetrics
 
-from api.auth import TokenTable, check_approval_roles, warn_if_open
-from api.errors import register_error_handlers
+from api.auth import TokenTable, check_approval_roles, check_token_roles, warn_if_open
+from api.errors import ApiError, register_error_handlers
 from api.openapi import openapi_document
+from api.schemas import check_text
+from api.serving import BufferChunked
 from api.state import ApiState
 from runtime.agents import Agent
 from runtime.bootstrap import Runtime
@@ -32,6 +35,7 @@ def create_app(
     settings = settings or (runtime.settings if runtime else Settings.from_env())
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.wsgi_app = BufferChunked(app.wsgi_app, settings.max_body_bytes)  # type: ignore[method-assign]
     app.json.sort_keys = False  # type: ignore[attr-defined]
     owned = runtime is None
     runtime = runtime or Runtime.build(settings, pool_size=5)
@@ -40,8 +44,39 @@ def create_app(
     tokens = TokenTable.parse(settings.api_tokens)
     app.extensions["dar_tokens"] = tokens
     warn_if_open(tokens)
+    check_token_roles(tokens, runtime.agents.approval_roles())
     check_approval_roles(tokens, runtime.agents.approval_roles())
     register_error_handlers(app)
+
+    # The query parameters each documented operation takes: any other is refused, as an
+    # unknown body field is.
+    document = openapi_document(settings)
+    known_query = {
+        (path, method.upper()): {p["name"] for p in op.get("parameters", []) if p["in"] == "query"}
+        for path, item in document["paths"].items()
+        for method, op in item.items()
+    }
+
+    @app.before_request
+    def _safe_query() -> None:
+        for name, values in request.args.lists():
+            check_text(name, "query parameter")
+            for value in values:
+                check_text(value, name)
+        rule = request.url_rule
+        if rule is None:
+            return
+        path = re.sub(r"<(?:[^:<>]+:)?([^<>]+)>", r"{\1}", rule.rule)
+        allowed = known_query.get((path, request.method))
+        unknown = sorted(set(request.args) - allowed) if allowed is not None else []
+        if unknown:
+            raise ApiError(
+                400,
+                f"unknown query parameter {unknown[0]!r}; allowed: "
+                f"{', '.join(sorted(allowed or ())) or 'none'}",
+                code="unknown_parameter",
+                field=unknown[0],
+            )
 
     @app.before_request
     def _log_context() -> None:
@@ -73,7 +108,9 @@ def create_app(
     def openapi() -> Response:
         names = runtime.agents.names()
         durable = any(not isinstance(runtime.agents.get(n), Agent) for n in names)
-        return jsonify(openapi_document(settings, names, any_json_input=durable))
+        return jsonify(
+            openapi_document(settings, names, any_json_input=durable, auth=tokens.enabled)
+        )
 
     if owned:
         import atexit

@@ -6,11 +6,13 @@ import uuid
 
 from flask import Blueprint, Response, jsonify, request
 
-from api.auth import current_principal, requires
+from api.auth import current_principal, requires, tenant_scope
 from api.errors import ApiError, invalid
+from api.runs import audit, load_run
+from api.schemas import check_text, decision_schema, validate
 from api.serialize import approval_json
 from api.state import state
-from api.validation import json_body
+from api.validation import optional_json_body
 from db.records import Approval, ApprovalStatus
 from tasks.dispatch import send_drive
 
@@ -25,21 +27,30 @@ def _approval_id(raw: str) -> uuid.UUID:
 
 
 def _load(approval_id: uuid.UUID) -> Approval:
+    """The approval, if the request's tenant may see its run; 404 otherwise."""
     approval = state().runtime.store.get_approval(approval_id)
     if approval is None:
         raise ApiError(404, f"no approval with id {approval_id}", code="not_found")
+    scope = tenant_scope()
+    if scope is not None:
+        try:
+            load_run(approval.run_id)
+        except ApiError:
+            raise ApiError(404, f"no approval with id {approval_id}", code="not_found") from None
     return approval
 
 
 def _may_decide(approval: Approval) -> str:
-    """The decider's name; 403 unless the token holds the approval's role."""
+    """The decider's name; 403 unless the token names the approval's role itself (``admin``
+    does not imply approval roles: who may approve a refund is a business decision)."""
     principal = current_principal()
     if principal is None:  # authentication is off (development)
         return "anonymous"
-    if not principal.has(approval.role):
+    if not principal.holds(approval.role):
         raise ApiError(
             403,
-            f"token {principal.name!r} lacks the role {approval.role!r} this approval needs",
+            f"token {principal.name!r} lacks the role {approval.role!r} this approval needs"
+            + (" (admin does not imply approval roles)" if principal.admin else ""),
             code="forbidden",
         )
     return principal.name
@@ -52,8 +63,10 @@ def list_approvals() -> Response:
     if status not in ApprovalStatus.__members__ and status != "ANY":
         raise invalid("status", f"must be one of {', '.join(ApprovalStatus)} or ANY")
     role = request.args.get("role")
+    if role is not None:
+        check_text(role, "role")
     approvals = state().runtime.store.list_approvals(
-        status=None if status == "ANY" else status, role=role, limit=200
+        status=None if status == "ANY" else status, role=role, limit=200, tenant=tenant_scope()
     )
     return jsonify({"items": [approval_json(a) for a in approvals]})
 
@@ -67,15 +80,11 @@ def get_approval(approval_id: str) -> Response:
 def _decide(approval_id: str, decision: ApprovalStatus) -> tuple[Response, int]:
     s = state()
     aid = _approval_id(approval_id)
+    body = optional_json_body(request)
+    validate(body, decision_schema())
     approval = _load(aid)
     decider = _may_decide(approval)
-    body = json_body(request) if request.get_data() else {}
-    unknown = sorted(set(body) - {"comment", "payloadHash"})
-    if unknown:
-        raise invalid(unknown[0], "unknown field; allowed: comment, payloadHash")
     comment = body.get("comment")
-    if comment is not None and (not isinstance(comment, str) or len(comment) > 4000):
-        raise invalid("comment", "must be a string of at most 4000 characters")
     payload_hash = body.get("payloadHash")
     if payload_hash is not None and payload_hash != approval.payload_hash:
         raise ApiError(
@@ -84,8 +93,14 @@ def _decide(approval_id: str, decision: ApprovalStatus) -> tuple[Response, int]:
             "reload it and decide again",
             code="payload_changed",
         )
+    verb = "approve" if decision is ApprovalStatus.APPROVED else "reject"
     dispatch = s.runtime.store.decide_approval(
-        aid, decision, decided_by=decider, comment=comment, payload_hash=approval.payload_hash
+        aid,
+        decision,
+        decided_by=decider,
+        comment=comment,
+        payload_hash=approval.payload_hash,
+        audit=audit(verb, {"stepKey": approval.step_key, "role": approval.role}, aid),
     )
     if dispatch is None:
         current = _load(aid)

@@ -1,13 +1,17 @@
-"""Bearer tokens with roles, configured by environment and kept only as SHA-256 hashes.
+"""Bearer tokens with roles and tenants, configured by environment and kept only as SHA-256
+hashes.
 
-``DAR_API_TOKENS`` lists ``name:role+role:sha256hex`` entries, separated by commas or
-newlines. ``dar token new NAME --roles read,submit`` makes a token and prints its entry. A
+``DAR_API_TOKENS`` lists ``name:role+role:sha256hex[:tenant]`` entries, separated by commas
+or newlines. A token belongs to its tenant (its own name unless the entry names one): runs,
+approvals, idempotency keys and lists are scoped to the tenant, and only ``admin`` sees every
+tenant. ``dar token new NAME --roles read,submit`` makes a token and prints its entry. A
 presented token is hashed and compared with every configured hash in constant time. With no
 tokens configured the API is open (development) and says so loudly at start.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import hmac
 import logging
@@ -26,10 +30,14 @@ from runtime.config import ConfigError
 log = logging.getLogger(__name__)
 
 ROLES = ("read", "submit", "cancel", "approve", "admin")
-"""``admin`` holds every role (and alone may resolve a run that needs attention)."""
+"""``admin`` holds every one of these roles, in every tenant (and alone may resolve a run that
+needs attention). It does not hold the approval roles of durable functions: an approval is
+decided only by a token that names its role."""
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_ROLE = re.compile(r"^[A-Za-z0-9_.-]+$")
+ROLE = re.compile(r"^[A-Za-z0-9_.-]+$")
+NAME = re.compile(r"^[A-Za-z0-9_.@-]+$")
+"""Token and tenant names: no ``:`` or ``,`` (the entry's separators), no spaces."""
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -37,9 +45,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Principal:
     name: str
     roles: frozenset[str]
+    tenant: str = ""
+
+    @property
+    def admin(self) -> bool:
+        return "admin" in self.roles
 
     def has(self, role: str) -> bool:
-        return role in self.roles or "admin" in self.roles
+        """A built-in role (``admin`` implies each of them)."""
+        return role in self.roles or self.admin
+
+    def holds(self, role: str) -> bool:
+        """An approval role, named by the token itself (``admin`` does not imply it)."""
+        return role in self.roles
 
 
 def hash_token(token: str) -> str:
@@ -64,14 +82,21 @@ class TokenTable:
         names: set[str] = set()
         for item in filter(None, (p.strip() for p in re.split(r"[,\n]", raw or ""))):
             parts = item.split(":")
-            if len(parts) != 3:
+            if len(parts) not in (3, 4):
                 raise ConfigError(
-                    f"DAR_API_TOKENS entry {parts[0]!r} must be name:role+role:sha256hex "
+                    f"DAR_API_TOKENS entry {parts[0]!r} must be name:role+role:sha256hex, "
+                    "optionally followed by :tenant "
                     "(make one with `dar token new NAME --roles read,submit`)"
                 )
-            name, roles_raw, digest = (p.strip() for p in parts)
+            name, roles_raw, digest = (p.strip() for p in parts[:3])
+            tenant = parts[3].strip() if len(parts) == 4 else name
+            if not NAME.match(name) or not NAME.match(tenant):
+                raise ConfigError(
+                    f"DAR_API_TOKENS entry {name!r}: token and tenant names are letters, "
+                    "digits and _ . @ -"
+                )
             roles = frozenset(r for r in roles_raw.split("+") if r)
-            bad = sorted(r for r in roles if not _ROLE.match(r))
+            bad = sorted(r for r in roles if not ROLE.match(r))
             if not name or not roles or bad:
                 raise ConfigError(
                     f"DAR_API_TOKENS entry {name!r}: roles are {', '.join(ROLES)}, or approval "
@@ -86,7 +111,7 @@ class TokenTable:
             if name in names:
                 raise ConfigError(f"DAR_API_TOKENS names {name!r} twice")
             names.add(name)
-            entries.append((bytes.fromhex(digest.lower()), Principal(name, roles)))
+            entries.append((bytes.fromhex(digest.lower()), Principal(name, roles, tenant)))
         return cls(tuple(entries))
 
     def authenticate(self, token: str) -> Principal | None:
@@ -137,6 +162,36 @@ def requires(role: str) -> Callable[[F], F]:
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+def check_token_roles(table: TokenTable, approval_roles: set[str]) -> None:
+    """Every role a token names must be a built-in role or an approval role some durable
+    function declares: a typo (``reed``, ``admn``) would otherwise grant nothing, silently."""
+    known = set(ROLES) | approval_roles
+    for _, principal in table.entries:
+        for role in sorted(principal.roles - known):
+            close = difflib.get_close_matches(role, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"DAR_API_TOKENS entry {principal.name!r} names the unknown role {role!r}"
+                f"{hint}: roles are {', '.join(ROLES)}, or an approval role a durable "
+                f"function declares ({', '.join(sorted(approval_roles)) or 'none declared'})"
+            )
+
+
+def tenant_scope() -> str | None:
+    """The tenant whose runs this request may see: ``None`` for every tenant (an ``admin``
+    token, or authentication off)."""
+    principal = current_principal()
+    if principal is None or principal.admin:
+        return None
+    return principal.tenant
+
+
+def actor() -> tuple[str, str]:
+    """``(token name, tenant)`` of the request, for the audit trail."""
+    principal = current_principal()
+    return (principal.name, principal.tenant) if principal else ("anonymous", "")
 
 
 def check_approval_roles(table: TokenTable, roles: set[str]) -> None:

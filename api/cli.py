@@ -441,17 +441,37 @@ def _decide(args: argparse.Namespace) -> int:
 
 
 def _token_new(args: argparse.Namespace) -> int:
-    from api.auth import ROLES, hash_token, new_token
+    from api.auth import NAME, ROLE, ROLES, hash_token, new_token
 
+    for what, value in (("name", args.name), ("--tenant", args.tenant)):
+        if value is not None and not NAME.match(value):
+            print(
+                f"dar: {what} {value!r}: use letters, digits and _ . @ - (no ':' or ',')",
+                file=sys.stderr,
+            )
+            return 2
     roles = [r.strip() for r in args.roles.split(",") if r.strip()]
-    unknown = [r for r in roles if r not in ROLES]
-    if not roles or unknown:
-        print(f"dar: --roles takes some of {', '.join(ROLES)}", file=sys.stderr)
+    bad = [r for r in roles if not ROLE.match(r)]
+    if not roles or bad:
+        print(
+            f"dar: --roles takes some of {', '.join(ROLES)} and approval roles of your durable "
+            "functions (letters, digits, _ . -)"
+            + (f"; not a role: {', '.join(bad)}" if bad else ""),
+            file=sys.stderr,
+        )
         return 2
+    custom = [r for r in roles if r not in ROLES]
+    if custom:
+        print(
+            f"dar: note: {', '.join(custom)} must be approval roles a durable function declares, "
+            "or the server refuses the entry at start",
+            file=sys.stderr,
+        )
     token = new_token()
+    tenant = f":{args.tenant}" if args.tenant else ""
     print(f"token (give it to the client; it is not stored anywhere):\n  {token}")
     print("DAR_API_TOKENS entry (the server keeps only the hash):")
-    print(f"  {args.name}:{'+'.join(roles)}:{hash_token(token)}")
+    print(f"  {args.name}:{'+'.join(roles)}:{hash_token(token)}{tenant}")
     return 0
 
 
@@ -602,8 +622,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("name", help="the token's name (recorded as submittedBy)")
     t.add_argument(
-        "--roles", required=True, help="comma-separated: read,submit,cancel,approve,admin"
+        "--roles",
+        required=True,
+        help="comma-separated: read,submit,cancel,approve,admin and approval roles",
     )
+    t.add_argument("--tenant", help="the tenant whose runs it sees (default: its name)")
     t.set_defaults(func=_token_new)
     return parser
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import traceback
 from typing import Any
 
 from flask import Flask, Response, jsonify
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, OperationalError, StatementError
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from db.errors import DarError
@@ -76,10 +77,35 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(OperationalError)
     def _db_down(e: OperationalError) -> tuple[Response, int]:
-        log.error("database unavailable: %s", e.orig.__class__.__name__ if e.orig else e)
+        log.error("database unavailable: %s", _db_error_summary(e))
         return error_response(503, "database_unavailable", "the database is not answering; retry")
+
+    @app.errorhandler(DataError)
+    def _bad_value(e: DataError) -> tuple[Response, int]:
+        # Validation refuses what PostgreSQL cannot store; this is the net under it.
+        log.warning("database refused a value: %s", _db_error_summary(e))
+        return error_response(
+            400, "invalid_value", "a value in the request cannot be stored (see the API docs)"
+        )
 
     @app.errorhandler(Exception)
     def _unexpected(e: Exception) -> tuple[Response, int]:
-        log.exception("unhandled error")
+        if isinstance(e, StatementError):
+            # The message of a database error can quote the data (a constraint's key, a JSON
+            # fragment): log where and what kind, never the text.
+            log.error(
+                "unhandled database error: %s\n%s",
+                _db_error_summary(e),
+                "".join(traceback.format_tb(e.__traceback__)),
+            )
+        else:
+            log.exception("unhandled error")
         return error_response(500, "internal_error", "internal error; see the server log")
+
+
+def _db_error_summary(e: StatementError) -> str:
+    """The kind of a database error and its SQLSTATE, without its message or parameters."""
+    orig = e.orig if isinstance(e, DBAPIError) else None
+    sqlstate = getattr(orig, "sqlstate", None)
+    kind = type(orig).__name__ if orig is not None else type(e).__name__
+    return f"{kind} (SQLSTATE {sqlstate})" if sqlstate else kind

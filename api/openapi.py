@@ -1,10 +1,24 @@
-"""The OpenAPI 3.1 document served at ``/api/openapi.json``."""
+"""The OpenAPI 3.1 document served at ``/api/openapi.json``.
+
+Request bodies are the JSON Schemas of :mod:`api.schemas`, the very objects the validators
+check requests against; enums come from the records' enums. Nothing here restates a rule.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from db.records import ApprovalStatus, RunStatus
+from api.schemas import (
+    CURSOR_PATTERN,
+    MAX_JSON_DEPTH,
+    TEXT_RULE,
+    decision_schema,
+    resolution_schema,
+    resume_schema,
+    submission_schema,
+)
+from db.records import ApprovalStatus, RunStatus, StepKind, StepStatus
+from db.schema import AUDIT_ACTIONS
 from runtime.config import Settings
 
 JsonObj = dict[str, Any]
@@ -53,9 +67,11 @@ def _decision(verb: str) -> JsonObj:
             "responses": {
                 "200": _json(_ref("Approval"), "Decided"),
                 "400": _error("Invalid field"),
+                "401": _error("No valid token"),
                 "403": _error("The token lacks the approval's role"),
-                "404": _error("No such approval"),
+                "404": _error("No such approval (or another tenant's)"),
                 "409": _error("Decided otherwise already, run cancelled, or payload changed"),
+                "413": _error("Body larger than DAR_MAX_BODY_BYTES"),
                 "415": _error("Body is not JSON"),
             },
         }
@@ -70,26 +86,14 @@ def openapi_document(
     agents: list[str] | None = None,
     *,
     any_json_input: bool = False,
+    auth: bool = False,
 ) -> JsonObj:
     """The document for an app with these limits and agents (the defaults when omitted), so
     that what it promises is exactly what the validation accepts."""
     s = settings or Settings()
     statuses = [str(st) for st in RunStatus]
     approval_statuses = [str(st) for st in ApprovalStatus]
-    agent_schema: JsonObj = {"enum": agents} if agents else {"type": "string"}
-    input_schema: JsonObj = {
-        "type": "string",
-        "minLength": 1,
-        "maxLength": s.max_input_chars,
-        "pattern": "\\S",
-        "description": "the question or task (agent-loop agents)",
-    }
-    if any_json_input:
-        input_schema = {
-            "anyOf": [input_schema, {"type": ["object", "array", "number", "boolean"]}],
-            "description": "a string for agent-loop agents; any JSON for durable functions",
-        }
-    return {
+    document = {
         "openapi": "3.1.0",
         "info": {
             "title": "Durable Agent Runtime",
@@ -138,7 +142,12 @@ def openapi_document(
                                 "maximum": s.max_page_size,
                             },
                         },
-                        {"name": "cursor", "in": "query", "schema": {"type": "string"}},
+                        {
+                            "name": "cursor",
+                            "in": "query",
+                            "description": "nextCursor of the previous page",
+                            "schema": {"type": "string", "pattern": CURSOR_PATTERN},
+                        },
                     ],
                     "responses": {
                         "200": _json(_ref("RunPage"), "A page of runs"),
@@ -283,71 +292,18 @@ def openapi_document(
             },
         },
         "components": {
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "a token from DAR_API_TOKENS (when set; else the API is open)",
+                }
+            },
             "schemas": {
-                "RunSubmission": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["input"],
-                    "properties": {
-                        "input": input_schema,
-                        "tokenBudget": {
-                            "type": "integer",
-                            "minimum": 1,
-                            "maximum": s.max_token_budget,
-                        },
-                        "costBudgetUsd": {
-                            "type": "number",
-                            "minimum": 0.0001,
-                            "maximum": 100000,
-                        },
-                        "timeoutSeconds": {
-                            "type": "integer",
-                            "minimum": 1,
-                            "maximum": s.max_timeout_seconds,
-                        },
-                        "model": {"type": "string", "maxLength": 200},
-                        "maxSteps": {"type": "integer", "minimum": 1, "maximum": 10000},
-                        "agent": agent_schema,
-                    },
-                },
-                "Resolution": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["action"],
-                    "properties": {
-                        "action": {"enum": ["supply_result", "retry", "fail"]},
-                        "output": {"description": "the tool's result (supply_result)"},
-                        "isError": {"type": "boolean"},
-                        "reason": {"type": "string"},
-                    },
-                },
-                "Resume": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {
-                        "tokenBudget": {
-                            "type": "integer",
-                            "minimum": 1,
-                            "maximum": s.max_token_budget,
-                        },
-                        "timeoutSeconds": {
-                            "type": "integer",
-                            "minimum": 1,
-                            "maximum": s.max_timeout_seconds,
-                        },
-                    },
-                },
-                "Decision": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {
-                        "comment": {"type": "string", "maxLength": 4000},
-                        "payloadHash": {
-                            "type": "string",
-                            "description": "the hash you were shown; refused if it changed",
-                        },
-                    },
-                },
+                "RunSubmission": submission_schema(s, agents, any_json_input=any_json_input),
+                "Resolution": resolution_schema(),
+                "Resume": resume_schema(s),
+                "Decision": decision_schema(),
                 "Approval": {
                     "type": "object",
                     "properties": {
@@ -406,6 +362,7 @@ def openapi_document(
                         "result": {},
                         "error": NULLABLE_STR,
                         "submittedBy": NULLABLE_STR,
+                        "tenant": {"type": "string"},
                         "deadlineAt": {"type": "string", "format": "date-time"},
                         "runAt": {"type": "string", "format": "date-time"},
                         "lockedBy": NULLABLE_STR,
@@ -413,6 +370,12 @@ def openapi_document(
                         "createdAt": {"type": "string", "format": "date-time"},
                         "updatedAt": {"type": "string", "format": "date-time"},
                         "finishedAt": NULLABLE_TIME,
+                        "audit": {
+                            "type": "array",
+                            "items": _ref("AuditEvent"),
+                            "description": "who cancelled, resumed, resolved or decided what "
+                            "(GET /api/runs/{run_id} only)",
+                        },
                     },
                 },
                 "RunPage": {
@@ -425,10 +388,13 @@ def openapi_document(
                 "Step": {
                     "type": "object",
                     "properties": {
-                        "seq": {"type": "integer"},
+                        "seq": {
+                            "type": ["integer", "null"],
+                            "description": "null for an AUDIT entry",
+                        },
                         "stepKey": {"type": "string"},
-                        "kind": {"enum": ["MODEL", "TOOL"]},
-                        "status": {"enum": ["STARTED", "DONE", "ERROR"]},
+                        "kind": {"enum": [*map(str, StepKind), "AUDIT"]},
+                        "status": {"enum": [str(st) for st in StepStatus]},
                         "toolName": NULLABLE_STR,
                         "toolUseId": NULLABLE_STR,
                         "model": NULLABLE_STR,
@@ -445,6 +411,20 @@ def openapi_document(
                         "worker": NULLABLE_STR,
                         "startedAt": {"type": "string", "format": "date-time"},
                         "finishedAt": NULLABLE_TIME,
+                        "actor": {"type": "string", "description": "AUDIT entries: the token"},
+                        "action": {"enum": list(AUDIT_ACTIONS)},
+                        "detail": {},
+                    },
+                },
+                "AuditEvent": {
+                    "type": "object",
+                    "required": ["at", "actor", "action"],
+                    "properties": {
+                        "at": {"type": "string", "format": "date-time"},
+                        "actor": {"type": "string"},
+                        "action": {"enum": list(AUDIT_ACTIONS)},
+                        "approvalId": {"type": ["string", "null"], "format": "uuid"},
+                        "detail": {},
                     },
                 },
                 "Error": {
@@ -462,6 +442,32 @@ def openapi_document(
                         }
                     },
                 },
-            }
+            },
         },
     }
+    _common_responses(document, auth)
+    return document
+
+
+def _common_responses(document: JsonObj, auth: bool) -> None:
+    """What every /api operation may answer besides its own responses: the token errors, and
+    for a body the size, media type and text rules."""
+    for path, item in document["paths"].items():
+        for operation in item.values():
+            responses = operation["responses"]
+            if auth and path.startswith("/api/") and path != "/api/openapi.json":
+                operation["security"] = [{"bearer": []}]
+                responses.setdefault("401", _error("No valid token (when tokens are configured)"))
+                responses.setdefault("403", _error("The token lacks the role this needs"))
+            if "requestBody" in operation:
+                responses.setdefault("400", _error("Invalid field; the message names it"))
+                responses.setdefault("408", _error("The body did not arrive in time"))
+                responses.setdefault("413", _error("Body larger than DAR_MAX_BODY_BYTES"))
+                responses.setdefault("415", _error("Body is not JSON"))
+            # Every string in a query or body is refused (400) when it is not text PostgreSQL
+            # can store, and JSON is refused when nested too deep.
+            if "requestBody" in operation or operation.get("parameters"):
+                responses.setdefault(
+                    "400",
+                    _error(f"Invalid parameter: {TEXT_RULE}, at most {MAX_JSON_DEPTH} deep"),
+                )

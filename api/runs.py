@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
+import math
+import re
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 from flask import Blueprint, Response, jsonify, request, url_for
 
-from api.auth import current_principal, requires
+from api.auth import actor, current_principal, requires, tenant_scope
 from api.errors import ApiError, invalid
-from api.serialize import run_json, step_json
+from api.schemas import CURSOR_PATTERN, check_text, resolution_schema, resume_schema, validate
+from api.serialize import audit_json, run_json, timeline_json
 from api.state import state
-from api.validation import json_body, parse_submission
+from api.validation import json_body, optional_json_body, parse_submission, whole
 from db.errors import IdempotencyConflict, InvalidTransition, RunNotFound
-from db.records import Dispatch, NewRun, RunStatus
+from db.records import Dispatch, NewAudit, NewRun, Run, RunStatus
 from tasks.dispatch import send_drive
 
 bp = Blueprint("runs", __name__)
@@ -31,16 +32,38 @@ def parse_run_id(raw: str) -> uuid.UUID:
         ) from None
 
 
+def load_run(run_id: uuid.UUID) -> Run:
+    """The run, if the request's tenant may see it; 404 otherwise (another tenant's run is
+    indistinguishable from no run)."""
+    try:
+        run = state().runtime.store.get_run(run_id)
+    except RunNotFound as e:
+        raise ApiError(404, str(e), code="not_found") from None
+    scope = tenant_scope()
+    if scope is not None and run.tenant != scope:
+        raise ApiError(404, f"no run with id {run_id}", code="not_found")
+    return run
+
+
+def audit(action: str, detail: object = None, approval_id: uuid.UUID | None = None) -> NewAudit:
+    name, tenant = actor()
+    return NewAudit(
+        actor=name, action=action, tenant=tenant, detail=detail, approval_id=approval_id
+    )
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def _cursor(created: datetime, run_id: uuid.UUID) -> str:
-    return base64.urlsafe_b64encode(f"{created.isoformat()}|{run_id}".encode()).decode()
+    return f"{(created - _EPOCH) // timedelta(microseconds=1)}.{run_id.hex}"
 
 
 def _parse_cursor(raw: str) -> tuple[datetime, uuid.UUID]:
-    try:
-        created, rid = base64.urlsafe_b64decode(raw.encode()).decode().split("|")
-        return datetime.fromisoformat(created), uuid.UUID(rid)
-    except (ValueError, binascii.Error, UnicodeDecodeError):
-        raise invalid("cursor", "is not a cursor this API returned (use nextCursor)") from None
+    if not re.fullmatch(CURSOR_PATTERN, raw):
+        raise invalid("cursor", "is not a cursor this API returned (use nextCursor)")
+    micros, rid = raw.split(".")
+    return _EPOCH + timedelta(microseconds=int(micros)), uuid.UUID(hex=rid)
 
 
 @bp.post("/runs")
@@ -65,6 +88,8 @@ def submit() -> tuple[Response, int, dict[str, str]]:
     key = request.headers.get("Idempotency-Key")
     if key is not None and not (0 < len(key) <= 200):
         raise invalid("Idempotency-Key", "must be 1 to 200 characters")
+    if key is not None:
+        check_text(key, "Idempotency-Key")
     try:
         run, created = s.runtime.store.create_run(
             NewRun(
@@ -78,6 +103,7 @@ def submit() -> tuple[Response, int, dict[str, str]]:
                 idempotency_key=key,
                 request_hash=sub.request_hash,
                 submitted_by=principal.name if principal else None,
+                tenant=principal.tenant if principal else "",
             )
         )
     except IdempotencyConflict as e:
@@ -106,8 +132,10 @@ def list_runs() -> Response:
         raise invalid("limit", f"must be a whole number from 1 to {max_page} (DAR_MAX_PAGE_SIZE)")
     limit = int(raw_limit)
     raw_cursor = request.args.get("cursor")
-    before = _parse_cursor(raw_cursor) if raw_cursor else None
-    runs = s.runtime.store.list_runs(status=status, limit=limit + 1, before=before)
+    before = _parse_cursor(raw_cursor) if raw_cursor is not None else None
+    runs = s.runtime.store.list_runs(
+        status=status, limit=limit + 1, before=before, tenant=tenant_scope()
+    )
     page = runs[:limit]
     next_cursor = _cursor(page[-1].created_at, page[-1].id) if len(runs) > limit else None
     return jsonify({"items": [run_json(r) for r in page], "nextCursor": next_cursor})
@@ -116,25 +144,18 @@ def list_runs() -> Response:
 @bp.get("/runs/<run_id>")
 @requires("read")
 def get_run(run_id: str) -> Response:
-    try:
-        return jsonify(run_json(state().runtime.store.get_run(parse_run_id(run_id))))
-    except RunNotFound as e:
-        raise ApiError(404, str(e), code="not_found") from None
+    run = load_run(parse_run_id(run_id))
+    events = state().runtime.store.audit_events(run.id)
+    return jsonify({**run_json(run), "audit": [audit_json(e) for e in events]})
 
 
 @bp.get("/runs/<run_id>/timeline")
 @requires("read")
 def timeline(run_id: str) -> Response:
+    """The steps in order, with the audit trail's entries (kind ``AUDIT``) placed by time."""
     store = state().runtime.store
-    rid = parse_run_id(run_id)
-    try:
-        store.get_run(rid)
-    except RunNotFound as e:
-        raise ApiError(404, str(e), code="not_found") from None
-    return jsonify([step_json(s) for s in store.steps(rid)])
-
-
-RESOLVE_ACTIONS = ("supply_result", "retry", "fail")
+    run = load_run(parse_run_id(run_id))
+    return jsonify(timeline_json(store.steps(run.id), store.audit_events(run.id)))
 
 
 @bp.post("/runs/<run_id>/resolve")
@@ -144,21 +165,12 @@ def resolve(run_id: str) -> tuple[Response, int]:
     s = state()
     rid = parse_run_id(run_id)
     body = json_body(request)
-    unknown = sorted(set(body) - {"action", "output", "isError", "reason"})
-    if unknown:
-        raise invalid(unknown[0], "unknown field; allowed: action, output, isError, reason")
-    action = body.get("action")
-    if action not in RESOLVE_ACTIONS:
-        raise invalid("action", f"must be one of {', '.join(RESOLVE_ACTIONS)}")
-    if action == "supply_result" and "output" not in body:
-        raise invalid("output", "is required with supply_result: the tool's result")
-    is_error = body.get("isError", False)
-    if not isinstance(is_error, bool):
-        raise invalid("isError", "must be true or false")
+    validate(body, resolution_schema())
+    action = body["action"]
+    is_error = bool(body.get("isError", False))
     reason = body.get("reason")
-    if reason is not None and not isinstance(reason, str):
-        raise invalid("reason", "must be a string")
     output = body.get("output")
+    load_run(rid)
     try:
         dispatch = s.runtime.store.resolve(
             rid,
@@ -166,12 +178,14 @@ def resolve(run_id: str) -> tuple[Response, int]:
             output=output if isinstance(output, str) or output is None else json.dumps(output),
             is_error=is_error,
             reason=reason,
+            operator=actor()[0],
+            audit=audit(
+                "resolve",
+                {"action": action, "isError": is_error, **({"reason": reason} if reason else {})},
+            ),
         )
     except InvalidTransition:
-        try:
-            run = s.runtime.store.get_run(rid)
-        except RunNotFound as e:
-            raise ApiError(404, str(e), code="not_found") from None
+        run = load_run(rid)
         raise ApiError(
             409,
             f"run {rid} is {run.status}, not NEEDS_ATTENTION: there is nothing to resolve",
@@ -186,42 +200,55 @@ def resolve(run_id: str) -> tuple[Response, int]:
 @bp.post("/runs/<run_id>/resume")
 @requires("submit")
 def resume(run_id: str) -> tuple[Response, int]:
-    """Retry a FAILED or TIMED_OUT run from its first step without a result."""
+    """Retry a FAILED or TIMED_OUT run from its first step without a result.
+
+    Within the run's own limits (a token budget no larger than it has, a timeout no longer
+    than it was given) its tenant's ``submit`` tokens may resume it; more needs ``admin``.
+    """
     s = state()
     rid = parse_run_id(run_id)
-    body = json_body(request) if request.get_data() else {}
-    unknown = sorted(set(body) - {"tokenBudget", "timeoutSeconds"})
-    if unknown:
-        raise invalid(unknown[0], "unknown field; allowed: tokenBudget, timeoutSeconds")
+    body = optional_json_body(request)
+    validate(body, resume_schema(s.runtime.settings))
     settings = s.runtime.settings
-    budget = body.get("tokenBudget")
-    if budget is not None and (
-        isinstance(budget, bool)
-        or not isinstance(budget, int)
-        or not 1 <= budget <= settings.max_token_budget
-    ):
-        raise invalid(
-            "tokenBudget", f"must be a whole number from 1 to {settings.max_token_budget}"
+    budget = whole(body.get("tokenBudget"))
+    timeout = whole(body.get("timeoutSeconds"))
+    run = load_run(rid)
+    principal = current_principal()
+    admin = principal is None or principal.admin
+    granted = run.timeout_seconds or max(
+        1, math.ceil((run.deadline_at - run.created_at).total_seconds())
+    )
+    if not admin and budget is not None and budget > run.token_budget:
+        raise ApiError(
+            403,
+            f"tokenBudget: raising the run's token budget ({run.token_budget}) to {budget} "
+            "needs the admin role",
+            code="forbidden",
+            field="tokenBudget",
         )
-    timeout = body.get("timeoutSeconds")
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int)
-        or not 1 <= timeout <= settings.max_timeout_seconds
-    ):
-        raise invalid(
-            "timeoutSeconds", f"must be a whole number from 1 to {settings.max_timeout_seconds}"
+    if not admin and timeout is not None and timeout > granted:
+        raise ApiError(
+            403,
+            f"timeoutSeconds: a timeout longer than the run was given ({granted} s) needs the "
+            "admin role",
+            code="forbidden",
+            field="timeoutSeconds",
         )
-    try:
-        s.runtime.store.get_run(rid)  # 404 for an unknown run
-    except RunNotFound as e:
-        raise ApiError(404, str(e), code="not_found") from None
+    if timeout is None and run.deadline_at <= datetime.now(run.deadline_at.tzinfo):
+        # A past deadline would stop it at once: the default again, within its own limit.
+        timeout = (
+            settings.default_timeout_seconds
+            if admin
+            else min(settings.default_timeout_seconds, granted)
+        )
+    detail = {k: v for k, v in (("tokenBudget", budget), ("timeoutSeconds", timeout)) if v}
     try:
         dispatch = s.runtime.store.resume_failed(
             rid,
             token_budget=budget,
             timeout_seconds=timeout,
             default_timeout_seconds=settings.default_timeout_seconds,
+            audit=audit("resume", detail or None),
         )
     except InvalidTransition as e:
         raise ApiError(409, str(e), code="not_resumable") from None
@@ -234,12 +261,10 @@ def resume(run_id: str) -> tuple[Response, int]:
 def cancel(run_id: str) -> tuple[Response, int]:
     store = state().runtime.store
     rid = parse_run_id(run_id)
-    status = store.cancel(rid)
+    load_run(rid)
+    status = store.cancel(rid, audit=audit("cancel"))
     if status is None:
-        try:
-            run = store.get_run(rid)
-        except RunNotFound as e:
-            raise ApiError(404, str(e), code="not_found") from None
+        run = load_run(rid)
         raise ApiError(
             409,
             f"run {rid} has already finished ({run.status}); only QUEUED, RUNNING or "

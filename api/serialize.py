@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from db.records import Approval, Run, Step
+from db.records import Approval, AuditEvent, Run, Step
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -35,6 +35,7 @@ def run_json(run: Run) -> dict[str, Any]:
         "result": run.result,
         "error": run.error,
         "submittedBy": run.submitted_by,
+        "tenant": run.tenant,
         "deadlineAt": _iso(run.deadline_at),
         "runAt": _iso(run.run_at),
         "lockedBy": run.locked_by,
@@ -86,3 +87,57 @@ def approval_json(a: Approval) -> dict[str, Any]:
         "decidedAt": _iso(a.decided_at),
         "comment": a.comment,
     }
+
+
+def audit_json(e: AuditEvent) -> dict[str, Any]:
+    return {
+        "at": _iso(e.at),
+        "actor": e.actor,
+        "action": e.action,
+        "approvalId": str(e.approval_id) if e.approval_id else None,
+        "detail": e.detail,
+    }
+
+
+def _audit_entry(e: AuditEvent) -> dict[str, Any]:
+    """An audit event as a timeline entry: a step's fields (so readers of steps keep working)
+    with kind ``AUDIT``, no seq, and who did what."""
+    at = _iso(e.at)
+    return {
+        "seq": None,
+        "stepKey": f"audit:{e.action}",
+        "kind": "AUDIT",
+        "status": "DONE",
+        "toolName": None,
+        "toolUseId": None,
+        "model": None,
+        "stopReason": None,
+        "inputTokens": 0,
+        "outputTokens": 0,
+        "cacheCreationInputTokens": 0,
+        "cacheReadInputTokens": 0,
+        "costUsd": 0.0,
+        "latencyMs": None,
+        "requestId": None,
+        "error": None,
+        "resolution": None,
+        "worker": None,
+        "startedAt": at,
+        "finishedAt": at,
+        "actor": e.actor,
+        "action": e.action,
+        "detail": e.detail,
+    }
+
+
+def timeline_json(steps: list[Step], events: list[AuditEvent]) -> list[dict[str, Any]]:
+    """Steps in seq order; each audit event goes before the first step that started after
+    it."""
+    out: list[dict[str, Any]] = []
+    pending = sorted(events, key=lambda e: (e.at, e.id))
+    for step in steps:
+        while pending and pending[0].at < step.started_at:
+            out.append(_audit_entry(pending.pop(0)))
+        out.append(step_json(step))
+    out.extend(_audit_entry(e) for e in pending)
+    return out

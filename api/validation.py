@@ -1,5 +1,6 @@
 """Request validation: each rule names the field and the limit, so the caller knows what
-to fix."""
+to fix. Bodies are checked against the JSON Schemas of :mod:`api.schemas`, the ones the
+OpenAPI document publishes."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from typing import Any
 from flask import Request
 
 from api.errors import ApiError, invalid
+from api.schemas import MAX_JSON_DEPTH, MIN_COST_BUDGET, check_json, submission_schema, validate
 from runtime.agents import Agent, AgentRegistry
 from runtime.config import Settings
 
-MIN_COST_BUDGET = 0.0001
+__all__ = ["MIN_COST_BUDGET", "SUBMIT_FIELDS", "Submission", "json_body", "parse_submission"]
 
 SUBMIT_FIELDS = (
     "input",
@@ -29,6 +31,8 @@ SUBMIT_FIELDS = (
 
 
 def json_body(request: Request) -> dict[str, Any]:
+    """The body as a JSON object whose every string is storable and whose nesting is at
+    most :data:`~api.schemas.MAX_JSON_DEPTH` deep; 400 or 415 otherwise."""
     if not request.is_json:
         raise ApiError(
             415,
@@ -38,26 +42,26 @@ def json_body(request: Request) -> dict[str, Any]:
     raw = request.get_data(cache=True)
     try:
         body = json.loads(raw or b"null")
+    except RecursionError:
+        raise ApiError(
+            400, f"the body is nested more than {MAX_JSON_DEPTH} deep", code="invalid_json"
+        ) from None
     except ValueError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    check_json(body)
     return body
 
 
-def _int_field(
-    body: dict[str, Any], name: str, default: int, low: int, high: int, setting: str
-) -> int:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)  # JSON has one number type: 300.0 is the whole number 300
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(name, f"must be a whole number, got {json.dumps(value)}")
-    if not low <= value <= high:
-        raise invalid(name, f"must be between {low} and {high} ({setting}), got {value}")
-    return value
+def optional_json_body(request: Request) -> dict[str, Any]:
+    """:func:`json_body`, or ``{}`` when the request has no body at all."""
+    return json_body(request) if request.get_data(cache=True) else {}
+
+
+def whole(value: Any) -> int | None:
+    """A schema-valid ``integer`` as an int (JSON has one number type: 300.0 is 300)."""
+    return None if value is None else int(value)
 
 
 @dataclass(frozen=True)
@@ -73,31 +77,20 @@ class Submission:
 
 
 def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegistry) -> Submission:
-    unknown = sorted(set(body) - set(SUBMIT_FIELDS))
-    if unknown:
-        raise ApiError(
-            400,
-            f"unknown field {unknown[0]!r}; allowed fields: {', '.join(SUBMIT_FIELDS)}",
-            code="unknown_field",
-            field=unknown[0],
-        )
+    names = agents.names()
+    durable_names = [n for n in names if not isinstance(agents.get(n), Agent)]
+    validate(body, submission_schema(settings, names, any_json_input=bool(durable_names)))
     agent_name = body.get("agent", settings.default_agent)
-    if not isinstance(agent_name, str) or agent_name not in agents:
+    if agent_name not in agents:  # the default agent is always registered; be precise anyway
         raise invalid(
             "agent", f"unknown agent {agent_name!r}; known agents: {', '.join(agents.names())}"
         )
     agent = agents.get(agent_name)
-
-    if "input" not in body:
-        raise invalid("input", "is required: the question or task for the agent")
     text = body["input"]
     durable = not isinstance(agent, Agent)
+    if not durable and not (isinstance(text, str) and text.strip()):
+        raise invalid("input", f"must be a non-empty string for the agent {agent_name!r}")
     size = len(text) if isinstance(text, str) else len(json.dumps(text))
-    if durable:
-        if text is None:
-            raise invalid("input", f"is required: the JSON input of {agent_name!r}")
-    elif not isinstance(text, str) or not text.strip():
-        raise invalid("input", "must be a non-empty string")
     if size > settings.max_input_chars:
         raise invalid(
             "input",
@@ -105,37 +98,10 @@ def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegi
         )
     agent_model = agent.model if isinstance(agent, Agent) else None
     model = body.get("model") or agent_model or settings.default_model
-    if not isinstance(model, str) or len(model) > 200:
-        raise invalid("model", "must be a model name such as claude-sonnet-4-5")
-    token_budget = _int_field(
-        body,
-        "tokenBudget",
-        settings.default_token_budget,
-        1,
-        settings.max_token_budget,
-        "DAR_MAX_TOKEN_BUDGET",
-    )
-    timeout = _int_field(
-        body,
-        "timeoutSeconds",
-        settings.default_timeout_seconds,
-        1,
-        settings.max_timeout_seconds,
-        "DAR_MAX_TIMEOUT_SECONDS",
-    )
-    max_steps = _int_field(
-        body, "maxSteps", agent.max_steps or settings.default_max_steps, 1, 10_000, "at most 10000"
-    )
+    token_budget = whole(body.get("tokenBudget")) or settings.default_token_budget
+    timeout = whole(body.get("timeoutSeconds")) or settings.default_timeout_seconds
+    max_steps = whole(body.get("maxSteps")) or agent.max_steps or settings.default_max_steps
     cost_budget = body.get("costBudgetUsd")
-    if cost_budget is not None and (
-        isinstance(cost_budget, bool)
-        or not isinstance(cost_budget, int | float)
-        or not MIN_COST_BUDGET <= cost_budget <= 100_000
-    ):
-        raise invalid(
-            "costBudgetUsd",
-            f"must be a number of US dollars from {MIN_COST_BUDGET} to 100000",
-        )
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return Submission(
         agent=agent_name,

@@ -1,10 +1,11 @@
-"""The WSGI entry point for gunicorn: ``gunicorn api.wsgi:app``."""
+"""The WSGI entry point for gunicorn: ``gunicorn --worker-class gevent api.wsgi:app``."""
 
 import os
 import socket
 import sys
 
 from api import create_app
+from api.serving import BodyDeadline
 from db.errors import DarError
 from runtime.logctx import configure_logging, set_process_worker
 from runtime.tracing import configure_from_env
@@ -21,3 +22,6 @@ except (DarError, ValueError) as e:
     # stops the server instead of booting the worker again and again.
     print(f"dar: web cannot start: {e}", file=sys.stderr, flush=True)
     raise SystemExit(4) from None
+app.wsgi_app = BodyDeadline(  # type: ignore[method-assign]
+    app.wsgi_app, float(os.environ.get("DAR_HTTP_BODY_TIMEOUT_SECONDS", "30"))
+)

@@ -36,6 +36,9 @@ def make_engine(
         max_overflow=max_overflow,
         pool_pre_ping=True,
         pool_recycle=1800,
+        # Statement parameters are prompts and results: never in an exception's text, so
+        # never in a log line that prints one.
+        hide_parameters=True,
         connect_args={"application_name": application_name, "connect_timeout": 5},
     )
     _engines.add(engine)

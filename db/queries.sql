@@ -9,16 +9,18 @@
 -- create_run --
 -- A new QUEUED run. With an idempotency key that exists already nothing is inserted and the
 -- caller reads the existing run instead.
+-- Idempotency keys are scoped to the tenant: another tenant's key is another key.
 INSERT INTO run (id, agent, input, model, max_steps, token_budget, cost_budget_usd,
-                 deadline_at, dispatch_token, idempotency_key, request_hash, submitted_by)
+                 deadline_at, dispatch_token, idempotency_key, request_hash, submitted_by,
+                 tenant, timeout_seconds)
 VALUES (:id, :agent, CAST(:input AS jsonb), :model, :max_steps, :token_budget,
         :cost_budget_usd, now() + make_interval(secs => :timeout_seconds), :token,
-        :idempotency_key, :request_hash, :submitted_by)
-ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+        :idempotency_key, :request_hash, :submitted_by, :tenant, :timeout_seconds)
+ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING *;
 
 -- get_run_by_idempotency_key --
-SELECT * FROM run WHERE idempotency_key = :idempotency_key;
+SELECT * FROM run WHERE tenant = :tenant AND idempotency_key = :idempotency_key;
 
 -- get_run --
 SELECT * FROM run WHERE id = :id;
@@ -363,6 +365,8 @@ SELECT * FROM approval
 WHERE (CAST(:status AS text) IS NULL OR status = :status)
   AND (CAST(:role AS text) IS NULL OR role = :role)
   AND (CAST(:run_id AS uuid) IS NULL OR run_id = :run_id)
+  AND (CAST(:tenant AS text) IS NULL
+       OR run_id IN (SELECT id FROM run WHERE tenant = :tenant))
 ORDER BY requested_at, id
 LIMIT :limit;
 
@@ -417,8 +421,10 @@ FROM run_step WHERE run_id = :id ORDER BY seq;
 
 -- list_runs --
 -- Newest first, keyset-paginated on (created_at, id).
+-- :tenant NULL lists every tenant's runs (admin).
 SELECT * FROM run
 WHERE (CAST(:status AS text) IS NULL OR status = :status)
+  AND (CAST(:tenant AS text) IS NULL OR tenant = :tenant)
   AND (CAST(:before_created AS timestamptz) IS NULL
        OR (created_at, id) < (CAST(:before_created AS timestamptz), CAST(:before_id AS uuid)))
 ORDER BY created_at DESC, id DESC
@@ -481,6 +487,15 @@ WHERE id = :id AND status IN ('QUEUED', 'RUNNING');
 -- The message for this token could not be sent (broker down): let the next sweep send it.
 UPDATE run SET dispatched_at = 'epoch'
 WHERE id = :id AND dispatch_token = :token;
+
+-- insert_audit_event --
+-- Who did what to a run through the API, in the transaction of the action itself.
+-- audit_event is append-only: a trigger refuses UPDATE and DELETE.
+INSERT INTO audit_event (run_id, approval_id, tenant, actor, action, detail)
+VALUES (:run_id, :approval_id, :tenant, :actor, :action, CAST(:detail AS jsonb));
+
+-- list_audit_events --
+SELECT * FROM audit_event WHERE run_id = :run_id ORDER BY at, id;
 
 -- count_runs_by_status --
 SELECT status, count(*) AS n FROM run GROUP BY status;

@@ -112,6 +112,8 @@ class Run:
     finished_at: datetime | None
     model_attempts: int = 0
     """Model attempts made for the step in flight, across durable timers."""
+    tenant: str = ""
+    timeout_seconds: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +170,7 @@ class NewRun:
     idempotency_key: str | None = None
     request_hash: str | None = None
     submitted_by: str | None = None
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,3 +237,27 @@ class Approval:
     decided_by: str | None
     decided_at: datetime | None
     comment: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class NewAudit:
+    """An action a person took on a run through the API, recorded in the same transaction
+    as the action itself."""
+
+    actor: str
+    action: str
+    tenant: str = ""
+    detail: Any = None
+    approval_id: uuid.UUID | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEvent:
+    id: int
+    at: datetime
+    run_id: uuid.UUID
+    approval_id: uuid.UUID | None
+    tenant: str
+    actor: str
+    action: str
+    detail: Any

@@ -83,6 +83,11 @@ run = Table(
     Column("created_at", TZ, nullable=False, server_default=text("now()")),
     Column("updated_at", TZ, nullable=False, server_default=text("now()")),
     Column("finished_at", TZ),
+    # The submitting token's tenant: runs, approvals, idempotency keys and lists are scoped
+    # to it in the API. '' is the tenant of an open (development) API.
+    Column("tenant", Text, nullable=False, server_default=text("''")),
+    # The timeout it was submitted with: a resume by a non-admin token may not exceed it.
+    Column("timeout_seconds", Integer),
     CheckConstraint(
         "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES) + ")",
         name="run_status_ck",
@@ -97,12 +102,14 @@ Index(
 )
 Index(
     "run_idempotency_uk",
+    run.c.tenant,
     run.c.idempotency_key,
     unique=True,
     postgresql_where=text("idempotency_key IS NOT NULL"),
 )
 Index("run_status_created_idx", run.c.status, run.c.created_at.desc(), run.c.id.desc())
 Index("run_created_idx", run.c.created_at.desc(), run.c.id.desc())
+Index("run_tenant_created_idx", run.c.tenant, run.c.created_at.desc(), run.c.id.desc())
 # The retention sweep scans finished runs by age; the submit rate limit counts by submitter.
 Index("run_finished_idx", run.c.finished_at, postgresql_where=text("finished_at IS NOT NULL"))
 Index(
@@ -203,6 +210,28 @@ Index(
     postgresql_where=text("status = 'PENDING'"),
 )
 Index("approval_expiry_idx", approval.c.expires_at, postgresql_where=text("status = 'PENDING'"))
+
+AUDIT_ACTIONS = ("cancel", "resume", "resolve", "approve", "reject")
+
+# Who did what to a run, through the API: append-only (a trigger refuses UPDATE and DELETE).
+# No foreign key: the trail outlives the run when retention deletes it.
+audit_event = Table(
+    "audit_event",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("at", TZ, nullable=False, server_default=text("now()")),
+    Column("run_id", UUID(as_uuid=True), nullable=False),
+    Column("approval_id", UUID(as_uuid=True)),
+    Column("tenant", Text, nullable=False),
+    Column("actor", Text, nullable=False),
+    Column("action", Text, nullable=False),
+    Column("detail", JSONB),
+    CheckConstraint(
+        "action IN (" + ", ".join(f"'{a}'" for a in AUDIT_ACTIONS) + ")",
+        name="audit_event_action_ck",
+    ),
+)
+Index("audit_event_run_idx", audit_event.c.run_id, audit_event.c.at)
 
 # The acme demo's tickets: a real table the demo agent's tool reads.
 acme_ticket = Table(

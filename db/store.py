@@ -21,9 +21,11 @@ from db.queries import QUERIES as Q
 from db.records import (
     Approval,
     ApprovalStatus,
+    AuditEvent,
     Claim,
     Dispatch,
     ModelCheckpoint,
+    NewAudit,
     NewRun,
     NewStep,
     Run,
@@ -83,6 +85,8 @@ def _run(row: RowMapping) -> Run:
         updated_at=row["updated_at"],
         finished_at=row["finished_at"],
         model_attempts=row["model_attempts"],
+        tenant=row["tenant"],
+        timeout_seconds=row["timeout_seconds"],
     )
 
 
@@ -171,6 +175,20 @@ def _usage_params(usage: Usage, cost: Decimal) -> dict[str, Any]:
     }
 
 
+def _record_audit(conn: Connection, run_id: uuid.UUID, audit: NewAudit) -> None:
+    conn.execute(
+        Q["insert_audit_event"],
+        {
+            "run_id": run_id,
+            "approval_id": audit.approval_id,
+            "tenant": audit.tenant,
+            "actor": audit.actor,
+            "action": audit.action,
+            "detail": _json(audit.detail),
+        },
+    )
+
+
 def _fence(claim: Claim) -> dict[str, Any]:
     return {"id": claim.run_id, "worker": claim.worker, "epoch": claim.epoch}
 
@@ -200,6 +218,7 @@ class RunStore:
             "idempotency_key": new.idempotency_key,
             "request_hash": new.request_hash,
             "submitted_by": new.submitted_by,
+            "tenant": new.tenant,
         }
         with self.engine.begin() as conn:
             row = conn.execute(Q["create_run"], params).mappings().first()
@@ -207,7 +226,8 @@ class RunStore:
                 return _run(row), True
             existing = (
                 conn.execute(
-                    Q["get_run_by_idempotency_key"], {"idempotency_key": new.idempotency_key}
+                    Q["get_run_by_idempotency_key"],
+                    {"idempotency_key": new.idempotency_key, "tenant": new.tenant},
                 )
                 .mappings()
                 .one()
@@ -239,9 +259,12 @@ class RunStore:
         status: str | None = None,
         limit: int = 50,
         before: tuple[datetime, uuid.UUID] | None = None,
+        tenant: str | None = None,
     ) -> list[Run]:
+        """Newest first; only ``tenant``'s runs when given."""
         params = {
             "status": status,
+            "tenant": tenant,
             "limit": limit,
             "before_created": before[0] if before else None,
             "before_id": before[1] if before else None,
@@ -483,10 +506,11 @@ class RunStore:
         payload_hash: str | None = None,
         step_status: StepStatus | None = None,
         step_error: str | None = None,
+        audit: NewAudit | None = None,
     ) -> Dispatch | None:
-        """Decide a PENDING approval and wake its run, in one transaction. ``None`` when the
-        approval is no longer PENDING, the payload hash differs, or the run is not waiting
-        (cancelled meanwhile): then nothing changed."""
+        """Decide a PENDING approval and wake its run, in one transaction (with ``audit``
+        recorded in it). ``None`` when the approval is no longer PENDING, the payload hash
+        differs, or the run is not waiting (cancelled meanwhile): then nothing changed."""
         token = uuid.uuid4()
         try:
             return self._decide(
@@ -498,6 +522,7 @@ class RunStore:
                 step_status,
                 step_error,
                 token,
+                audit=audit,
             )
         except _NotWaiting:
             return None
@@ -512,6 +537,8 @@ class RunStore:
         step_status: StepStatus | None,
         step_error: str | None,
         token: uuid.UUID,
+        *,
+        audit: NewAudit | None = None,
     ) -> Dispatch | None:
         with self.engine.begin() as conn:
             conn.execute(Q["lock_run_of_approval"], {"approval_id": approval_id})
@@ -541,6 +568,8 @@ class RunStore:
                     "error": step_error,
                 },
             )
+            if audit is not None:
+                _record_audit(conn, row.run_id, audit)
         return Dispatch(row.run_id, token)
 
     def get_approval(self, approval_id: uuid.UUID) -> Approval | None:
@@ -555,8 +584,15 @@ class RunStore:
         role: str | None = None,
         run_id: uuid.UUID | None = None,
         limit: int = 100,
+        tenant: str | None = None,
     ) -> list[Approval]:
-        params = {"status": status, "role": role, "run_id": run_id, "limit": limit}
+        params = {
+            "status": status,
+            "role": role,
+            "run_id": run_id,
+            "limit": limit,
+            "tenant": tenant,
+        }
         with self.engine.connect() as conn:
             rows = conn.execute(Q["list_approvals"], params).mappings().all()
         return [_approval(r) for r in rows]
@@ -577,6 +613,7 @@ class RunStore:
         token_budget: int | None = None,
         timeout_seconds: int | None = None,
         default_timeout_seconds: int | None = None,
+        audit: NewAudit | None = None,
     ) -> Dispatch:
         """Retry a FAILED or TIMED_OUT run from its first step without a result; a deadline
         already past (by the database's clock) is replaced by ``default_timeout_seconds``
@@ -602,6 +639,8 @@ class RunStore:
             if row is None:
                 raise InvalidTransition(f"run {run_id} is not FAILED or TIMED_OUT")
             conn.execute(Q["retry_failed_steps"], {"id": run_id})
+            if audit is not None:
+                _record_audit(conn, run_id, audit)
         return Dispatch(run_id, token)
 
     def start_step(self, claim: Claim, step: NewStep) -> None:
@@ -655,13 +694,15 @@ class RunStore:
 
     # -- control ------------------------------------------------------------------------
 
-    def cancel(self, run_id: uuid.UUID) -> RunStatus | None:
+    def cancel(self, run_id: uuid.UUID, *, audit: NewAudit | None = None) -> RunStatus | None:
         """Request cancellation. Returns the status after the request, or ``None`` when the
         run does not exist or has already finished."""
         with self.engine.begin() as conn:
             row = conn.execute(Q["cancel_run"], {"id": run_id}).first()
             if row is not None:  # a run with a pending approval holds no lease
                 conn.execute(Q["cancel_pending_approvals"], {"id": run_id})
+            if row is not None and audit is not None:
+                _record_audit(conn, run_id, audit)
         return RunStatus(row.status) if row else None
 
     def resolve(
@@ -673,6 +714,7 @@ class RunStore:
         is_error: bool = False,
         reason: str | None = None,
         operator: str = "operator",
+        audit: NewAudit | None = None,
     ) -> Dispatch | None:
         """An operator's decision on a NEEDS_ATTENTION run: ``supply_result`` (record the
         STARTED step's result and continue), ``retry`` (run the step once more), or
@@ -704,6 +746,8 @@ class RunStore:
                     conn.execute(Q["resolve_retry_step"], {"id": run_id})
             if row is None:
                 raise InvalidTransition(f"run {run_id} is not waiting for an operator")
+            if audit is not None:
+                _record_audit(conn, run_id, audit)
         return None if action == "fail" else Dispatch(run_id, token)
 
     # -- dispatch bookkeeping -----------------------------------------------------------
@@ -739,6 +783,24 @@ class RunStore:
         """Fast-forward a run's timer and lease (test kits; an operator's "wake it now")."""
         with self.engine.begin() as conn:
             conn.execute(Q["make_due_now"], {"id": run_id})
+
+    def audit_events(self, run_id: uuid.UUID) -> list[AuditEvent]:
+        """The run's audit trail, oldest first."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(Q["list_audit_events"], {"run_id": run_id}).mappings().all()
+        return [
+            AuditEvent(
+                id=r["id"],
+                at=r["at"],
+                run_id=r["run_id"],
+                approval_id=r["approval_id"],
+                tenant=r["tenant"],
+                actor=r["actor"],
+                action=r["action"],
+                detail=r["detail"],
+            )
+            for r in rows
+        ]
 
     def mark_undispatched(self, dispatch: Dispatch) -> None:
         with self.engine.begin() as conn:

@@ -125,6 +125,8 @@ class Runtime:
         heartbeat: Heartbeat | None = None,
         metrics: Metrics | None = None,
     ) -> Driver:
+        if metrics is not None:
+            metrics.watch(self.pricing)
         return Driver(
             metrics=metrics,
             store=self.store,

@@ -91,6 +91,7 @@ class Settings:
     it is treated as still running (in doubt)."""
     llm_factory: str | None = None
     metrics_port: int = 0
+    metrics_addr: str = "127.0.0.1"
     api_tokens: str | None = field(default=None, repr=False)
     submit_rate_per_minute: int = 0
     max_page_size: int = 200
@@ -144,6 +145,7 @@ class Settings:
             cancel_grace_seconds=_num(e, "DAR_CANCEL_GRACE_SECONDS", 5.0, minimum=0),
             llm_factory=e.get("DAR_LLM_FACTORY") or None,
             metrics_port=_int(e, "DAR_METRICS_PORT", 0),
+            metrics_addr=_get(e, "DAR_METRICS_ADDR", "127.0.0.1"),
             api_tokens=e.get("DAR_API_TOKENS") or None,
             submit_rate_per_minute=_int(e, "DAR_SUBMIT_RATE_PER_MINUTE", 0),
             max_page_size=_int(e, "DAR_MAX_PAGE_SIZE", 200, minimum=1),

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from db.records import RunStatus, Usage
 from db.store import RunStore
+from runtime.pricing import PriceTable
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RUN_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600)
@@ -48,6 +49,22 @@ class Metrics:
             buckets=RUN_BUCKETS,
             registry=registry,
         )
+
+        self._watched: list[PriceTable] = []
+        self.unpriced = Counter(
+            "dar_unpriced_cost_lookups",
+            "Costs computed for a model DAR_PRICES does not price (charged at the highest "
+            "known rate), by model.",
+            ["model"],
+            registry=registry,
+        )
+
+    def watch(self, pricing: PriceTable) -> None:
+        """Count the costs ``pricing`` computes for models it has no price for."""
+        if any(p is pricing for p in self._watched):
+            return
+        self._watched.append(pricing)
+        pricing.on_unpriced(lambda model: self.unpriced.labels(model).inc())
 
     def model_call(self, model: str, usage: Usage, cost: Decimal) -> None:
         for direction, n in (

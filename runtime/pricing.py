@@ -1,9 +1,17 @@
-"""Prices per million tokens, from configuration, and the cost of a step."""
+"""Prices per million tokens, from configuration, and the cost of a step.
+
+A model the table does not price is never free: its tokens are charged at the highest known
+rate of each kind (so a cost budget still stops it, early rather than never), a warning is
+logged once per model and process, and every such lookup is counted
+(``dar_unpriced_cost_lookups_total``). Give the model a price in ``DAR_PRICES`` to fix it.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import logging
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -11,6 +19,8 @@ from db.errors import DarError
 from db.records import Usage
 
 MILLION = Decimal(1_000_000)
+
+log = logging.getLogger(__name__)
 
 
 class PricingError(DarError):
@@ -45,13 +55,31 @@ DEFAULT_PRICES: dict[str, Price] = {
     "claude-sonnet-4": _price("3", "15", "3.75", "0.30"),
     "claude-haiku-4": _price("1", "5", "1.25", "0.10"),
     "claude-3-5-haiku": _price("0.80", "4", "1", "0.08"),
+    # The runtime's own stand-ins for a model (the demo client, the scripted test double)
+    # bill nothing, and say so here rather than by being unknown.
     "dar-demo": _price("0", "0", "0", "0"),
+    "scripted": _price("0", "0", "0", "0"),
 }
 
 
 class PriceTable:
     def __init__(self, prices: Mapping[str, Price]) -> None:
         self._prices = dict(prices)
+        values = list(self._prices.values())
+        # What a model without a price is charged: the highest known rate of each kind.
+        self.fallback = Price(
+            max((p.input for p in values), default=Decimal(0)),
+            max((p.output for p in values), default=Decimal(0)),
+            max((p.cache_write for p in values), default=Decimal(0)),
+            max((p.cache_read for p in values), default=Decimal(0)),
+        )
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[str], None]] = []
+
+    def on_unpriced(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(model)`` whenever a cost is computed at the fallback rate."""
+        self._listeners.append(listener)
 
     @classmethod
     def from_json(cls, raw: str | None) -> PriceTable:
@@ -80,5 +108,22 @@ class PriceTable:
         return self._prices[best] if best else None
 
     def cost(self, model: str, usage: Usage) -> Decimal:
+        """The cost of ``usage`` on ``model``; at :attr:`fallback` when it has no price."""
         price = self.price_for(model)
-        return price.cost(usage) if price else Decimal(0)
+        if price is not None:
+            return price.cost(usage)
+        with self._lock:
+            first = model not in self._warned
+            self._warned.add(model)
+        if first:
+            log.warning(
+                "model %r has no price in DAR_PRICES: charging its tokens at the highest known "
+                "rate ($%s in, $%s out per million) until it gets one",
+                model,
+                self.fallback.input,
+                self.fallback.output,
+                extra={"event": "unpriced_model", "model": model},
+            )
+        for listener in self._listeners:
+            listener(model)
+        return self.fallback.cost(usage)

@@ -67,8 +67,9 @@ def worker_state(app: Celery) -> WorkerState:
         metrics = Metrics(registry)
         if settings.metrics_port:
             try:
-                addr = os.environ.get("DAR_METRICS_ADDR", "0.0.0.0")  # dar dev: 127.0.0.1
-                start_http_server(settings.metrics_port, addr=addr, registry=registry)
+                start_http_server(
+                    settings.metrics_port, addr=settings.metrics_addr, registry=registry
+                )
                 log.info("worker metrics on :%d/metrics", settings.metrics_port)
             except OSError as e:
                 log.error("worker metrics port %d unavailable: %s", settings.metrics_port, e)

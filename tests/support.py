@@ -28,6 +28,7 @@ def submit(
     timeout_seconds: int = 300,
     model: str = "claude-sonnet-4-5",
     cost_budget_usd: Decimal | None = None,
+    tenant: str = "",
 ) -> tuple[Run, Dispatch]:
     run, _ = store.create_run(
         NewRun(
@@ -38,6 +39,7 @@ def submit(
             token_budget=token_budget,
             timeout_seconds=timeout_seconds,
             cost_budget_usd=cost_budget_usd,
+            tenant=tenant,
         )
     )
     return run, Dispatch(run.id, run.dispatch_token)

@@ -625,7 +625,9 @@ def test_cancel_a_run_whose_lease_is_live_ends_it_at_the_next_drive(
     assert run["error"] == "cancelled by request"
     assert len(llm.requests) == 1, "no model call after the cancel was noticed"
     timeline = client.get(f"/api/runs/{run_id}/timeline").get_json()
-    assert [s["kind"] for s in timeline] == ["MODEL"], "the pending tool never ran"
+    steps = [s["kind"] for s in timeline if s["kind"] != "AUDIT"]
+    assert steps == ["MODEL"], "the pending tool never ran"
+    assert [s["action"] for s in timeline if s["kind"] == "AUDIT"] == ["cancel"]
 
 
 def test_cancel_a_run_between_steps_ends_it_at_once(

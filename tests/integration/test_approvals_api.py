@@ -21,13 +21,14 @@ from tests.support import drive_to_end
 
 TOKENS = {
     "ann": ("read+approve+finance", "tok-ann"),
-    "sam": ("read+approve+support_lead", "tok-sam"),
+    "sam": ("read+approve", "tok-sam"),
     "ci": ("read+submit+cancel", "tok-ci"),
 }
 
 
 def _env() -> str:
-    return ",".join(f"{n}:{roles}:{hash_token(t)}" for n, (roles, t) in TOKENS.items())
+    # One tenant: the approvers see the runs the ci token submits.
+    return ",".join(f"{n}:{roles}:{hash_token(t)}:acme" for n, (roles, t) in TOKENS.items())
 
 
 def _h(name: str) -> dict[str, str]:
@@ -165,6 +166,7 @@ def test_an_approval_role_no_token_holds_fails_at_startup(
         return None
 
     runtime.agents.register(audited)
+    runtime.agents.register(build_refund(runtime.tickets))  # declares the tokens' finance
     runtime.settings = replace(settings, api_tokens=_env())
     with pytest.raises(ConfigError, match="approval role 'auditor' is declared"):
         create_app(runtime=runtime, celery=make_celery(runtime.settings, register=False))

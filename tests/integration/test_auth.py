@@ -18,10 +18,12 @@ from tasks.celery_app import make_celery
 from tests.support import submit
 
 TOKENS = {role: f"dar_token_for_{role}" for role in ROLES}
+TEAM = "team"
+"""The tenant every token of these tests belongs to (tenancy itself: test_tenants.py)."""
 
 
 def _tokens_env(**extra: str) -> str:
-    entries = [f"{role}-user:{role}:{hash_token(tok)}" for role, tok in TOKENS.items()]
+    entries = [f"{role}-user:{role}:{hash_token(tok)}:{TEAM}" for role, tok in TOKENS.items()]
     entries += [f"{name}:{roles}:{hash_token(tok)}" for name, (roles, tok) in extra.items()]
     return ",".join(entries)
 
@@ -66,7 +68,7 @@ def test_every_route_demands_its_role(
     client: FlaskClient, runtime: Runtime, route: str, role: str, call: Call
 ) -> None:
     def fresh_run() -> str:
-        return str(submit(runtime.store, agent="acme-tickets")[0].id)
+        return str(submit(runtime.store, agent="acme-tickets", tenant=TEAM)[0].id)
 
     missing = call(client, {}, fresh_run())
     assert missing.status_code == 401

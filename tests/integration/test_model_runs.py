@@ -358,3 +358,45 @@ def test_strict_budget_never_exceeds_the_token_budget(
     assert ended.error is not None
     assert "strict budget" in ended.error
     assert fake.calls == 0
+
+
+def test_a_model_without_a_price_is_charged_the_highest_rate_not_zero(
+    claude: Runtime, fake: FakeMessagesApi, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 12.2: a cost budget on a model DAR_PRICES does not know used to let a million
+    tokens through at $0. Now the tokens cost the highest known rate, the budget stops the
+    run, a warning names the model and a metric counts it."""
+    from prometheus_client import CollectorRegistry
+
+    from runtime.metrics import Metrics
+
+    fake.then_tool_use(
+        "toolu_a", "lookup", {"q": "x"}, usage={"input_tokens": 1_000_000, "output_tokens": 10}
+    )
+    fake.then_text("never sent")
+    register_agent(claude.agents, _echo_tool())
+    registry = CollectorRegistry()
+    run, dispatch = submit(
+        claude.store,
+        model="mystery-model-1",
+        token_budget=10_000_000,
+        cost_budget_usd=Decimal("0.5"),
+    )
+    with caplog.at_level("WARNING", logger="runtime.pricing"):
+        drive_to_end(claude.driver(metrics=Metrics(registry)), dispatch)
+    ended = claude.store.get_run(run.id)
+    assert ended.status is RunStatus.FAILED
+    assert ended.error is not None
+    assert "cost budget" in ended.error
+    assert ended.cost_usd >= claude.pricing.fallback.input, "a million input tokens at the top rate"
+    assert fake.calls == 1
+    assert any("mystery-model-1" in r.getMessage() for r in caplog.records)
+    assert any("DAR_PRICES" in r.getMessage() for r in caplog.records)
+    lookups = registry.get_sample_value(
+        "dar_unpriced_cost_lookups_total", {"model": "mystery-model-1"}
+    )
+    assert lookups is not None
+    assert lookups >= 1
+    billed = registry.get_sample_value("dar_cost_usd_total", {"model": "mystery-model-1"})
+    assert billed is not None
+    assert billed > 0.5, "dar_cost_usd_total does not under-report"

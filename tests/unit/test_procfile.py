@@ -41,3 +41,27 @@ def test_compose_runs_the_same_commands_as_the_procfile() -> None:
     for service in mapping.values():
         env = services[service]["environment"]
         assert {"DATABASE_URL", "REDIS_URL", "ANTHROPIC_API_KEY"} <= set(env), service
+
+
+def test_web_serves_with_gevent_and_a_header_deadline() -> None:
+    """Issue 12.1: an idle connection costs a greenlet, not one of a few threads."""
+    web = _procfile()["web"]
+    assert "--worker-class gevent" in web
+    assert "--keep-alive" in web
+    assert "--threads" not in web
+
+
+def test_listeners_are_local_or_authenticated() -> None:
+    """Issue 12.6: Flower binds loopback unless told otherwise; compose gives it a password
+    and publishes it on loopback only; compose refuses to publish an API without tokens;
+    worker metrics bind loopback unless the Procfile/compose say otherwise."""
+    from runtime.config import Settings
+
+    assert "--address=${FLOWER_ADDRESS:-127.0.0.1}" in _procfile()["flower"]
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    assert services["web"]["environment"]["DAR_API_TOKENS"].startswith("${DAR_API_TOKENS:?")
+    flower = services["flower"]
+    assert flower["environment"]["FLOWER_BASIC_AUTH"].startswith("${FLOWER_BASIC_AUTH:?")
+    assert all(str(p).startswith("127.0.0.1:") for p in flower["ports"])
+    assert Settings().metrics_addr == "127.0.0.1"
+    assert Settings.from_env({}).metrics_addr == "127.0.0.1"

@@ -1,0 +1,257 @@
+"""The JSON Schemas of request bodies: the validators check requests against exactly these,
+and the OpenAPI document publishes exactly these, so the two cannot drift.
+
+Each property's ``description`` is the message a caller gets when the property is wrong
+(after the field's name), so it says what to send and names the setting behind a limit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from functools import lru_cache
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError
+
+from api.errors import ApiError, invalid
+from runtime.config import Settings
+
+JsonObj = dict[str, Any]
+
+MAX_JSON_DEPTH = 64
+"""Arrays and objects nested deeper than this are refused (400), never parsed into a 500."""
+
+# Text PostgreSQL cannot store (NUL) or UTF-8 cannot encode (lone surrogates) is refused with
+# a 400 naming the field. The same rule, as a regular expression, for the document.
+_UNSAFE = re.compile("[\x00\ud800-\udfff]")
+_SAFE_CHAR = r"[^\u0000\ud800-\udfff]"
+SAFE_TEXT = f"^{_SAFE_CHAR}*$"
+NON_BLANK_TEXT = rf"^{_SAFE_CHAR}*[^\s\u0000\ud800-\udfff]{_SAFE_CHAR}*$"
+TEXT_RULE = "text without NUL characters or unpaired surrogates"
+
+CURSOR_PATTERN = r"^[0-9]{1,16}\.[0-9a-f]{32}$"
+"""A page cursor, ``<microseconds since 1970>.<run id hex>``: every string of this form is a
+valid position, so the document's pattern is exactly what the API accepts."""
+
+MIN_COST_BUDGET = 0.0001
+MAX_COST_BUDGET = 100_000
+MAX_STEPS = 10_000
+MAX_MODEL_CHARS = 200
+MAX_COMMENT_CHARS = 4000
+MAX_REASON_CHARS = 4000
+RESOLVE_ACTIONS = ("supply_result", "retry", "fail")
+
+
+def _text(description: str, *, max_length: int, non_blank: bool = False) -> JsonObj:
+    return {
+        "type": "string",
+        "minLength": 1 if non_blank else 0,
+        "maxLength": max_length,
+        "pattern": NON_BLANK_TEXT if non_blank else SAFE_TEXT,
+        "description": description,
+    }
+
+
+def _whole(low: int, high: int, setting: str) -> JsonObj:
+    return {
+        "type": ["integer", "null"],
+        "minimum": low,
+        "maximum": high,
+        "description": f"must be a whole number between {low} and {high} ({setting}); "
+        "null or absent for the default",
+    }
+
+
+def submission_schema(
+    settings: Settings, agents: list[str] | None = None, *, any_json_input: bool = False
+) -> JsonObj:
+    limit = settings.max_input_chars
+    text_input = _text(
+        f"must be a non-empty string of {TEXT_RULE}, at most {limit} characters "
+        "(DAR_MAX_INPUT_CHARS)",
+        max_length=limit,
+        non_blank=True,
+    )
+    input_schema: JsonObj = text_input
+    if any_json_input:
+        input_schema = {
+            "anyOf": [text_input, {"type": ["object", "array", "number", "boolean"]}],
+            "description": "must be a non-empty string (agent-loop agents) or any JSON but "
+            f"null (durable functions), of {TEXT_RULE}, at most {limit} characters "
+            f"(DAR_MAX_INPUT_CHARS), nested at most {MAX_JSON_DEPTH} deep",
+        }
+    agent: JsonObj = {
+        "type": "string",
+        "description": "must be the name of a registered agent"
+        + (f"; known agents: {', '.join(agents)}" if agents else ""),
+    }
+    if agents:
+        agent["enum"] = agents
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["input"],
+        "properties": {
+            "input": input_schema,
+            "tokenBudget": _whole(1, settings.max_token_budget, "DAR_MAX_TOKEN_BUDGET"),
+            "costBudgetUsd": {
+                "type": ["number", "null"],
+                "minimum": MIN_COST_BUDGET,
+                "maximum": MAX_COST_BUDGET,
+                "description": f"must be a number of US dollars from {MIN_COST_BUDGET} to "
+                f"{MAX_COST_BUDGET}; null or absent for none",
+            },
+            "timeoutSeconds": _whole(1, settings.max_timeout_seconds, "DAR_MAX_TIMEOUT_SECONDS"),
+            "model": {
+                **_text(
+                    f"must be a model name such as claude-sonnet-4-5 ({TEXT_RULE}, at most "
+                    f"{MAX_MODEL_CHARS} characters); null, empty or absent for the default",
+                    max_length=MAX_MODEL_CHARS,
+                ),
+                "type": ["string", "null"],
+            },
+            "maxSteps": _whole(1, MAX_STEPS, f"at most {MAX_STEPS}"),
+            "agent": agent,
+        },
+    }
+
+
+def resume_schema(settings: Settings) -> JsonObj:
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "tokenBudget": _whole(1, settings.max_token_budget, "DAR_MAX_TOKEN_BUDGET"),
+            "timeoutSeconds": _whole(1, settings.max_timeout_seconds, "DAR_MAX_TIMEOUT_SECONDS"),
+        },
+    }
+
+
+def decision_schema() -> JsonObj:
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "comment": {
+                **_text(
+                    f"must be a string of {TEXT_RULE}, at most {MAX_COMMENT_CHARS} characters",
+                    max_length=MAX_COMMENT_CHARS,
+                ),
+                "type": ["string", "null"],
+            },
+            "payloadHash": {
+                "type": ["string", "null"],
+                "pattern": "^[0-9a-f]{64}$",
+                "description": "must be the approval's payloadHash as shown (64 hex digits); "
+                "the decision is refused (409) if the payload changed since",
+            },
+        },
+    }
+
+
+def resolution_schema() -> JsonObj:
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["action"],
+        "properties": {
+            "action": {
+                "enum": list(RESOLVE_ACTIONS),
+                "description": f"must be one of {', '.join(RESOLVE_ACTIONS)}",
+            },
+            "output": {
+                "description": "the tool's result (required with supply_result): any JSON of "
+                f"{TEXT_RULE}, nested at most {MAX_JSON_DEPTH} deep",
+            },
+            "isError": {"type": "boolean", "description": "must be true or false"},
+            "reason": {
+                **_text(
+                    f"must be a string of {TEXT_RULE}, at most {MAX_REASON_CHARS} characters",
+                    max_length=MAX_REASON_CHARS,
+                ),
+                "type": ["string", "null"],
+            },
+        },
+        # supply_result needs the output it supplies.
+        "if": {"properties": {"action": {"const": "supply_result"}}},
+        "then": {"required": ["output"]},
+    }
+
+
+@lru_cache(maxsize=64)
+def _validator(schema_json: str) -> Draft202012Validator:
+    return Draft202012Validator(json.loads(schema_json))
+
+
+def _field(error: ValidationError) -> str:
+    path = list(error.absolute_path)
+    if error.validator == "required" and not path:
+        missing = [r for r in error.validator_value if r not in error.instance]
+        return str(missing[0]) if missing else "body"
+    return str(path[0]) if path else "body"
+
+
+def validate(body: Any, schema: JsonObj) -> None:
+    """Raise a 400 naming the first field of ``body`` that ``schema`` refuses, with the
+    field's description as the message."""
+    validator = _validator(json.dumps(schema, sort_keys=True))
+    errors = sorted(validator.iter_errors(body), key=lambda e: (list(e.absolute_path), e.path))
+    if not errors:
+        return
+    error = errors[0]
+    properties: JsonObj = schema.get("properties", {})
+    if error.validator == "additionalProperties" and not error.absolute_path:
+        unknown = sorted(set(body) - set(properties))[0]
+        raise ApiError(
+            400,
+            f"unknown field {unknown!r}; allowed fields: {', '.join(properties)}",
+            code="unknown_field",
+            field=unknown,
+        )
+    field = _field(error)
+    if error.validator == "required":
+        raise invalid(field, "is required: " + properties.get(field, {}).get("description", ""))
+    described = properties.get(field, {}).get("description") or error.message
+    if error.validator == "maxLength" and isinstance(error.instance, str):
+        raise invalid(
+            field,
+            f"is {len(error.instance)} characters; the limit is {error.validator_value}; "
+            + described,
+        )
+    raise invalid(field, described)
+
+
+# -- hostile text and depth, anywhere in a JSON value --------------------------------------
+
+
+def _walk(value: Any, path: str) -> Iterator[tuple[str, Any, int]]:
+    stack: list[tuple[str, Any, int]] = [(path, value, 0)]
+    while stack:
+        where, item, depth = stack.pop()
+        yield where, item, depth
+        if isinstance(item, dict):
+            for key, child in item.items():
+                yield f"{where}.{key}" if where else str(key), key, depth + 1
+                stack.append((f"{where}.{key}" if where else str(key), child, depth + 1))
+        elif isinstance(item, list):
+            for i, child in enumerate(item):
+                stack.append((f"{where}[{i}]", child, depth + 1))
+
+
+def check_json(value: Any, field: str = "") -> None:
+    """Refuse (400, naming the place) text PostgreSQL cannot store or UTF-8 cannot encode, and
+    nesting deeper than :data:`MAX_JSON_DEPTH`, anywhere in ``value``."""
+    for where, item, depth in _walk(value, field):
+        name = where or "body"
+        if depth > MAX_JSON_DEPTH:
+            raise invalid(name, f"is nested more than {MAX_JSON_DEPTH} deep")
+        if isinstance(item, str) and _UNSAFE.search(item):
+            raise invalid(name, f"must be {TEXT_RULE}")
+
+
+def check_text(value: str, field: str) -> None:
+    if _UNSAFE.search(value):
+        raise invalid(field, f"must be {TEXT_RULE}")

@@ -1,0 +1,161 @@
+"""The Procfile's web process, for real: slow and idle clients cannot starve it (issue 12.1),
+and a chunked body over the limit is a 413 (issue 12.7)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from api.embedded import free_port
+from runtime.config import Settings
+from tests.unit.test_procfile import _procfile
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+ROOT = Path(__file__).resolve().parents[2]
+KEEPALIVE = 2  # seconds a request's header may take (WEB_KEEPALIVE)
+
+
+@pytest.fixture
+def web(database_url: str, redis_url: str, settings: Settings, tmp_path: Path) -> Iterator[int]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "PORT": str(port),
+        "WEB_KEEPALIVE": str(KEEPALIVE),
+        "DATABASE_URL": database_url,
+        "REDIS_URL": redis_url,
+        "DAR_QUEUE": settings.queue,
+        "DAR_MAX_BODY_BYTES": "4096",
+        "DAR_HTTP_BODY_TIMEOUT_SECONDS": "3",
+        "ANTHROPIC_API_KEY": "",
+    }
+    env.pop("DAR_API_TOKENS", None)
+    log = (tmp_path / "web.log").open("wb")
+    proc = subprocess.Popen(
+        ["sh", "-c", "exec " + _procfile()["web"]],
+        env=env,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, (tmp_path / "web.log").read_text()
+            assert time.monotonic() < deadline, "web did not start"
+            try:
+                if _get(port, "/healthz", timeout=1)[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _get(port: int, path: str, timeout: float) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def _submit(port: int, timeout: float) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(
+            "POST",
+            "/api/runs",
+            body=json.dumps({"input": "Which acme tickets are overdue?"}),
+            headers={"Content-Type": "application/json"},
+        )
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_two_hundred_slowloris_sockets_do_not_starve_the_api(web: int) -> None:
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(200):
+            s = socket.create_connection(("127.0.0.1", web), timeout=5)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never finished
+            idle.append(s)
+        time.sleep(0.3)
+        for _ in range(3):
+            started = time.monotonic()
+            status, _ = _get(web, "/healthz", timeout=1)
+            assert status == 200
+            assert _submit(web, timeout=1) == 201
+            assert time.monotonic() - started < 2, "both answered within 1 s each"
+        # The header deadline (--keep-alive) closes them: they hold nothing for long.
+        time.sleep(KEEPALIVE + 1.5)
+        closed = 0
+        for s in idle:
+            s.settimeout(0.5)
+            with contextlib.suppress(TimeoutError, ConnectionResetError):
+                closed += s.recv(1024) == b""
+        assert closed >= 190, f"only {closed} of 200 slow sockets were closed by the server"
+    finally:
+        for s in idle:
+            s.close()
+
+
+def _reply(s: socket.socket) -> bytes:
+    """One whole response: headers and Content-Length bytes of body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        body += s.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def test_a_slow_body_gets_408_and_a_chunked_body_over_the_limit_413(web: int) -> None:
+    with socket.create_connection(("127.0.0.1", web), timeout=10) as s:
+        s.sendall(
+            b"POST /api/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        chunk = b'{"input": "' + b"x" * 3000
+        s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        s.sendall(b"%x\r\n%s\r\n" % (len(chunk), b"y" * len(chunk)))
+        s.sendall(b"0\r\n\r\n")
+        reply = _reply(s)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert b"DAR_MAX_BODY_BYTES" in reply
+
+    with socket.create_connection(("127.0.0.1", web), timeout=10) as s:
+        s.sendall(
+            b"POST /api/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"input": '
+        )
+        started = time.monotonic()
+        reply = _reply(s)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"DAR_HTTP_BODY_TIMEOUT_SECONDS" in reply
+    assert time.monotonic() - started < 6
