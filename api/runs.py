@@ -178,7 +178,7 @@ def resolve(run_id: str) -> tuple[Response, int]:
             output=output if isinstance(output, str) or output is None else json.dumps(output),
             is_error=is_error,
             reason=reason,
-            operator=actor()[0],
+            operator=principal.name if (principal := current_principal()) else "operator",
             audit=audit(
                 "resolve",
                 {"action": action, "isError": is_error, **({"reason": reason} if reason else {})},
