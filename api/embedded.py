@@ -88,6 +88,7 @@ class EmbeddedRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> str:
+        Path(self._dir).mkdir(parents=True, exist_ok=True)  # stop() removes it; restarts work
         self._proc = subprocess.Popen(
             [
                 redis_server_binary(),

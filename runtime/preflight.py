@@ -82,9 +82,11 @@ def check_agents(settings: Settings) -> AgentRegistry:
 
 
 def check_startup(settings: Settings) -> AgentRegistry:
-    """What a worker needs before it takes a message: a database that answers and agents
-    that load."""
-    check_database_url(settings.database_url)
+    """What a worker needs before it takes a message: a DATABASE_URL that parses and agents
+    that load. A database that does not answer *yet* is not a configuration error (a worker
+    restarted during a PostgreSQL restart waits for it, as the chaos suite requires); `dar dev`
+    and `dar migrate` check that it connects."""
+    check_database_url(settings.database_url, connect=False)
     return check_agents(settings)
 
 
