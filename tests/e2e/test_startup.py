@@ -90,8 +90,8 @@ def test_a_second_dar_dev_on_the_same_data_is_refused(tmp_path: Path) -> None:
         ),
         (
             {"DAR_API_TOKENS": "ci:read"},
-            "dar: DAR_API_TOKENS entry 'ci' must be name:role+role:sha256hex "
-            "(make one with `dar token new NAME --roles read,submit`)",
+            "dar: DAR_API_TOKENS entry 'ci' must be name:role+role:sha256hex, optionally "
+            "followed by :tenant (make one with `dar token new NAME --roles read,submit`)",
         ),
         (
             {"DAR_AGENT_MODULES": "nowhere.agents"},
