@@ -91,12 +91,16 @@ def create_app(
             pop_context(token)
 
     from api.approvals import bp as approvals_bp
+    from api.console import bp as console_bp
     from api.health import bp as health_bp
     from api.runs import bp as runs_bp
+    from api.stats import bp as stats_bp
 
     app.register_blueprint(runs_bp, url_prefix="/api")
     app.register_blueprint(approvals_bp, url_prefix="/api")
+    app.register_blueprint(stats_bp, url_prefix="/api")
     app.register_blueprint(health_bp)
+    app.register_blueprint(console_bp)
 
     # HTTP metrics, and the fleet-wide gauges read from PostgreSQL, on /metrics. A registry
     # per app: one process serves one app (gunicorn --workers 1 --threads N per container).

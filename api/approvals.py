@@ -65,8 +65,17 @@ def list_approvals() -> Response:
     role = request.args.get("role")
     if role is not None:
         check_text(role, "role")
+    raw_run = request.args.get("runId")
+    try:
+        run_id = uuid.UUID(raw_run) if raw_run is not None else None
+    except ValueError:
+        raise invalid("runId", "must be a run id (a UUID)") from None
     approvals = state().runtime.store.list_approvals(
-        status=None if status == "ANY" else status, role=role, limit=200, tenant=tenant_scope()
+        status=None if status == "ANY" else status,
+        role=role,
+        run_id=run_id,
+        limit=200,
+        tenant=tenant_scope(),
     )
     return jsonify({"items": [approval_json(a) for a in approvals]})
 

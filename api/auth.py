@@ -136,32 +136,50 @@ def requires(role: str) -> Callable[[F], F]:
     def decorate(view: F) -> F:
         @wraps(view)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            table: TokenTable = current_app.extensions["dar_tokens"]
-            if table.enabled:
-                header = request.headers.get("Authorization", "")
-                scheme, _, token = header.partition(" ")
-                principal = (
-                    table.authenticate(token.strip()) if scheme.lower() == "bearer" else None
+            principal = _authenticate()
+            if principal is not None and not principal.has(role):
+                raise ApiError(
+                    403,
+                    f"token {principal.name!r} lacks the role {role!r} "
+                    f"(it has: {', '.join(sorted(principal.roles))})",
+                    code="forbidden",
                 )
-                if principal is None:
-                    raise ApiError(
-                        401,
-                        "send a valid API token: Authorization: Bearer <token>",
-                        code="unauthorized",
-                    )
-                if not principal.has(role):
-                    raise ApiError(
-                        403,
-                        f"token {principal.name!r} lacks the role {role!r} "
-                        f"(it has: {', '.join(sorted(principal.roles))})",
-                        code="forbidden",
-                    )
-                g.dar_principal = principal
             return view(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+def authenticated(view: F) -> F:
+    """The view needs a valid token, whatever its roles (any request passes when auth is
+    off)."""
+
+    @wraps(view)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _authenticate()
+        return view(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _authenticate() -> Principal | None:
+    """The request's principal (kept on ``g``); 401 without a valid bearer token when tokens
+    are configured; ``None`` when they are not."""
+    table: TokenTable = current_app.extensions["dar_tokens"]
+    if not table.enabled:
+        return None
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    principal = table.authenticate(token.strip()) if scheme.lower() == "bearer" else None
+    if principal is None:
+        raise ApiError(
+            401,
+            "send a valid API token: Authorization: Bearer <token>",
+            code="unauthorized",
+        )
+    g.dar_principal = principal
+    return principal
 
 
 def check_token_roles(table: TokenTable, approval_roles: set[str]) -> None:

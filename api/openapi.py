@@ -10,7 +10,11 @@ from typing import Any
 
 from api.schemas import (
     CURSOR_PATTERN,
+    ID_PREFIX_PATTERN,
+    MAX_AGENT_CHARS,
     MAX_JSON_DEPTH,
+    SAFE_TEXT,
+    STATS_WINDOWS,
     TEXT_RULE,
     decision_schema,
     resolution_schema,
@@ -80,6 +84,13 @@ def _decision(verb: str) -> JsonObj:
 
 NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
 
+AGENT_FILTER = {
+    "name": "agent",
+    "in": "query",
+    "description": "only this agent's runs",
+    "schema": {"type": "string", "maxLength": MAX_AGENT_CHARS, "pattern": SAFE_TEXT},
+}
+
 
 def openapi_document(
     settings: Settings | None = None,
@@ -148,12 +159,82 @@ def openapi_document(
                             "description": "nextCursor of the previous page",
                             "schema": {"type": "string", "pattern": CURSOR_PATTERN},
                         },
+                        AGENT_FILTER,
+                        {
+                            "name": "idPrefix",
+                            "in": "query",
+                            "description": "only runs whose id starts with this (any case)",
+                            "schema": {"type": "string", "pattern": ID_PREFIX_PATTERN},
+                        },
                     ],
                     "responses": {
                         "200": _json(_ref("RunPage"), "A page of runs"),
                         "400": _error("Invalid query parameter"),
                     },
                 },
+            },
+            "/api/runs/counts": {
+                "get": {
+                    "summary": "How many runs are in each status (optionally of one agent)",
+                    "operationId": "countRuns",
+                    "parameters": [AGENT_FILTER],
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "required": ["counts"],
+                                "properties": {
+                                    "counts": {
+                                        "type": "object",
+                                        "properties": {st: {"type": "integer"} for st in statuses},
+                                        "additionalProperties": False,
+                                    }
+                                },
+                            },
+                            "Runs by status",
+                        ),
+                        "400": _error("Invalid query parameter"),
+                    },
+                }
+            },
+            "/api/runs/{run_id}/conversation": {
+                "get": {
+                    "summary": "The run as a conversation: input, assistant text, tool calls "
+                    "with input and result, durable steps' results, errors",
+                    "operationId": "getConversation",
+                    "parameters": [RUN_ID],
+                    "responses": {
+                        "200": _json(_ref("Conversation"), "The conversation"),
+                        "404": _error("No such run"),
+                    },
+                }
+            },
+            "/api/stats": {
+                "get": {
+                    "summary": "The overview: runs finished per hour by status, recorded cost "
+                    "per hour by model, step latency p50/p95 per hour by kind",
+                    "operationId": "getStats",
+                    "parameters": [
+                        {
+                            "name": "window",
+                            "in": "query",
+                            "description": "how far back (default 24h)",
+                            "schema": {"enum": list(STATS_WINDOWS)},
+                        }
+                    ],
+                    "responses": {
+                        "200": _json(_ref("Stats"), "Hourly aggregates"),
+                        "400": _error("Invalid query parameter"),
+                    },
+                }
+            },
+            "/api/whoami": {
+                "get": {
+                    "summary": "The token: its name, tenant, roles, and the actions it may take "
+                    "(all of them when authentication is off)",
+                    "operationId": "whoami",
+                    "responses": {"200": _json(_ref("WhoAmI"), "The token")},
+                }
             },
             "/api/runs/{run_id}": {
                 "get": {
@@ -226,6 +307,12 @@ def openapi_document(
                             "schema": {"enum": [*approval_statuses, "ANY"]},
                         },
                         {"name": "role", "in": "query", "schema": {"type": "string"}},
+                        {
+                            "name": "runId",
+                            "in": "query",
+                            "description": "only this run's approvals",
+                            "schema": {"type": "string", "format": "uuid"},
+                        },
                     ],
                     "responses": {
                         "200": _json(
@@ -381,7 +468,23 @@ def openapi_document(
                 "RunPage": {
                     "type": "object",
                     "properties": {
-                        "items": {"type": "array", "items": _ref("Run")},
+                        "items": {
+                            "type": "array",
+                            "items": {
+                                "allOf": [
+                                    _ref("Run"),
+                                    {
+                                        "type": "object",
+                                        "properties": {
+                                            "stepCount": {
+                                                "type": "integer",
+                                                "description": "step rows recorded so far",
+                                            }
+                                        },
+                                    },
+                                ]
+                            },
+                        },
                         "nextCursor": NULLABLE_STR,
                     },
                 },
@@ -408,12 +511,127 @@ def openapi_document(
                         "requestId": NULLABLE_STR,
                         "error": NULLABLE_STR,
                         "resolution": NULLABLE_STR,
+                        "attempt": {
+                            "type": "integer",
+                            "description": "a retried durable step's attempt (0 the first)",
+                        },
                         "worker": NULLABLE_STR,
                         "startedAt": {"type": "string", "format": "date-time"},
                         "finishedAt": NULLABLE_TIME,
                         "actor": {"type": "string", "description": "AUDIT entries: the token"},
                         "action": {"enum": list(AUDIT_ACTIONS)},
                         "detail": {},
+                    },
+                },
+                "Conversation": {
+                    "type": "object",
+                    "required": ["id", "status", "entries"],
+                    "properties": {
+                        "id": {"type": "string", "format": "uuid"},
+                        "status": {"enum": statuses},
+                        "entries": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["type"],
+                                "properties": {
+                                    "type": {
+                                        "enum": [
+                                            "input",
+                                            "text",
+                                            "tool_call",
+                                            "tool_result",
+                                            "block",
+                                            "step",
+                                            "result",
+                                            "error",
+                                        ]
+                                    },
+                                    "seq": {"type": "integer"},
+                                    "stepKey": {"type": "string"},
+                                    "kind": {"enum": [str(k) for k in StepKind]},
+                                    "status": {"enum": [str(st) for st in StepStatus]},
+                                    "text": {"type": "string"},
+                                    "content": {},
+                                    "toolUseId": NULLABLE_STR,
+                                    "name": NULLABLE_STR,
+                                    "input": {},
+                                    "output": {},
+                                    "isError": {"type": "boolean"},
+                                    "inDoubt": {"type": "boolean"},
+                                    "error": NULLABLE_STR,
+                                    "result": {},
+                                    "block": {},
+                                },
+                            },
+                        },
+                    },
+                },
+                "Stats": {
+                    "type": "object",
+                    "required": ["window", "bucketSeconds", "finished", "cost", "latency"],
+                    "properties": {
+                        "window": {"enum": list(STATS_WINDOWS)},
+                        "bucketSeconds": {"type": "integer"},
+                        "since": {"type": "string", "format": "date-time"},
+                        "until": {"type": "string", "format": "date-time"},
+                        "finished": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "at": {"type": "string", "format": "date-time"},
+                                    "status": {"enum": statuses},
+                                    "count": {"type": "integer"},
+                                },
+                            },
+                        },
+                        "cost": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "at": {"type": "string", "format": "date-time"},
+                                    "model": {"type": "string"},
+                                    "usd": {"type": "number"},
+                                },
+                            },
+                        },
+                        "latency": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "at": {"type": "string", "format": "date-time"},
+                                    "kind": {"enum": [str(k) for k in StepKind]},
+                                    "p50Ms": {"type": "number"},
+                                    "p95Ms": {"type": "number"},
+                                    "count": {"type": "integer"},
+                                },
+                            },
+                        },
+                    },
+                },
+                "WhoAmI": {
+                    "type": "object",
+                    "required": ["auth", "roles", "approvalRoles", "can"],
+                    "properties": {
+                        "auth": {"type": "boolean"},
+                        "name": NULLABLE_STR,
+                        "tenant": NULLABLE_STR,
+                        "roles": {"type": "array", "items": {"type": "string"}},
+                        "approvalRoles": {
+                            "type": "array",
+                            "items": {"type": "string"},
+                            "description": "approval roles this token may decide",
+                        },
+                        "can": {
+                            "type": "object",
+                            "properties": {
+                                a: {"type": "boolean"}
+                                for a in ("submit", "cancel", "resume", "resolve", "approve")
+                            },
+                        },
                     },
                 },
                 "AuditEvent": {

@@ -11,8 +11,17 @@ from datetime import UTC, datetime, timedelta
 from flask import Blueprint, Response, jsonify, request, url_for
 
 from api.auth import actor, current_principal, requires, tenant_scope
+from api.conversation import conversation_json
 from api.errors import ApiError, invalid
-from api.schemas import CURSOR_PATTERN, check_text, resolution_schema, resume_schema, validate
+from api.schemas import (
+    CURSOR_PATTERN,
+    ID_PREFIX_PATTERN,
+    MAX_AGENT_CHARS,
+    check_text,
+    resolution_schema,
+    resume_schema,
+    validate,
+)
 from api.serialize import audit_json, run_json, timeline_json
 from api.state import state
 from api.validation import json_body, optional_json_body, parse_submission, whole
@@ -133,12 +142,42 @@ def list_runs() -> Response:
     limit = int(raw_limit)
     raw_cursor = request.args.get("cursor")
     before = _parse_cursor(raw_cursor) if raw_cursor is not None else None
+    id_prefix = request.args.get("idPrefix")
+    if id_prefix is not None and not re.fullmatch(ID_PREFIX_PATTERN, id_prefix):
+        raise invalid("idPrefix", "must be 1 to 36 hex digits or dashes: the start of a run id")
     runs = s.runtime.store.list_runs(
-        status=status, limit=limit + 1, before=before, tenant=tenant_scope()
+        status=status,
+        limit=limit + 1,
+        before=before,
+        tenant=tenant_scope(),
+        agent=_agent_filter(),
+        id_prefix=id_prefix.lower() if id_prefix else None,
     )
     page = runs[:limit]
     next_cursor = _cursor(page[-1].created_at, page[-1].id) if len(runs) > limit else None
-    return jsonify({"items": [run_json(r) for r in page], "nextCursor": next_cursor})
+    steps = s.runtime.store.step_counts(r.id for r in page)
+    return jsonify(
+        {
+            "items": [{**run_json(r), "stepCount": steps.get(r.id, 0)} for r in page],
+            "nextCursor": next_cursor,
+        }
+    )
+
+
+def _agent_filter() -> str | None:
+    agent = request.args.get("agent")
+    if agent is not None and len(agent) > MAX_AGENT_CHARS:
+        raise invalid("agent", f"must be at most {MAX_AGENT_CHARS} characters")
+    return agent
+
+
+@bp.get("/runs/counts")
+@requires("read")
+def counts() -> Response:
+    """Runs by status (every status, zeros included), for the request's tenant and
+    optionally one agent."""
+    found = state().runtime.store.count_runs(tenant=tenant_scope(), agent=_agent_filter())
+    return jsonify({"counts": {str(st): found.get(str(st), 0) for st in RunStatus}})
 
 
 @bp.get("/runs/<run_id>")
@@ -156,6 +195,16 @@ def timeline(run_id: str) -> Response:
     store = state().runtime.store
     run = load_run(parse_run_id(run_id))
     return jsonify(timeline_json(store.steps(run.id), store.audit_events(run.id)))
+
+
+@bp.get("/runs/<run_id>/conversation")
+@requires("read")
+def conversation(run_id: str) -> Response:
+    """What was said and done, readably: input, assistant text, tool calls and results,
+    durable steps' results, errors."""
+    store = state().runtime.store
+    run = load_run(parse_run_id(run_id))
+    return jsonify(conversation_json(run, store.steps(run.id)))
 
 
 @bp.post("/runs/<run_id>/resolve")

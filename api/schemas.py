@@ -36,6 +36,12 @@ CURSOR_PATTERN = r"^[0-9]{1,16}\.[0-9a-f]{32}$"
 """A page cursor, ``<microseconds since 1970>.<run id hex>``: every string of this form is a
 valid position, so the document's pattern is exactly what the API accepts."""
 
+ID_PREFIX_PATTERN = r"^[0-9a-fA-F-]{1,36}$"
+"""The start of a run id, as the logs print it (8 hex digits) or longer."""
+MAX_AGENT_CHARS = 200
+STATS_WINDOWS = {"24h": 86_400, "7d": 7 * 86_400}
+"""The overview's windows, by the name the console and ``GET /api/stats`` use."""
+
 MIN_COST_BUDGET = 0.0001
 MAX_COST_BUDGET = 100_000
 MAX_STEPS = 10_000

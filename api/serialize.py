@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from db.records import Approval, AuditEvent, Run, Step
+from db.records import Approval, AuditEvent, Run, Stats, Step
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -65,6 +65,7 @@ def step_json(step: Step) -> dict[str, Any]:
         "requestId": step.request_id,
         "error": step.error,
         "resolution": step.resolution,
+        "attempt": step.attempt,
         "worker": step.worker,
         "startedAt": _iso(step.started_at),
         "finishedAt": _iso(step.finished_at),
@@ -121,6 +122,7 @@ def _audit_entry(e: AuditEvent) -> dict[str, Any]:
         "requestId": None,
         "error": None,
         "resolution": None,
+        "attempt": 0,
         "worker": None,
         "startedAt": at,
         "finishedAt": at,
@@ -141,3 +143,14 @@ def timeline_json(steps: list[Step], events: list[AuditEvent]) -> list[dict[str,
         out.append(step_json(step))
     out.extend(_audit_entry(e) for e in pending)
     return out
+
+
+def stats_json(stats: Stats) -> dict[str, Any]:
+    return {
+        "finished": [{"at": _iso(c.at), "status": c.status, "count": c.n} for c in stats.finished],
+        "cost": [{"at": _iso(c.at), "model": c.model, "usd": float(c.usd)} for c in stats.cost],
+        "latency": [
+            {"at": _iso(c.at), "kind": c.kind, "p50Ms": c.p50_ms, "p95Ms": c.p95_ms, "count": c.n}
+            for c in stats.latency
+        ],
+    }

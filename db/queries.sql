@@ -422,9 +422,12 @@ FROM run_step WHERE run_id = :id ORDER BY seq;
 -- list_runs --
 -- Newest first, keyset-paginated on (created_at, id).
 -- :tenant NULL lists every tenant's runs (admin).
+-- :agent and :id_prefix (lower-case hex and dashes, as the API checks) narrow it further.
 SELECT * FROM run
 WHERE (CAST(:status AS text) IS NULL OR status = :status)
   AND (CAST(:tenant AS text) IS NULL OR tenant = :tenant)
+  AND (CAST(:agent AS text) IS NULL OR agent = :agent)
+  AND (CAST(:id_prefix AS text) IS NULL OR CAST(id AS text) LIKE :id_prefix || '%')
   AND (CAST(:before_created AS timestamptz) IS NULL
        OR (created_at, id) < (CAST(:before_created AS timestamptz), CAST(:before_id AS uuid)))
 ORDER BY created_at DESC, id DESC
@@ -499,6 +502,59 @@ SELECT * FROM audit_event WHERE run_id = :run_id ORDER BY at, id;
 
 -- count_runs_by_status --
 SELECT status, count(*) AS n FROM run GROUP BY status;
+
+-- count_runs_for_console --
+-- The console's counts by status, for one tenant (NULL: every tenant) and agent (NULL: all).
+SELECT status, count(*) AS n FROM run
+WHERE (CAST(:tenant AS text) IS NULL OR tenant = :tenant)
+  AND (CAST(:agent AS text) IS NULL OR agent = :agent)
+GROUP BY status;
+
+-- count_steps_of_runs --
+-- Step rows per run, for a page of runs (on the primary key's run_id prefix).
+SELECT run_id, count(*) AS n FROM run_step
+WHERE run_id = ANY(CAST(:ids AS uuid[]))
+GROUP BY run_id;
+
+-- stats_runs_finished --
+-- Runs that ended in the window, per UTC hour and final status.
+SELECT date_trunc('hour', finished_at, 'UTC') AS bucket, status AS key, count(*) AS n
+FROM run
+WHERE finished_at >= now() - make_interval(secs => :window_seconds)
+  AND status IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT')
+  AND (CAST(:tenant AS text) IS NULL OR tenant = :tenant)
+GROUP BY 1, 2
+ORDER BY 1, 2;
+
+-- stats_cost_by_model --
+-- Recorded cost of the steps that finished in the window, per UTC hour and model. (Usage
+-- that could not be checkpointed is in the run's counters only: see run.unrecorded_cost_usd.)
+SELECT date_trunc('hour', s.finished_at, 'UTC') AS bucket, COALESCE(s.model, r.model) AS key,
+       sum(s.cost_usd) AS usd
+FROM run_step s JOIN run r ON r.id = s.run_id
+WHERE s.finished_at >= now() - make_interval(secs => :window_seconds)
+  AND s.cost_usd > 0
+  AND (CAST(:tenant AS text) IS NULL OR r.tenant = :tenant)
+GROUP BY 1, 2
+ORDER BY 1, 2;
+
+-- stats_step_latency --
+-- p50 and p95 of the duration of the steps that finished in the window, per UTC hour and
+-- kind: the measured latency when there is one (model calls), else finished - started.
+SELECT date_trunc('hour', s.finished_at, 'UTC') AS bucket, s.kind AS key,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY d.ms) AS p50,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY d.ms) AS p95,
+       count(*) AS n
+FROM run_step s
+JOIN run r ON r.id = s.run_id
+CROSS JOIN LATERAL (
+    SELECT COALESCE(s.latency_ms,
+                    EXTRACT(EPOCH FROM (s.finished_at - s.started_at)) * 1000) AS ms
+) d
+WHERE s.finished_at >= now() - make_interval(secs => :window_seconds)
+  AND (CAST(:tenant AS text) IS NULL OR r.tenant = :tenant)
+GROUP BY 1, 2
+ORDER BY 1, 2;
 
 -- count_stale_leases --
 SELECT count(*) FROM run WHERE status = 'RUNNING' AND locked_until < now();

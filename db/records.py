@@ -261,3 +261,41 @@ class AuditEvent:
     actor: str
     action: str
     detail: Any
+
+
+@dataclass(frozen=True, slots=True)
+class HourCount:
+    """Runs that ended in one UTC hour with one final status."""
+
+    at: datetime
+    status: str
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class HourCost:
+    """Recorded cost of one model's steps in one UTC hour."""
+
+    at: datetime
+    model: str
+    usd: Decimal
+
+
+@dataclass(frozen=True, slots=True)
+class HourLatency:
+    """Step durations of one kind in one UTC hour."""
+
+    at: datetime
+    kind: str
+    p50_ms: float
+    p95_ms: float
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """The console's overview over a window: what ended, what it cost, how long steps took."""
+
+    finished: list[HourCount]
+    cost: list[HourCost]
+    latency: list[HourLatency]

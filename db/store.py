@@ -24,12 +24,16 @@ from db.records import (
     AuditEvent,
     Claim,
     Dispatch,
+    HourCost,
+    HourCount,
+    HourLatency,
     ModelCheckpoint,
     NewAudit,
     NewRun,
     NewStep,
     Run,
     RunStatus,
+    Stats,
     Step,
     StepKind,
     StepStatus,
@@ -260,11 +264,16 @@ class RunStore:
         limit: int = 50,
         before: tuple[datetime, uuid.UUID] | None = None,
         tenant: str | None = None,
+        agent: str | None = None,
+        id_prefix: str | None = None,
     ) -> list[Run]:
-        """Newest first; only ``tenant``'s runs when given."""
+        """Newest first; only ``tenant``'s runs when given, only ``agent``'s, only ids that
+        start with ``id_prefix`` (lower-case hex and dashes)."""
         params = {
             "status": status,
             "tenant": tenant,
+            "agent": agent,
+            "id_prefix": id_prefix,
             "limit": limit,
             "before_created": before[0] if before else None,
             "before_id": before[1] if before else None,
@@ -276,6 +285,40 @@ class RunStore:
     def count_runs_by_status(self) -> dict[str, int]:
         with self.engine.connect() as conn:
             return {r.status: r.n for r in conn.execute(Q["count_runs_by_status"])}
+
+    def count_runs(self, *, tenant: str | None = None, agent: str | None = None) -> dict[str, int]:
+        """Runs by status, for one tenant and agent (``None``: all)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(Q["count_runs_for_console"], {"tenant": tenant, "agent": agent})
+            return {r.status: int(r.n) for r in rows}
+
+    def step_counts(self, run_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, int]:
+        """How many step rows each of these runs has (absent: none)."""
+        ids = list(run_ids)
+        if not ids:
+            return {}
+        with self.engine.connect() as conn:
+            return {
+                r.run_id: int(r.n) for r in conn.execute(Q["count_steps_of_runs"], {"ids": ids})
+            }
+
+    def stats(self, *, window_seconds: float, tenant: str | None = None) -> Stats:
+        """The overview over the last ``window_seconds``, per UTC hour."""
+        params = {"window_seconds": window_seconds, "tenant": tenant}
+        with self.engine.connect() as conn:
+            finished = [
+                HourCount(r.bucket, r.key, int(r.n))
+                for r in conn.execute(Q["stats_runs_finished"], params)
+            ]
+            cost = [
+                HourCost(r.bucket, r.key, Decimal(r.usd))
+                for r in conn.execute(Q["stats_cost_by_model"], params)
+            ]
+            latency = [
+                HourLatency(r.bucket, r.key, float(r.p50), float(r.p95), int(r.n))
+                for r in conn.execute(Q["stats_step_latency"], params)
+            ]
+        return Stats(finished, cost, latency)
 
     def count_stale_leases(self) -> int:
         with self.engine.connect() as conn:

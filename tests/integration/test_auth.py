@@ -54,6 +54,13 @@ ROUTES: list[tuple[str, str, Call]] = [
     ("list", "read", lambda c, h, rid: c.get("/api/runs", headers=h)),
     ("get", "read", lambda c, h, rid: c.get(f"/api/runs/{rid}", headers=h)),
     ("timeline", "read", lambda c, h, rid: c.get(f"/api/runs/{rid}/timeline", headers=h)),
+    (
+        "conversation",
+        "read",
+        lambda c, h, rid: c.get(f"/api/runs/{rid}/conversation", headers=h),
+    ),
+    ("counts", "read", lambda c, h, rid: c.get("/api/runs/counts", headers=h)),
+    ("stats", "read", lambda c, h, rid: c.get("/api/stats?window=7d", headers=h)),
     ("cancel", "cancel", lambda c, h, rid: c.post(f"/api/runs/{rid}/cancel", headers=h)),
     (
         "resolve",

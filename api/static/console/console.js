@@ -1,0 +1,754 @@
+// The run console: fills the server-rendered page shells from the JSON API.
+//
+// Rules this file keeps:
+// - The token lives in sessionStorage and goes out only as the Authorization header: never in
+//   a URL, never in a cookie (so no request another site makes can carry it: CSRF-safe).
+// - Everything the API returns is data: it reaches the page through textContent and
+//   setAttribute on attributes we choose, never through innerHTML.
+// - Live updates go through watch(): polling today; an EventSource for the "Live runs" event
+//   stream can replace it without touching the renderers.
+
+const TOKEN_KEY = "dar.token";
+const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED", "TIMED_OUT"]);
+const STATUSES = ["QUEUED", "RUNNING", "WAITING", "NEEDS_ATTENTION", "SUCCEEDED", "FAILED",
+  "CANCELLED", "TIMED_OUT"];
+const PAGE_SIZE = 20;
+const body = document.body;
+const $ = (sel) => document.querySelector(sel);
+
+// -- DOM without markup ---------------------------------------------------------------------
+
+/** h("a", {href: "/x", class: "y"}, "text", child): attributes set one by one, children as
+ *  text nodes (strings) or elements. Never parses markup. */
+function h(tag, attrs, ...children) {
+  const el = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs || {})) {
+    if (value === null || value === undefined || value === false) continue;
+    if (name.startsWith("on")) throw new Error("no inline handlers");
+    el.setAttribute(name, value === true ? "" : String(value));
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined || child === false) continue;
+    el.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return el;
+}
+
+function clear(el) {
+  while (el.firstChild) el.removeChild(el.firstChild);
+  return el;
+}
+
+function json(value) {
+  if (typeof value === "string") return value;
+  return JSON.stringify(value, null, 2);
+}
+
+function shortId(id) {
+  return id.slice(0, 8);
+}
+
+function runLink(id, text) {
+  return h("a", { href: `/runs/${encodeURIComponent(id)}` }, text || shortId(id));
+}
+
+function badge(status) {
+  return h("span", { class: `badge s-${status}` }, status);
+}
+
+function age(iso) {
+  const s = Math.max(0, (Date.now() - Date.parse(iso)) / 1000);
+  if (s < 60) return `${Math.floor(s)}s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m`;
+  if (s < 86400) return `${Math.floor(s / 3600)}h`;
+  return `${Math.floor(s / 86400)}d`;
+}
+
+function usd(x) {
+  return `$${Number(x || 0).toFixed(4)}`;
+}
+
+function flash(message, isError) {
+  const el = $("#flash");
+  el.textContent = message;
+  el.className = isError ? "error" : "";
+}
+
+// -- the API --------------------------------------------------------------------------------
+
+class ApiError extends Error {
+  constructor(status, message) {
+    super(message);
+    this.status = status;
+  }
+}
+
+async function api(method, path, payload) {
+  const headers = { Accept: "application/json" };
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  if (token) headers.Authorization = `Bearer ${token}`;
+  const init = { method, headers, credentials: "omit", cache: "no-store" };
+  if (payload !== undefined) {
+    headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(payload);
+  }
+  const response = await fetch(path, init);
+  const text = await response.text();
+  const data = text ? JSON.parse(text) : null;
+  if (!response.ok) {
+    const message = data && data.error ? data.error.message : `HTTP ${response.status}`;
+    if (response.status === 401) showLogin(message);
+    throw new ApiError(response.status, message);
+  }
+  return data;
+}
+
+/** Call load() now and again every `ms` until stop() or until it returns false. The seam for
+ *  a server-sent event stream: the callers only need "call me when something changed". */
+function watch(load, ms) {
+  let timer = null;
+  let stopped = false;
+  const tick = async () => {
+    let more = true;
+    try {
+      more = (await load()) !== false;
+    } catch (e) {
+      if (e instanceof ApiError && e.status === 401) return;
+      flash(e.message, true);
+    }
+    if (more && !stopped) timer = setTimeout(tick, ms);
+  };
+  tick();
+  return () => {
+    stopped = true;
+    clearTimeout(timer);
+  };
+}
+
+// -- the session ----------------------------------------------------------------------------
+
+let me = null;
+
+function showLogin(message) {
+  $("#main").hidden = true;
+  $("#login").hidden = false;
+  $("#login-error").textContent = sessionStorage.getItem(TOKEN_KEY) ? message || "" : "";
+  $("#token").focus();
+}
+
+async function signIn() {
+  try {
+    me = await api("GET", "/api/whoami");
+  } catch (e) {
+    if (!(e instanceof ApiError && e.status === 401)) flash(e.message, true);
+    return false;
+  }
+  $("#login").hidden = true;
+  $("#main").hidden = false;
+  if (me.auth) {
+    $("#whoami").textContent = `${me.name} (${me.roles.join(", ")}) · tenant ${me.tenant}`;
+    $("#signout").hidden = false;
+  } else {
+    $("#whoami").textContent = "open access (development)";
+  }
+  return true;
+}
+
+function setupSession() {
+  $("#login-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const input = $("#token");
+    sessionStorage.setItem(TOKEN_KEY, input.value.trim());
+    input.value = "";
+    if (await signIn()) start();
+  });
+  $("#signout").addEventListener("click", () => {
+    sessionStorage.removeItem(TOKEN_KEY);
+    window.location.assign("/");
+  });
+}
+
+// -- runs list ------------------------------------------------------------------------------
+
+function runsPage() {
+  const filters = $("#filters");
+  const params = new URLSearchParams(window.location.search);
+  for (const name of ["status", "agent", "idPrefix"]) {
+    if (params.get(name)) filters.elements[name].value = params.get(name);
+  }
+  let cursors = [null]; // the cursor of each page seen, for "Newer"
+  let next = null;
+
+  const query = (cursor) => {
+    const q = new URLSearchParams({ limit: String(PAGE_SIZE) });
+    for (const name of ["status", "agent", "idPrefix"]) {
+      const v = filters.elements[name].value.trim();
+      if (v) q.set(name, v);
+    }
+    if (cursor) q.set("cursor", cursor);
+    return q;
+  };
+
+  const renderCounts = (counts) => {
+    const list = clear($("#counts"));
+    for (const st of STATUSES) {
+      const button = h("button", {
+        type: "button", class: `count s-${st}`, "data-status": st,
+        "aria-pressed": filters.elements.status.value === st ? "true" : "false",
+      }, h("span", { class: "n" }, counts[st] ?? 0), " ", st);
+      button.addEventListener("click", () => {
+        filters.elements.status.value = filters.elements.status.value === st ? "" : st;
+        reset();
+      });
+      list.append(h("li", {}, button));
+    }
+  };
+
+  const renderRuns = (page) => {
+    const tbody = clear($("#runs tbody"));
+    for (const r of page.items) {
+      tbody.append(h("tr", { "data-run-id": r.id, "data-status": r.status },
+        h("td", {}, runLink(r.id)),
+        h("td", {}, badge(r.status)),
+        h("td", {}, r.agent),
+        h("td", { title: r.createdAt }, age(r.createdAt)),
+        h("td", { class: "num" }, r.stepCount),
+        h("td", { class: "num" }, r.tokensUsed.toLocaleString("en")),
+        h("td", { class: "num" }, usd(r.costUsd)),
+        h("td", {}, r.submittedBy || "-"),
+      ));
+    }
+    $("#runs-empty").hidden = page.items.length > 0;
+    next = page.nextCursor;
+    $("#older").disabled = !next;
+    $("#newer").disabled = cursors.length <= 1;
+  };
+
+  const load = async () => {
+    const q = query(cursors[cursors.length - 1]);
+    const countQuery = new URLSearchParams();
+    if (q.get("agent")) countQuery.set("agent", q.get("agent"));
+    const [page, counts] = await Promise.all([
+      api("GET", `/api/runs?${q}`),
+      api("GET", `/api/runs/counts?${countQuery}`),
+    ]);
+    renderCounts(counts.counts);
+    renderRuns(page);
+  };
+
+  let stop = watch(load, 2000);
+  const reset = () => {
+    stop();
+    cursors = [null];
+    const shown = query(null);
+    shown.delete("limit");
+    window.history.replaceState(null, "", shown.toString() ? `/?${shown}` : "/");
+    stop = watch(load, 2000);
+  };
+  filters.addEventListener("submit", (event) => {
+    event.preventDefault();
+    reset();
+  });
+  for (const name of ["status", "agent"]) filters.elements[name].addEventListener("change", reset);
+  $("#older").addEventListener("click", () => {
+    if (!next) return;
+    cursors.push(next);
+    stop();
+    stop = watch(load, 2000);
+  });
+  $("#newer").addEventListener("click", () => {
+    if (cursors.length <= 1) return;
+    cursors.pop();
+    stop();
+    stop = watch(load, 2000);
+  });
+
+  if (me.can.submit) {
+    $("#submit-section").hidden = false;
+    $("#submit-form").addEventListener("submit", async (event) => {
+      event.preventDefault();
+      const form = event.target;
+      const option = form.elements.agent.selectedOptions[0];
+      let input = form.elements.input.value;
+      if (option && option.dataset.durable === "1") {
+        try {
+          input = JSON.parse(input);
+        } catch {
+          flash(`input: ${option.value} is a durable function and takes JSON`, true);
+          return;
+        }
+      }
+      const payload = { input, agent: form.elements.agent.value };
+      const budget = form.elements.tokenBudget.value;
+      if (budget) payload.tokenBudget = Number(budget);
+      try {
+        const accepted = await api("POST", "/api/runs", payload);
+        form.elements.input.value = "";
+        clear($("#flash")).append("Submitted run ", runLink(accepted.id, accepted.id), ".");
+        $("#flash").className = "";
+        await load();
+      } catch (e) {
+        flash(e.message, true);
+      }
+    });
+  }
+}
+
+// -- one run --------------------------------------------------------------------------------
+
+function fact(dl, term, ...value) {
+  dl.append(h("dt", {}, term), h("dd", {}, ...value));
+}
+
+function meter(label, used, budget, text) {
+  const id = `m-${label.replace(/\W+/g, "-")}`;
+  return h("div", { class: "meter" },
+    h("label", { for: id }, label),
+    h("progress", { id, max: budget || 1, value: Math.min(used, budget || 1) }),
+    h("span", {}, text));
+}
+
+function actionButton(label, onClick, attrs) {
+  const b = h("button", { type: "button", ...(attrs || {}) }, label);
+  b.addEventListener("click", async () => {
+    b.disabled = true;
+    try {
+      await onClick();
+    } catch (e) {
+      flash(e.message, true);
+    } finally {
+      b.disabled = false;
+    }
+  });
+  return b;
+}
+
+function renderHeader(run, steps, refresh) {
+  const dl = clear($("#facts"));
+  fact(dl, "Status", badge(run.status), run.cancelRequested && !TERMINAL.has(run.status)
+    ? " (cancel requested)" : "");
+  fact(dl, "Agent", run.agent);
+  fact(dl, "Model", run.model);
+  if (run.waitReason) fact(dl, "Waiting for", run.waitReason);
+  fact(dl, "Lease holder", run.lockedBy ? `${run.lockedBy} until ${run.leaseExpiresAt}` : "none");
+  fact(dl, "Deadline", run.deadlineAt);
+  fact(dl, "Submitted", `${run.createdAt} by ${run.submittedBy || "anonymous"}`);
+  if (run.finishedAt) fact(dl, "Finished", run.finishedAt);
+  if (run.error) fact(dl, "Error", h("span", { class: "error" }, run.error));
+
+  const stepCount = steps.filter((s) => s.kind !== "AUDIT").length;
+  const budgets = clear($("#budgets"));
+  budgets.append(
+    meter("Tokens", run.tokensUsed, run.tokenBudget,
+      `${run.tokensUsed.toLocaleString("en")} of ${run.tokenBudget.toLocaleString("en")}`),
+    meter("Steps", stepCount, run.maxSteps, `${stepCount} of ${run.maxSteps}`));
+  if (run.costBudgetUsd) {
+    budgets.append(meter("Cost", run.costUsd, run.costBudgetUsd,
+      `${usd(run.costUsd)} of ${usd(run.costBudgetUsd)}`));
+  } else {
+    budgets.append(h("p", {}, `Cost ${usd(run.costUsd)} (no cost budget)`));
+  }
+  const deadlineLeft = (Date.parse(run.deadlineAt) - Date.parse(run.createdAt)) / 1000;
+  const elapsed = ((run.finishedAt ? Date.parse(run.finishedAt) : Date.now())
+    - Date.parse(run.createdAt)) / 1000;
+  budgets.append(meter("Time", elapsed, deadlineLeft,
+    `${Math.round(elapsed)} s of ${Math.round(deadlineLeft)} s`));
+
+  const actions = clear($("#actions"));
+  const path = `/api/runs/${encodeURIComponent(run.id)}`;
+  if (me.can.cancel && !TERMINAL.has(run.status)) {
+    actions.append(actionButton("Cancel run", async () => {
+      await api("POST", `${path}/cancel`);
+      flash("Cancellation requested.");
+      await refresh();
+    }, { id: "cancel", class: "danger" }));
+  }
+  if (me.can.resume && (run.status === "FAILED" || run.status === "TIMED_OUT")) {
+    actions.append(actionButton("Resume run", async () => {
+      await api("POST", `${path}/resume`);
+      flash("Resumed.");
+      await refresh();
+    }, { id: "resume" }));
+  }
+}
+
+/** The waterfall: one row per step, its bar placed by start and length on the run's axis. */
+function renderTimeline(run, steps) {
+  const t0 = Date.parse(run.createdAt);
+  const ends = steps.map((s) => Date.parse(s.finishedAt || s.startedAt));
+  const tEnd = Math.max(t0 + 1, run.finishedAt ? Date.parse(run.finishedAt) : Date.now(), ...ends);
+  const span = tEnd - t0;
+  $("#axis").textContent = `(0 to ${(span / 1000).toFixed(1)} s)`;
+  const tbody = clear($("#timeline tbody"));
+  let lastWorker = null;
+  for (const s of steps) {
+    const start = Date.parse(s.startedAt) - t0;
+    const end = (s.finishedAt ? Date.parse(s.finishedAt) : Date.now()) - t0;
+    const duration = Math.max(0, end - start);
+    const bar = h("span", {
+      class: `bar k-${s.kind} st-${s.status}${s.kind === "AUDIT" ? " marker" : ""}`,
+      title: `${s.stepKey}: starts at ${(start / 1000).toFixed(2)} s, `
+        + `${s.finishedAt ? "" : "running for "}${duration} ms`,
+    });
+    bar.style.left = `${(100 * start) / span}%`;
+    bar.style.width = s.kind === "AUDIT" ? "" : `${Math.max(0.4, (100 * duration) / span)}%`;
+    const notes = [];
+    if (s.attempt > 0) notes.push(h("span", { class: "note retry" }, `retry ${s.attempt}`));
+    if (s.status === "RETRYING") notes.push(h("span", { class: "note retry" }, "retrying"));
+    if (s.resolution) notes.push(h("span", { class: "note" }, `resolution: ${s.resolution}`));
+    if (s.kind !== "AUDIT" && lastWorker && s.worker && s.worker !== lastWorker) {
+      notes.push(h("span", { class: "note resumed" }, `resumed on ${s.worker}`));
+    }
+    if (s.kind !== "AUDIT" && s.worker) lastWorker = s.worker;
+    const label = s.kind === "AUDIT"
+      ? `${s.action} by ${s.actor}`
+      : s.toolName ? `${s.stepKey} (${s.toolName})` : s.stepKey;
+    tbody.append(h("tr", { class: `row k-${s.kind}`, "data-kind": s.kind, "data-status": s.status },
+      h("td", { class: "num" }, s.seq ?? ""),
+      h("td", {}, h("span", { class: `kind k-${s.kind}` }, s.kind)),
+      h("td", {}, label, " ", notes),
+      h("td", {}, s.status, s.error ? h("span", { class: "error block" }, s.error) : ""),
+      h("td", { class: "num" }, s.kind === "AUDIT" ? "" : `${s.inputTokens} / ${s.outputTokens}`),
+      h("td", { class: "num" }, s.kind === "AUDIT" ? "" : usd(s.costUsd)),
+      h("td", {}, s.worker || ""),
+      h("td", { class: "track" }, bar, h("span", { class: "sr-only" },
+        `starts at ${(start / 1000).toFixed(2)} s, lasts ${duration} ms`)),
+    ));
+  }
+}
+
+function renderConversation(conversation) {
+  const list = clear($("#conversation"));
+  for (const e of conversation.entries) {
+    let who;
+    let content;
+    switch (e.type) {
+      case "input": who = "User"; content = h("pre", {}, json(e.content)); break;
+      case "text": who = "Assistant"; content = h("p", { class: "text" }, e.text); break;
+      case "tool_call":
+        who = `Tool call ${e.name}`;
+        content = h("pre", {}, json(e.input));
+        break;
+      case "tool_result":
+        who = `Result of ${e.name || "tool"}${e.isError ? " (error)" : ""}`
+          + `${e.inDoubt ? " (in doubt: started, never finished)" : ""}`;
+        content = h("pre", {}, e.output === null || e.output === undefined ? "" : json(e.output));
+        break;
+      case "step":
+        who = `${e.kind} ${e.stepKey} ${e.status}`;
+        content = h("pre", {}, e.result === null || e.result === undefined ? "" : json(e.result));
+        break;
+      case "result": who = "Result"; content = h("pre", {}, json(e.content)); break;
+      case "error": who = "Error"; content = h("p", { class: "error" }, e.text); break;
+      default: who = e.type; content = h("pre", {}, json(e.block ?? e));
+    }
+    list.append(h("li", { class: `msg m-${e.type}` },
+      h("div", { class: "who" }, who, e.seq ? h("span", { class: "seq" }, ` step ${e.seq}`) : ""),
+      content));
+  }
+}
+
+function decisionForm(approval, onDone) {
+  const wrap = h("div", { class: "decision" });
+  const mayDecide = me.can.approve && me.approvalRoles.includes(approval.role);
+  wrap.append(
+    h("p", {}, "Step ", h("code", {}, approval.stepKey), ", role ", h("strong", {}, approval.role),
+      `, requested ${approval.requestedAt}, expires ${approval.expiresAt}.`),
+    h("h3", {}, "Payload"),
+    h("pre", { class: "payload" }, json(approval.payload)),
+    h("p", {}, "Payload hash ", h("code", { class: "hash" }, approval.payloadHash)),
+  );
+  if (!mayDecide) {
+    wrap.append(h("p", { class: "muted" }, `Deciding needs a token with the role ${approval.role}.`));
+    return wrap;
+  }
+  const id = `comment-${approval.id}`;
+  const comment = h("textarea", { id, rows: 2 });
+  wrap.append(h("label", { for: id }, "Comment (optional)"), comment);
+  const decide = (verb) => async () => {
+    const payload = { payloadHash: approval.payloadHash };
+    if (comment.value.trim()) payload.comment = comment.value.trim();
+    const decided = await api("POST",
+      `/api/approvals/${encodeURIComponent(approval.id)}/${verb}`, payload);
+    flash(`Approval ${decided.status.toLowerCase()} by ${decided.decidedBy}.`);
+    await onDone();
+  };
+  wrap.append(h("div", { class: "actions" },
+    actionButton("Approve", decide("approve"), { class: "approve" }),
+    actionButton("Reject", decide("reject"), { class: "danger reject" })));
+  return wrap;
+}
+
+/** The in-doubt step: the latest one left STARTED. */
+function inDoubt(steps) {
+  const started = steps.filter((s) => s.status === "STARTED" && s.kind !== "AUDIT");
+  return started.length ? started[started.length - 1] : null;
+}
+
+function resolutionForm(run, steps, onDone) {
+  const wrap = h("div", { class: "resolution" });
+  const step = inDoubt(steps);
+  wrap.append(h("p", {}, run.error || run.waitReason || "This run stopped for an operator."));
+  if (step) {
+    wrap.append(h("p", {}, "In doubt: step ", h("code", {}, step.stepKey),
+      ` (${step.kind}${step.toolName ? ` ${step.toolName}` : ""}), started ${step.startedAt}`
+      + `${step.worker ? ` on ${step.worker}` : ""}: it may or may not have taken effect.`));
+  }
+  if (!me.can.resolve) {
+    wrap.append(h("p", { class: "muted" }, "Resolving needs a token with the admin role."));
+    return wrap;
+  }
+  const path = `/api/runs/${encodeURIComponent(run.id)}/resolve`;
+  const sid = `supply-${run.id}`;
+  const eid = `iserror-${run.id}`;
+  const rid = `reason-${run.id}`;
+  const output = h("textarea", { id: sid, rows: 2 });
+  const isError = h("input", { id: eid, type: "checkbox" });
+  const reason = h("input", { id: rid, type: "text" });
+  const done = async (body, what) => {
+    const result = await api("POST", path, body);
+    flash(`Resolved (${what}): run is ${result.status}.`);
+    await onDone();
+  };
+  wrap.append(
+    h("fieldset", {}, h("legend", {}, "It happened: supply its result"),
+      h("label", { for: sid }, "Result (JSON, or plain text)"), output,
+      h("label", { for: eid }, isError, " the result is an error"),
+      actionButton("Supply result", () => {
+        let value = output.value;
+        try { value = JSON.parse(value); } catch { /* plain text */ }
+        return done({ action: "supply_result", output: value, isError: isError.checked },
+          "result supplied");
+      }, { class: "supply" })),
+    h("fieldset", {}, h("legend", {}, "It did not happen: run it once more"),
+      actionButton("Retry step", () => done({ action: "retry" }, "retry"), { class: "retry" })),
+    h("fieldset", {}, h("legend", {}, "Give up: fail the run"),
+      h("label", { for: rid }, "Reason"), reason,
+      actionButton("Fail run", () => done(
+        reason.value.trim() ? { action: "fail", reason: reason.value.trim() } : { action: "fail" },
+        "failed"), { class: "danger fail" })),
+  );
+  return wrap;
+}
+
+function runPage() {
+  const id = body.dataset.runId;
+  const path = `/api/runs/${encodeURIComponent(id)}`;
+  let stop = null;
+  const load = async () => {
+    const [run, steps, conversation] = await Promise.all([
+      api("GET", path), api("GET", `${path}/timeline`), api("GET", `${path}/conversation`)]);
+    renderHeader(run, steps, refresh);
+    renderTimeline(run, steps);
+    renderConversation(conversation);
+    const approvalPanel = $("#approval-panel");
+    if (run.status === "WAITING") {
+      const pending = await api("GET", `/api/approvals?runId=${encodeURIComponent(id)}`);
+      approvalPanel.hidden = pending.items.length === 0;
+      const target = $("#approval-body");
+      const key = pending.items.map((a) => a.id).join(",");
+      // Rebuilt only when the approvals change, so a comment being typed survives the poll.
+      if (target.dataset.key !== key) {
+        target.dataset.key = key;
+        clear(target);
+        for (const a of pending.items) target.append(decisionForm(a, refresh));
+      }
+    } else {
+      approvalPanel.hidden = true;
+      delete $("#approval-body").dataset.key;
+    }
+    const attention = $("#attention-panel");
+    attention.hidden = run.status !== "NEEDS_ATTENTION";
+    if (!attention.hidden && !attention.dataset.shown) {
+      attention.dataset.shown = "1";
+      clear($("#attention-body")).append(resolutionForm(run, steps, refresh));
+    } else if (attention.hidden) {
+      delete attention.dataset.shown;
+    }
+    body.dataset.status = run.status;
+    return run;
+  };
+  // Poll while the run can still change; an action on a finished run (resume) polls again.
+  const poll = () => {
+    if (stop) return;
+    stop = watch(async () => {
+      const run = await load();
+      if (TERMINAL.has(run.status)) {
+        stop = null;
+        return false;
+      }
+      return true;
+    }, 1000);
+  };
+  const refresh = async () => {
+    await load();
+    poll();
+  };
+  poll();
+}
+
+// -- approvals inbox ------------------------------------------------------------------------
+
+function approvalsPage() {
+  const mine = $("#a-mine");
+  if (!me.auth) {
+    $("#approvals-note").textContent = "Authentication is off: every approval can be decided here.";
+  } else if (!me.approvalRoles.length) {
+    $("#approvals-note").textContent = "This token holds no approval role: it can look, not decide.";
+    mine.checked = false;
+  }
+  const shownIds = new Set();
+  const load = async () => {
+    const data = await api("GET", "/api/approvals?status=PENDING");
+    const items = data.items.filter((a) => !mine.checked || !me.auth
+      || me.approvalRoles.includes(a.role));
+    const list = $("#approvals");
+    const ids = new Set(items.map((a) => a.id));
+    // Keep cards already shown (a comment being typed survives the poll); add and drop others.
+    for (const li of [...list.children]) {
+      if (!ids.has(li.dataset.approvalId)) {
+        shownIds.delete(li.dataset.approvalId);
+        li.remove();
+      }
+    }
+    for (const a of items) {
+      if (shownIds.has(a.id)) continue;
+      shownIds.add(a.id);
+      list.append(h("li", { class: "card approval", "data-approval-id": a.id },
+        h("h2", {}, "Run ", runLink(a.runId), ": ", a.stepKey),
+        decisionForm(a, load)));
+    }
+    $("#approvals-empty").hidden = items.length > 0;
+  };
+  mine.addEventListener("change", () => {
+    clear($("#approvals"));
+    shownIds.clear();
+    load();
+  });
+  watch(load, 3000);
+}
+
+// -- needs attention ------------------------------------------------------------------------
+
+function attentionPage() {
+  const shown = new Set();
+  const load = async () => {
+    const page = await api("GET", `/api/runs?status=NEEDS_ATTENTION&limit=${PAGE_SIZE}`);
+    const list = $("#attention");
+    const ids = new Set(page.items.map((r) => r.id));
+    for (const li of [...list.children]) {
+      if (!ids.has(li.dataset.runId)) {
+        shown.delete(li.dataset.runId);
+        li.remove();
+      }
+    }
+    for (const run of page.items) {
+      if (shown.has(run.id)) continue;
+      shown.add(run.id);
+      const steps = await api("GET", `/api/runs/${encodeURIComponent(run.id)}/timeline`);
+      list.append(h("li", { class: "card", "data-run-id": run.id },
+        h("h2", {}, "Run ", runLink(run.id), ` (${run.agent})`),
+        resolutionForm(run, steps, load)));
+    }
+    $("#attention-empty").hidden = page.items.length > 0;
+  };
+  watch(load, 3000);
+}
+
+// -- overview -------------------------------------------------------------------------------
+
+const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "#0891b2", "#db2777",
+  "#4b5563"];
+const STATUS_COLOURS = { SUCCEEDED: "#16a34a", FAILED: "#dc2626", CANCELLED: "#6b7280",
+  TIMED_OUT: "#d97706" };
+
+/** Series keyed by `key` on an hourly axis from `since` to `until`, zeros where no row. */
+function hourly(stats, rows, key, value) {
+  const step = stats.bucketSeconds;
+  const first = Math.floor(Date.parse(stats.since) / 1000 / step) * step;
+  const last = Math.floor(Date.parse(stats.until) / 1000 / step) * step;
+  const xs = [];
+  for (let t = first; t <= last; t += step) xs.push(t);
+  const index = new Map(xs.map((t, i) => [t, i]));
+  const series = new Map();
+  for (const row of rows) {
+    const k = key(row);
+    if (!series.has(k)) series.set(k, xs.map(() => null));
+    const i = index.get(Math.floor(Date.parse(row.at) / 1000));
+    if (i !== undefined) series.get(k)[i] = value(row);
+  }
+  return { xs, series };
+}
+
+const charts = {};
+
+function chart(id, title, xs, series, colours, unit) {
+  const el = $(`#${id}`);
+  if (charts[id]) charts[id].destroy();
+  clear(el);
+  const names = [...series.keys()];
+  const opts = {
+    width: Math.min(900, el.clientWidth || 900),
+    height: 220,
+    series: [{}, ...names.map((name, i) => ({
+      label: name,
+      stroke: colours[name] || PALETTE[i % PALETTE.length],
+      width: 2,
+      spanGaps: false,
+      points: { show: true, size: 5 },
+    }))],
+    axes: [{}, { label: unit }],
+  };
+  const data = [xs, ...names.map((n) => series.get(n))];
+  charts[id] = new window.uPlot(opts, data, el);
+  el.setAttribute("aria-label", `${title}: ${names.length ? names.join(", ") : "no data"}`);
+}
+
+function overviewPage() {
+  const load = async () => {
+    const window_ = document.querySelector("input[name=window]:checked").value;
+    const stats = await api("GET", `/api/stats?window=${encodeURIComponent(window_)}`);
+    const f = hourly(stats, stats.finished, (r) => r.status, (r) => r.count);
+    chart("c-finished", "Runs finished per hour", f.xs, f.series, STATUS_COLOURS, "runs");
+    const total = stats.finished.reduce((n, r) => n + r.count, 0);
+    $("#c-finished-sum").textContent = `${total} runs finished in the last ${stats.window}: `
+      + (STATUSES.filter((st) => TERMINAL.has(st)).map((st) => `${st} ${stats.finished
+        .filter((r) => r.status === st).reduce((n, r) => n + r.count, 0)}`).join(", "));
+    const c = hourly(stats, stats.cost, (r) => r.model, (r) => r.usd);
+    chart("c-cost", "Cost per hour by model", c.xs, c.series, {}, "USD");
+    const spent = stats.cost.reduce((n, r) => n + r.usd, 0);
+    $("#c-cost-sum").textContent = `${usd(spent)} recorded in the last ${stats.window}`;
+    const l50 = hourly(stats, stats.latency, (r) => `${r.kind} p50`, (r) => r.p50Ms);
+    const l95 = hourly(stats, stats.latency, (r) => `${r.kind} p95`, (r) => r.p95Ms);
+    const latency = new Map([...l50.series, ...l95.series].sort((a, b) => a[0].localeCompare(b[0])));
+    chart("c-latency", "Step latency per hour", l50.xs, latency, {}, "ms");
+    const kinds = [...new Set(stats.latency.map((r) => r.kind))];
+    $("#c-latency-sum").textContent = kinds.length
+      ? `Kinds seen: ${kinds.join(", ")}` : "No steps finished in this window.";
+  };
+  for (const radio of document.querySelectorAll("input[name=window]")) {
+    radio.addEventListener("change", () => load().catch((e) => flash(e.message, true)));
+  }
+  watch(load, 30000);
+}
+
+// -- start ----------------------------------------------------------------------------------
+
+const PAGES = {
+  runs: runsPage, run: runPage, approvals: approvalsPage, attention: attentionPage,
+  overview: overviewPage,
+};
+let started = false;
+
+function start() {
+  if (started) return;
+  started = true;
+  PAGES[body.dataset.page]();
+  body.dataset.ready = "1";
+}
+
+setupSession();
+signIn().then((ok) => {
+  if (ok) start();
+  else if ($("#main").hidden && $("#login").hidden) showLogin("");
+});
