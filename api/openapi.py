@@ -513,7 +513,8 @@ def openapi_document(
                         "resolution": NULLABLE_STR,
                         "attempt": {
                             "type": "integer",
-                            "description": "a retried durable step's attempt (0 the first)",
+                            "description": "executions of the step so far (1 the "
+                            "first; above 1 a retry; 0 where not counted)",
                         },
                         "worker": NULLABLE_STR,
                         "startedAt": {"type": "string", "format": "date-time"},

@@ -380,7 +380,6 @@ function renderTimeline(run, steps) {
   const span = tEnd - t0;
   $("#axis").textContent = `(0 to ${(span / 1000).toFixed(1)} s)`;
   const tbody = clear($("#timeline tbody"));
-  let lastWorker = null;
   for (const s of steps) {
     const start = Date.parse(s.startedAt) - t0;
     const end = (s.finishedAt ? Date.parse(s.finishedAt) : Date.now()) - t0;
@@ -393,13 +392,14 @@ function renderTimeline(run, steps) {
     bar.style.left = `${(100 * start) / span}%`;
     bar.style.width = s.kind === "AUDIT" ? "" : `${Math.max(0.4, (100 * duration) / span)}%`;
     const notes = [];
-    if (s.attempt > 0) notes.push(h("span", { class: "note retry" }, `retry ${s.attempt}`));
+    // Attempts count from 1: a second one is a retry. Resumes, resolutions and decisions are
+    // the operator actions (AUDIT rows) placed on the same axis.
+    if (s.attempt > 1) notes.push(h("span", { class: "note retry" }, `attempt ${s.attempt}`));
     if (s.status === "RETRYING") notes.push(h("span", { class: "note retry" }, "retrying"));
     if (s.resolution) notes.push(h("span", { class: "note" }, `resolution: ${s.resolution}`));
-    if (s.kind !== "AUDIT" && lastWorker && s.worker && s.worker !== lastWorker) {
-      notes.push(h("span", { class: "note resumed" }, `resumed on ${s.worker}`));
+    if (s.kind === "AUDIT" && (s.action === "resume" || s.action === "resolve")) {
+      notes.push(h("span", { class: "note resumed" }, "resumed here"));
     }
-    if (s.kind !== "AUDIT" && s.worker) lastWorker = s.worker;
     const label = s.kind === "AUDIT"
       ? `${s.action} by ${s.actor}`
       : s.toolName ? `${s.stepKey} (${s.toolName})` : s.stepKey;
@@ -697,6 +697,7 @@ function chart(id, title, xs, series, colours, unit) {
       spanGaps: false,
       points: { show: true, size: 5 },
     }))],
+    scales: { y: { range: (u, min, max) => [0, max > 0 ? max * 1.15 : 1] } },
     axes: [{}, { label: unit }],
   };
   const data = [xs, ...names.map((n) => series.get(n))];

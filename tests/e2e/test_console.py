@@ -1,0 +1,414 @@
+"""The run console in a real browser (Playwright driving Debian's Chromium) against a real
+stack: API (gunicorn), two workers and beat, started once for the module by the same
+:class:`~api.devstack.DevStack` ``dar dev`` runs. Tokens are set, as in production: an
+operator token and a read-only one.
+
+Each test leaves PNG screenshots in ``artifacts/console/`` (``DAR_ARTIFACTS`` to move it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, text
+
+from api.auth import hash_token
+from api.devstack import CODE_ROOT, DevStack
+from api.embedded import free_port
+from db.schema import metadata
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+CHROMIUM = os.environ.get("DAR_CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = Path(os.environ.get("DAR_ARTIFACTS", CODE_ROOT / "artifacts")) / "console"
+OPS = "console-ops-token"
+VIEWER = "console-viewer-token"
+HOSTILE = '<script>window.__xss = 1</script><img src=x onerror="window.__xss = 2"> overdue?'
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "TIMED_OUT"}
+
+if not Path(CHROMIUM).exists():  # pragma: no cover - .ci/run installs it
+    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
+
+
+@dataclass
+class Console:
+    stack: DevStack
+
+    @property
+    def url(self) -> str:
+        return self.stack.api_url
+
+    def call(self, method: str, path: str, body: Any = None, token: str | None = OPS) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read() or b"null")
+
+    def submit(self, agent: str, value: Any) -> str:
+        run_id: str = self.call("POST", "/api/runs", {"agent": agent, "input": value})["id"]
+        return run_id
+
+    def wait_status(self, run_id: str, *statuses: str, timeout: float = 45) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            run: dict[str, Any] = self.call("GET", f"/api/runs/{run_id}")
+            if run["status"] in statuses:
+                return run
+            assert time.monotonic() < deadline, f"run stayed {run['status']}: {run['error']}"
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def console(
+    test_db: str, _truncator: Engine, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Console]:
+    tables = ", ".join(f'"{t.name}"' for t in reversed(metadata.sorted_tables))
+    with _truncator.begin() as conn:
+        conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    tmp = tmp_path_factory.mktemp("console")
+    shutil.rmtree(ARTIFACTS, ignore_errors=True)
+    ARTIFACTS.mkdir(parents=True)
+    tokens = (
+        f"ops:admin+approve+support_lead:{hash_token(OPS)}:acme,"
+        f"viewer:read:{hash_token(VIEWER)}:acme"
+    )
+    log_path = tmp / "stack.log"
+    with log_path.open("wb") as log:
+        stack = DevStack(
+            data_dir=tmp,
+            port=free_port(),
+            workers=2,
+            concurrency=4,
+            env={
+                **os.environ,
+                "DATABASE_URL": test_db,
+                "REDIS_URL": redis_url,
+                "DAR_QUEUE": f"dar-console-{uuid.uuid4().hex[:8]}",
+                "DAR_LEASE_SECONDS": "3",
+                "DAR_HEARTBEAT_SECONDS": "1",
+                "DAR_REAPER_INTERVAL_SECONDS": "0.5",
+                "DAR_DEMO_LATENCY_MS": "300",
+                "DAR_PRICES": json.dumps({"dar-demo": {"input": 3, "output": 15}}),
+                "DAR_AGENT_MODULES": "examples.ticket_triage,tests.e2e.console_agents",
+                "DAR_API_TOKENS": tokens,
+                "DAR_CONSOLE_CRASH_FLAG": str(tmp / "crashed-once"),
+                "ANTHROPIC_API_KEY": "",
+            },
+            output=log,
+        )
+        stop = threading.Event()
+        supervisor = threading.Thread(target=stack.supervise, args=(stop.is_set,), daemon=True)
+        try:
+            stack.start(timeout=60)
+            supervisor.start()  # restarts the worker console-crash kills
+            yield Console(stack)
+        finally:
+            stop.set()
+            if supervisor.is_alive():
+                supervisor.join(timeout=10)
+            stack.stop()
+            print(log_path.read_text(errors="replace")[-8000:])
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with playwright_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@dataclass
+class Tab:
+    page: Any
+    errors: list[str]
+
+    def shot(self, name: str) -> None:
+        self.page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+@pytest.fixture
+def tab(browser: Any, console: Console) -> Iterator[Tab]:
+    context = browser.new_context(viewport={"width": 1280, "height": 860}, base_url=console.url)
+    page = context.new_page()
+    page.set_default_timeout(20_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+    page.on(
+        "console",
+        lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None,
+    )
+    try:
+        yield Tab(page, errors)
+    finally:
+        context.close()
+    # A 401/403 the test provoked on purpose is logged by the browser as a failed load.
+    unexpected = [e for e in errors if "status of 40" not in e]
+    assert unexpected == [], "no script errors, no Content-Security-Policy violations"
+
+
+def sign_in(tab: Tab, token: str, path: str = "/") -> None:
+    page = tab.page
+    page.goto(path)
+    page.get_by_label("API token").wait_for()
+    # The keyboard alone: the field has the focus, Enter signs in.
+    page.keyboard.type(token)
+    page.keyboard.press("Enter")
+    page.locator("body[data-ready='1']").wait_for()
+    assert token not in page.url
+    assert token not in (page.evaluate("document.cookie") or "")
+
+
+def assert_every_control_labelled(tab: Tab) -> None:
+    unlabelled = tab.page.evaluate(
+        """() => [...document.querySelectorAll('input, select, textarea, button')]
+            .filter((el) => el.offsetParent !== null || el.type === 'radio')
+            .filter((el) => {
+              if (el.tagName === 'BUTTON') return !el.textContent.trim()
+                && !el.getAttribute('aria-label');
+              return !(el.labels && el.labels.length) && !el.getAttribute('aria-label');
+            })
+            .map((el) => el.outerHTML.slice(0, 120))"""
+    )
+    assert unlabelled == []
+
+
+def row(tab: Tab, run_id: str) -> Any:
+    return tab.page.locator(f"#runs tr[data-run-id='{run_id}']")
+
+
+# -- the tests ------------------------------------------------------------------------------
+
+
+def test_submit_from_the_page_and_watch_it_succeed_without_reloading(
+    tab: Tab, console: Console
+) -> None:
+    page = tab.page
+    sign_in(tab, OPS)
+    assert_every_control_labelled(tab)
+    page.evaluate("window.__sameDocument = true")
+    page.get_by_label("Agent to run").select_option("acme-tickets")
+    page.get_by_label("Input").fill(HOSTILE)
+    page.get_by_role("button", name="Submit run").click()
+    link = page.locator("#flash a")
+    link.wait_for()
+    run_id = link.inner_text()
+    uuid.UUID(run_id)
+    badge = row(tab, run_id).locator(".badge")
+    badge.filter(has_text="SUCCEEDED").wait_for(timeout=45_000)
+    assert page.evaluate("window.__sameDocument") is True, "the list updated without a reload"
+    assert page.evaluate("window.__xss") is None, "hostile input never runs as script"
+    cells = row(tab, run_id).locator("td").all_inner_texts()
+    assert cells[2] == "acme-tickets"
+    assert int(cells[4]) == 3, "three steps"
+    assert int(cells[5].replace(",", "")) > 0, "tokens"
+    assert cells[6].startswith("$")
+    assert cells[7] == "ops"
+    succeeded = page.locator("#counts button[data-status='SUCCEEDED'] .n")
+    assert int(succeeded.inner_text()) >= 1
+    tab.shot("runs")
+
+    # Filters: an id prefix finds exactly this run; the agent filter keeps it.
+    page.get_by_label("Run id starts with").fill(run_id[:8])
+    page.get_by_role("button", name="Apply").click()
+    page.wait_for_function("document.querySelectorAll('#runs tbody tr').length === 1")
+    assert "idPrefix=" in page.url
+    assert OPS not in page.url
+
+    # Its page: header, waterfall and conversation, the hostile input shown as text.
+    row(tab, run_id).get_by_role("link").click()
+    page.wait_for_url(re.compile(f"/runs/{run_id}$"))
+    page.locator("body[data-status='SUCCEEDED']").wait_for()
+    kinds = page.locator("#timeline tbody tr").evaluate_all("rs => rs.map(r => r.dataset.kind)")
+    assert kinds == ["MODEL", "TOOL", "MODEL"]
+    bars = page.locator("#timeline .bar").evaluate_all(
+        "bs => bs.map(b => [parseFloat(b.style.left), parseFloat(b.style.width)])"
+    )
+    assert all(0 <= left <= 100 and width > 0 for left, width in bars)
+    assert bars[0][0] <= bars[1][0] <= bars[2][0], "bars placed by start on one axis"
+    tokens = page.locator("#timeline tbody tr").first.locator("td").nth(4).inner_text()
+    assert re.fullmatch(r"\d+ / \d+", tokens)
+    conversation = page.locator("#conversation")
+    assert conversation.locator(".m-input pre").inner_text() == HOSTILE
+    assert (
+        conversation.locator(".m-tool_call .who")
+        .first.inner_text()
+        .startswith("Tool call list_tickets")
+    )
+    assert conversation.locator(".m-tool_result").count() == 1
+    assert conversation.locator(".m-text").count() >= 1
+    assert page.locator("#timeline img, #conversation img, #conversation script").count() == 0
+    assert page.evaluate("window.__xss") is None
+    assert page.locator("#facts").inner_text().count("SUCCEEDED") == 1
+    assert page.get_by_label("Tokens").count() == 1, "the token budget as a labelled bar"
+    assert page.get_by_role("button", name="Cancel run").count() == 0, "nothing to cancel"
+    assert_every_control_labelled(tab)
+    tab.shot("run")
+
+
+def test_approve_a_durable_functions_approval_and_see_it_continue(
+    tab: Tab, console: Console
+) -> None:
+    page = tab.page
+    ticket = {"id": 101, "subject": "Invoice wrong", "body": "VAT is 19%, should be 7%"}
+    run_id = console.submit("ticket-triage", ticket)
+    console.wait_status(run_id, "WAITING")
+    pending = console.call("GET", f"/api/approvals?runId={run_id}")["items"]
+    assert len(pending) == 1
+
+    sign_in(tab, OPS, "/approvals")
+    card = page.locator(f"li[data-approval-id='{pending[0]['id']}']")
+    card.wait_for()
+    assert card.locator(".hash").inner_text() == pending[0]["payloadHash"]
+    assert "Invoice PDF shows wrong VAT rate" in card.locator(".payload").inner_text()
+    assert_every_control_labelled(tab)
+    tab.shot("approvals")
+    card.get_by_label("Comment (optional)").fill("looks right")
+    card.get_by_role("button", name="Approve").click()
+    page.locator("#flash").filter(has_text="approved by ops").wait_for()
+
+    page.goto(f"/runs/{run_id}")
+    page.locator("body[data-status='SUCCEEDED']").wait_for(timeout=45_000)
+    timeline = page.locator("#timeline tbody")
+    assert timeline.locator("tr[data-kind='APPROVAL']").count() == 1
+    audit = timeline.locator("tr[data-kind='AUDIT']")
+    assert audit.count() == 1
+    assert "approve by ops" in audit.inner_text()
+    decided = console.call("GET", f"/api/approvals/{pending[0]['id']}")
+    assert decided["comment"] == "looks right"
+    assert decided["decidedBy"] == "ops"
+    tab.shot("run-approved")
+
+
+def test_resolve_a_run_that_needs_attention(tab: Tab, console: Console) -> None:
+    page = tab.page
+    run_id = console.submit("console-crash", {"amount": 12.5})
+    console.wait_status(run_id, "NEEDS_ATTENTION")
+
+    sign_in(tab, OPS, "/attention")
+    card = page.locator(f"li[data-run-id='{run_id}']")
+    card.wait_for()
+    assert "In doubt: step charge:0 (STEP)" in card.inner_text(), "the in-doubt step is named"
+    for name in ("Supply result", "Retry step", "Fail run"):
+        assert card.get_by_role("button", name=name).count() == 1
+    assert_every_control_labelled(tab)
+    tab.shot("attention")
+    card.get_by_label("Result (JSON, or plain text)").fill('"charged 12.50 (checked by hand)"')
+    card.get_by_role("button", name="Supply result").click()
+    page.locator("#flash").filter(has_text="Resolved (result supplied)").wait_for()
+    run = console.wait_status(run_id, *TERMINAL)
+    assert run["status"] == "SUCCEEDED", run["error"]
+    assert run["result"] == "notified: charged 12.50 (checked by hand)"
+    page.locator(f"li[data-run-id='{run_id}']").wait_for(state="detached")
+
+    # On its page: the supplied step, the resolution as the point it resumed, the retry.
+    page.goto(f"/runs/{run_id}")
+    page.locator("body[data-status='SUCCEEDED']").wait_for()
+    rows = page.locator("#timeline tbody tr")
+    charge = rows.filter(has_text="charge:0")
+    assert "resolution: supplied" in charge.inner_text()
+    resolve = rows.filter(has_text="resolve by ops")
+    assert "resumed here" in resolve.inner_text()
+    notify = rows.filter(has_text="notify:0")
+    assert "attempt 2" in notify.inner_text(), "the retry is visible"
+    tab.shot("run-resolved")
+
+
+def test_cancel_a_running_run(tab: Tab, console: Console) -> None:
+    page = tab.page
+    run_id = console.submit("console-slow", {"ticks": 80})
+    console.wait_status(run_id, "RUNNING")
+    sign_in(tab, OPS, f"/runs/{run_id}")
+    page.locator("body[data-status='RUNNING']").wait_for()
+    page.wait_for_function("document.querySelectorAll('#timeline tbody tr').length >= 2")
+    tab.shot("run-live")
+    page.get_by_role("button", name="Cancel run").click()
+    page.locator("body[data-status='CANCELLED']").wait_for(timeout=30_000)
+    assert page.get_by_role("button", name="Cancel run").count() == 0
+    audit = page.locator("#timeline tbody tr[data-kind='AUDIT']")
+    assert "cancel by ops" in audit.inner_text()
+    steps = console.call("GET", f"/api/runs/{run_id}/timeline")
+    assert len([s for s in steps if s["kind"] == "STEP"]) < 80, "stopped early"
+
+
+def test_a_read_only_token_sees_no_actions_and_a_forged_request_is_refused(
+    tab: Tab, console: Console
+) -> None:
+    page = tab.page
+    running = console.submit("console-slow", {"ticks": 200})
+    waiting = console.submit(
+        "ticket-triage", {"id": 102, "subject": "SSO login loops", "body": "Safari"}
+    )
+    console.wait_status(waiting, "WAITING")
+    console.wait_status(running, "RUNNING")
+    sign_in(tab, VIEWER)
+    assert page.locator("#whoami").inner_text().startswith("viewer (read)")
+    assert page.locator("#submit-section").is_hidden()
+    assert page.get_by_role("button", name="Submit run").count() == 0
+
+    page.goto(f"/runs/{running}")
+    page.locator("body[data-status='RUNNING']").wait_for()
+    assert page.locator("#actions button").count() == 0
+    page.goto(f"/runs/{waiting}")
+    page.locator("body[data-status='WAITING']").wait_for()
+    page.locator("#approval-panel .hash").wait_for()
+    assert page.locator("#actions button, #approval-panel button").count() == 0
+    page.goto("/approvals")
+    page.locator("#approvals li").first.wait_for()
+    assert page.locator("#approvals button").count() == 0
+    tab.shot("read-only")
+
+    # The buttons are missing, and the server refuses the action anyway: a request forged
+    # with the read-only token is 403, one without a token (what another site could send,
+    # cookies and all) is 401.
+    forged = page.evaluate(
+        """async ([id]) => {
+          const token = sessionStorage.getItem('dar.token');
+          const post = (headers) => fetch(`/api/runs/${id}/cancel`,
+            {method: 'POST', headers, credentials: 'include'}).then((r) => r.status);
+          return [await post({Authorization: `Bearer ${token}`}), await post({})];
+        }""",
+        [running],
+    )
+    assert forged == [403, 401]
+    assert console.call("GET", f"/api/runs/{running}")["cancelRequested"] is False
+    console.call("POST", f"/api/runs/{running}/cancel")  # tidy up with the operator token
+
+
+def test_overview_charts_over_24h_and_7d(tab: Tab, console: Console) -> None:
+    page = tab.page
+    sign_in(tab, OPS, "/overview")
+    for chart in ("c-finished", "c-cost", "c-latency"):
+        page.locator(f"#{chart} canvas").wait_for()
+    page.locator("#c-finished-sum").filter(has_text="SUCCEEDED").wait_for()
+    summary = page.locator("#c-finished-sum").inner_text()
+    assert re.search(r"SUCCEEDED [1-9]", summary), summary
+    assert "$0.0000" not in page.locator("#c-cost-sum").inner_text(), "the demo model is priced"
+    legend = page.locator("#c-latency .u-legend").inner_text()
+    assert "MODEL p95" in legend
+    assert "STEP p50" in legend
+    tab.shot("overview")
+    page.get_by_label("last 7 days").check()
+    page.locator("#c-finished-sum").filter(has_text="last 7d").wait_for()
+    assert_every_control_labelled(tab)
