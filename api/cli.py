@@ -81,6 +81,7 @@ def _banner(stack: Any) -> str:
     flower = f"\n  Flower:     http://127.0.0.1:{stack.flower_port}" if stack.flower_port else ""
     return f"""
 dar: the stack is up: API on http://127.0.0.1:{port}; {pids}.
+  Console:    http://127.0.0.1:{port}/   (runs, timelines, approvals, operator actions)
   Submit a run:
     curl -s -X POST localhost:{port}/api/runs -H 'Content-Type: application/json' \\
       -d '{{"input":"{DEMO_QUESTION}","tokenBudget":50000,"timeoutSeconds":300}}'
