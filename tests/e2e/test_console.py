@@ -233,6 +233,14 @@ def test_submit_from_the_page_and_watch_it_succeed_without_reloading(
     assert int(succeeded.inner_text()) >= 1
     tab.shot("runs")
 
+    # The keyboard: a status count is a real button; focused, Enter filters by it.
+    page.locator("#counts button[data-status='SUCCEEDED']").focus()
+    page.keyboard.press("Enter")
+    page.locator("#counts button[data-status='SUCCEEDED'][aria-pressed='true']").wait_for()
+    assert page.get_by_label("Status", exact=True).input_value() == "SUCCEEDED"
+    assert "status=SUCCEEDED" in page.url
+    page.get_by_label("Status", exact=True).select_option("")
+
     # Filters: an id prefix finds exactly this run; the agent filter keeps it.
     page.get_by_label("Run id starts with").fill(run_id[:8])
     page.get_by_role("button", name="Apply").click()
@@ -368,6 +376,11 @@ def test_a_read_only_token_sees_no_actions_and_a_forged_request_is_refused(
     )
     console.wait_status(waiting, "WAITING")
     console.wait_status(running, "RUNNING")
+    page.goto("/")
+    page.get_by_label("API token").fill("not-a-token")
+    page.keyboard.press("Enter")
+    page.locator("#login-error").filter(has_text="send a valid API token").wait_for()
+    assert page.locator("#main").is_hidden(), "a wrong token sees nothing"
     sign_in(tab, VIEWER)
     assert page.locator("#whoami").inner_text().startswith("viewer (read)")
     assert page.locator("#submit-section").is_hidden()

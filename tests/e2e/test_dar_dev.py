@@ -115,6 +115,9 @@ def test_the_readme_kill_demo_under_dar_dev(dar_dev: DarDev, tmp_path: Path) -> 
     assert "Sending due task" not in dar_dev.output, "the beat's per-second line is quiet"
     assert "Context impl" not in dar_dev.output, "Alembic's lines are quiet"
 
+    # `dar ps` before the run: on a loaded machine the command takes seconds, longer than
+    # the model step it must interrupt (the pids do not change until the kill).
+    pids = dar_dev.ps()
     accepted = dar_dev.api(
         "POST",
         "/api/runs",
@@ -130,7 +133,6 @@ def test_the_readme_kill_demo_under_dar_dev(dar_dev: DarDev, tmp_path: Path) -> 
             break
         time.sleep(0.05)
     victim = run["lockedBy"]
-    pids = dar_dev.ps()
     os.kill(pids[victim], signal.SIGKILL)  # `kill -9 <pid>`, the pid `dar ps` printed
 
     dar_dev.wait_for(f"dar: {victim} (pid {pids[victim]}) was killed by SIGKILL; restarting")
