@@ -40,6 +40,8 @@ class StepKind(enum.StrEnum):
     APPROVAL = "APPROVAL"
     COMPENSATION = "COMPENSATION"
     VERSION = "VERSION"
+    TOOLSET = "TOOLSET"
+    """The MCP tools a run offers, fixed at its first model step (runtime.mcp.toolset)."""
 
 
 class StepStatus(enum.StrEnum):

@@ -159,7 +159,7 @@ run_step = Table(
     PrimaryKeyConstraint("run_id", "seq", name="run_step_pkey"),
     CheckConstraint(
         "kind IN ('MODEL', 'TOOL', 'STEP', 'LLM', 'SIDE_EFFECT', 'APPROVAL', 'COMPENSATION', "
-        "'VERSION')",
+        "'VERSION', 'TOOLSET')",
         name="run_step_kind_ck",
     ),
     CheckConstraint(

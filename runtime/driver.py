@@ -32,6 +32,7 @@ from runtime.faults import crash_point
 from runtime.heartbeat import Heartbeat
 from runtime.llm.base import LlmClient
 from runtime.logctx import log_context
+from runtime.mcp.client import McpClients
 from runtime.metrics import Metrics
 from runtime.modelcall import estimate_tokens, prompt_hash
 from runtime.pricing import PriceTable
@@ -62,6 +63,7 @@ class Driver:
         heartbeat: Heartbeat | None = None,
         worker: str | None = None,
         metrics: Metrics | None = None,
+        mcp: McpClients | None = None,
     ) -> None:
         self.store = store
         self.agents = agents
@@ -70,6 +72,7 @@ class Driver:
         self.pricing = pricing or PriceTable.from_json(None)
         self.worker = worker or settings.worker_name
         self.metrics = metrics
+        self.mcp = mcp
         self.heartbeat = heartbeat or Heartbeat(
             store,
             self.worker,
@@ -111,6 +114,7 @@ class Driver:
             pricing=self.pricing,
             metrics=self.metrics,
             worker=self.worker,
+            mcp=self.mcp,
         )
         with (
             log_context(run_id=str(run.id), worker=self.worker, step_seq="-"),
