@@ -108,29 +108,32 @@ class AgentRegistry:
         """Every MCP server some registered agent uses (after :meth:`finalize`)."""
         found: dict[str, McpServer] = {}
         for agent in self._agents.values():
-            if isinstance(agent, Agent):
-                found.update(agent.servers)
+            for server in getattr(agent, "mcp_servers", ()):
+                if isinstance(server, McpServer):
+                    found.setdefault(server.name, server)
         return list(found.values())
 
     def _resolve_servers(self) -> None:
         for server, agent_names in self._mcp_attach.items():
             for agent_name in agent_names:
                 agent = self._agents.get(agent_name)
-                if not isinstance(agent, Agent):
+                if agent is None:
                     raise AgentConfigError(
                         f"MCP server {server!r} is configured for agent {agent_name!r}, which "
-                        "is not a registered agent-loop agent"
+                        "is not registered"
                     )
-                names = {s if isinstance(s, str) else s.name for s in agent.mcp_servers}
+                declared = getattr(agent, "mcp_servers", ())
+                names = {s if isinstance(s, str) else s.name for s in declared}
                 if server not in names:
-                    self._agents[agent_name] = replace(
-                        agent, mcp_servers=(*agent.mcp_servers, server)
+                    self._agents[agent_name] = replace(  # type: ignore[type-var]
+                        agent, mcp_servers=(*declared, server)
                     )
         for name, agent in list(self._agents.items()):
-            if not isinstance(agent, Agent) or not agent.mcp_servers:
+            declared = getattr(agent, "mcp_servers", ())
+            if not declared:
                 continue
             resolved: list[McpServer] = []
-            for s in agent.mcp_servers:
+            for s in declared:
                 if isinstance(s, McpServer):
                     resolved.append(s)
                     continue
@@ -141,7 +144,9 @@ class AgentRegistry:
                         f"(configured MCP servers: {known}; see DAR_MCP_SERVERS)"
                     )
                 resolved.append(self._mcp_servers[s])
-            self._agents[name] = replace(agent, mcp_servers=tuple(resolved))
+            self._agents[name] = replace(  # type: ignore[type-var]
+                agent, mcp_servers=tuple(resolved)
+            )
 
     def finalize(self) -> None:
         """Resolve tool and MCP server names; fail with a precise message on any that names

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from db.records import NewStep, RunStatus, Step, StepKind, StepStatus
-from runtime import effects, modelcall
+from runtime import effects, mcpcall, modelcall
 from runtime.codec import decode, encode
 from runtime.durable.api import (
     ApprovalBuilder,
@@ -53,6 +53,10 @@ from runtime.guard import Stop
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.retry import RetryLater
 from runtime.logctx import set_step
+from runtime.mcp.client import CallResult
+from runtime.mcp.errors import McpRemoteError, McpUnavailable
+from runtime.mcp.servers import McpServer, namespaced
+from runtime.mcp.toolset import OfferedTool, idempotent, offered
 from runtime.task import Outcome, StepResult, Task
 from runtime.tools import ToolContext
 
@@ -425,6 +429,80 @@ class Execution:
 
     def compensate_last(self, fn: Callable[[Any], Any]) -> None:
         self.compensations.attach_to_last(fn)
+
+    # -- MCP tools ----------------------------------------------------------------------------
+
+    def mcp_tool(
+        self,
+        server: McpServer | str,
+        tool: str,
+        arguments: dict[str, Any],
+        *,
+        name: str | None,
+        options: StepOptions,
+    ) -> Any:
+        """``steps.tool``: a STEP whose body is one MCP call (runtime.mcpcall)."""
+        self._check_yielded()
+        declared = {s.name: s for s in self.agent.mcp_servers if isinstance(s, McpServer)}
+        wanted = server if isinstance(server, str) else server.name
+        found = declared.get(wanted) or (server if isinstance(server, McpServer) else None)
+        if found is None:
+            raise DurableConfigError(
+                f"MCP server {wanted!r} is not declared: add it to "
+                f"@durable_agent({self.agent.name!r}, mcp_servers=[...])"
+            )
+        target: McpServer = found
+        step_name = name or namespaced(target.name, tool)
+        parent = self.stack[-1].key if self.stack else ""
+        n = self.counters.get((parent, step_name), 0)
+        key = f"{parent}/{step_name}:{n}" if parent else f"{step_name}:{n}"
+        rec = self.recorded.get(key)
+        settled = rec is not None and rec.status in (StepStatus.DONE, StepStatus.ERROR)
+        timeout = options.timeout or target.timeout_seconds
+        rerun, reconcile = False, None
+        entry: OfferedTool | None = None
+        unavailable: McpUnavailable | None = None
+        if not settled:  # it will run: how it may run again comes from the live listing
+            mcp = mcpcall.clients(self.task)
+            try:
+                listing = offered(target, mcp.tools(target), set())
+            except McpUnavailable as e:
+                listing, unavailable = [], e
+            entry = next((t for t in listing if t.tool == tool), None)
+            if entry is not None:
+                policy = mcpcall.policy_for(mcp, target, tool, entry.name)
+                rerun, reconcile = idempotent(entry, policy), policy.reconcile
+                timeout = options.timeout or policy.timeout_seconds or target.timeout_seconds
+
+        def call() -> Any:
+            if unavailable is not None:
+                raise unavailable  # not sent: a failure like any other (steps.retry applies)
+            if entry is None:
+                raise McpRemoteError(f"{target.where} offers no tool {tool!r}")
+            mcpcall.validate(entry, arguments)
+            context = self.current_context()
+            assert context is not None
+            result: CallResult = mcpcall.clients(self.task).call(
+                target,
+                tool,
+                arguments,
+                key=context.idempotency_key,
+                run_id=self.run_id,
+                timeout_seconds=timeout,
+            )
+            if result.is_error:
+                raise mcpcall.McpToolError(result.text)
+            return result.structured if result.structured is not None else result.text
+
+        step_options = StepOptions(
+            self.steps_api,
+            retries=options.retries,
+            backoff=options.backoff,
+            timeout=None,  # the MCP client keeps the time, and cancels on the server
+            idempotent=rerun,
+            reconcile=reconcile,
+        )
+        return self.step("STEP", step_name, call, type=Any, compensate=None, options=step_options)
 
     # -- versions ---------------------------------------------------------------------------
 

@@ -17,28 +17,19 @@ from runtime.agents import Agent, AgentConfigError, AgentRegistry
 from runtime.bootstrap import Runtime
 from runtime.config import ConfigError, Settings
 from runtime.llm.scripted import ScriptedLlm
-from runtime.mcp.client import CallResult, McpClients
+from runtime.mcp.client import McpClients
 from runtime.mcp.errors import McpUnavailable
 from runtime.mcp.servers import McpConfigError, McpServer, parse_servers, parse_tool_overrides
 from runtime.preflight import check_mcp_servers
-from tests.mcp.support import COUNTING, Ledger, free_port, http_server, stdio_server
+from tests.mcp.support import (
+    COUNTING,
+    CrashingClients,
+    Ledger,
+    free_port,
+    http_server,
+    stdio_server,
+)
 from tests.support import SimulatedCrash, drive_to_end, expire_lease, submit
-
-
-class CrashingClients(McpClients):
-    """Real calls; the worker 'dies' right after the named tools answered, before the step
-    is recorded (the window the in-doubt rules are for)."""
-
-    def __init__(self, crash_after: set[str], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.crash_after = set(crash_after)
-
-    def call(self, server: McpServer, tool: str, *args: Any, **kwargs: Any) -> CallResult:
-        result = super().call(server, tool, *args, **kwargs)
-        if tool in self.crash_after:
-            self.crash_after.discard(tool)
-            raise SimulatedCrash
-        return result
 
 
 @pytest.fixture

@@ -12,7 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from runtime.mcp.client import CallResult, McpClients
 from runtime.mcp.servers import McpServer, ToolPolicy
+from runtime.testkit import SimulatedCrash
 
 COUNTING = str(Path(__file__).with_name("counting_server.py"))
 
@@ -77,3 +79,19 @@ def http_server(ledger: Ledger, *extra: str, port: int | None = None) -> Iterato
         proc.wait(10)
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+class CrashingClients(McpClients):
+    """Real calls; the worker 'dies' right after the named tools answered, before the step
+    is recorded (the window the in-doubt rules are for)."""
+
+    def __init__(self, crash_after: set[str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.crash_after = set(crash_after)
+
+    def call(self, server: McpServer, tool: str, *args: Any, **kwargs: Any) -> CallResult:
+        result = super().call(server, tool, *args, **kwargs)
+        if tool in self.crash_after:
+            self.crash_after.discard(tool)
+            raise SimulatedCrash
+        return result
