@@ -247,3 +247,25 @@ def test_git_status_in_doubt_is_run_again(
     runtime.settings = replace(runtime.settings)
     assert _crash_in_git_call(runtime, llm, repo, "git_status", {}) is RunStatus.SUCCEEDED
     assert "notes.txt" in str(llm.requests[-1].messages[-1]["content"][0]["content"])
+
+
+def test_the_example_agent_runs_with_the_offline_demo_model(
+    runtime: Runtime, repo: Path, clients: list[McpClients]
+) -> None:
+    from examples.repo_helper import build
+    from runtime.llm.demo import DemoModel
+
+    runtime.llm = DemoModel(latency_ms=0)
+    runtime.mcp = McpClients()
+    clients.append(runtime.mcp)
+    runtime.agents.register(build(str(repo)))
+    runtime.agents.finalize()
+    run, dispatch = submit(
+        runtime.store, f"What is the status of the repository at {repo}?", agent="repo-helper"
+    )
+    drive_to_end(runtime.driver(), dispatch)
+    after = runtime.store.get_run(run.id)
+    assert after.status is RunStatus.SUCCEEDED, after.error
+    tool_row = next(s for s in runtime.store.steps(run.id) if s.kind is StepKind.TOOL)
+    assert tool_row.tool_name == "git__git_status"
+    assert "notes.txt" in str(after.result)
