@@ -7,7 +7,7 @@ directory); mcp-server-time answers time questions. The model sees ``git__git_st
 re-run after a crash; ``git__git_commit`` (not idempotent) stops the run for a person.
 
     pip install -e '.[mcp-servers]'
-    DAR_AGENT_MODULES=examples.repo_helper dar demo --agent repo-helper \\
+    DAR_AGENT_MODULES=examples.repo_helper dar demo --agent repo-helper --question \\
         "What is the status of the repository at $PWD?"
 
 Works with the offline demo model (no ANTHROPIC_API_KEY): it picks ``git__git_status`` for

@@ -4,6 +4,8 @@ the tool set offered and recorded, calls as TOOL steps, results, errors, limits,
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -65,8 +67,9 @@ def _tool_result(llm: ScriptedLlm, n: int = 1) -> dict[str, object]:
 
 
 def test_mcp_tools_are_offered_next_to_python_tools_and_called_as_tool_steps(
-    mcp_runtime: Runtime, llm: ScriptedLlm, ledger: Ledger
+    mcp_runtime: Runtime, llm: ScriptedLlm, ledger: Ledger, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="runtime.mcp.client")
     _agent(mcp_runtime, stdio_server(ledger))
     llm.then_tool_use(
         "toolu_1",
@@ -99,6 +102,13 @@ def test_mcp_tools_are_offered_next_to_python_tools_and_called_as_tool_steps(
     results = llm.requests[1].messages[-1]["content"]
     assert [r["tool_use_id"] for r in results] == ["toolu_1", "toolu_2"]
     assert llm.requests[1].tools == llm.requests[0].tools
+    deadline = time.monotonic() + 5
+    wanted = f"run={str(run.id)[:8]} mcp=notes stderr: calling add_note key=toolu_2"
+    while wanted not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)  # the stderr pump is a thread of its own
+    assert wanted in caplog.text, "the server's stderr is in the worker log, with the run id"
+    record = next(r for r in caplog.records if "calling add_note" in r.getMessage())
+    assert getattr(record, "run_id", None) == str(run.id)
 
 
 def test_the_tool_set_is_fixed_at_the_first_model_step(

@@ -33,6 +33,7 @@ def build(ledger: Path, extra_tool: bool = False) -> MCPServer:
     def record(tool: str, ctx: Context, **arguments: Any) -> int:
         meta = ctx.request_context.meta or {}
         key = meta.get("dar/idempotency_key") if isinstance(meta, dict) else None
+        print(f"calling {tool} key={key}", file=sys.stderr, flush=True)
         line = json.dumps({"tool": tool, "key": key, "args": arguments, "pid": os.getpid()})
         with ledger.open("a", encoding="utf-8") as f:
             f.write(line + "\n")
