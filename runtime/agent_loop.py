@@ -54,7 +54,9 @@ def run_agent(task: Task, agent: Agent) -> StepResult:
     if halt:
         return task.finish(RunStatus.FAILED, error=halt)
     toolset = mcpcall.recorded_toolset(task)
-    if toolset is None and agent.servers:  # fixed before the first model step, once
+    if toolset is None and agent.servers and conversation.model_turns == 0:
+        # Fixed before the first model step, once. (A run that started before its agent had
+        # MCP servers keeps offering what it offered: no tool set, no MCP tools.)
         return mcpcall.record_toolset(task, list(agent.servers.values()))
     with step_span(
         f"chat {task.claim.run.model}",

@@ -20,10 +20,10 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
-from db.records import NewStep, StepKind, StepStatus
+from db.records import NewStep, RunStatus, StepKind, StepStatus
 from runtime.mcp.client import CallResult, McpClients
 from runtime.mcp.errors import McpError, McpInDoubt, McpRemoteError, McpUnavailable
-from runtime.mcp.servers import McpServer, Reconcile, ToolPolicy
+from runtime.mcp.servers import McpConfigError, McpServer, Reconcile, ToolPolicy
 from runtime.mcp.toolset import TOOLSET_KEY, OfferedTool, Toolset, idempotent, offered, same_schema
 from runtime.task import StepResult, Task
 from runtime.tools import ToolContext, ToolInputError
@@ -58,6 +58,8 @@ def record_toolset(task: Task, servers: list[McpServer]) -> StepResult:
     try:
         for server in servers:
             tools.extend(offered(server, mcp.tools(server), taken))
+    except McpConfigError as e:  # two servers offer one name: no request could be valid
+        return task.finish(RunStatus.FAILED, error=str(e))
     except McpUnavailable as e:
         delay = task.settings.mcp_retry_seconds
         log.warning("run=%s %s; trying again in %gs", task.rid, e, delay)

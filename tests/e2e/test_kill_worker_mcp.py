@@ -1,5 +1,5 @@
-"""End to end, real processes: a worker is SIGKILLed in the middle of an MCP call (its stdio
-server keeps running and finishes the effect). The destructive call is not made again: the
+"""End to end, real processes: a worker is SIGKILLed in the middle of an MCP call (the
+server has made its effect and not yet answered). The destructive call is not made again: the
 run stops NEEDS_ATTENTION; the operator supplies its result. The read-only call killed
 mid-flight is simply made again, with the same idempotency key, by the other worker."""
 
@@ -114,9 +114,7 @@ def test_sigkill_mid_mcp_call(stack: DevStack, ledger: Ledger) -> None:
         assert _wait(stack, store, run_id, RunStatus.NEEDS_ATTENTION) is RunStatus.NEEDS_ATTENTION
         run = store.get_run(run_id)
         assert "MCP tool 'notes__add_note' (not re-run after a crash)" in (run.error or "")
-        deadline = time.monotonic() + 10
-        while not ledger.entries("add_note") and time.monotonic() < deadline:
-            time.sleep(0.1)  # the orphaned server finishes the call it had started
+        time.sleep(2)  # nothing else may still be on its way
         assert [e["key"] for e in ledger.entries("add_note")] == ["toolu_add"], "once"
         tool_row = next(s for s in store.steps(run_id) if s.tool_use_id == "toolu_add")
         assert tool_row.status is StepStatus.STARTED

@@ -44,21 +44,21 @@ def build(ledger: Path, extra_tool: bool = False) -> MCPServer:
     @server.tool(annotations=DESTRUCTIVE)
     def add_note(text: str, ctx: Context, delay: float = 0.0) -> str:
         """Append a note (a side effect that must not happen twice)."""
-        if delay:
+        n = record("add_note", ctx, text=text)
+        if delay:  # the effect happened; the answer takes a while
             marker = ledger.with_suffix(".calling")
             marker.write_text(json.dumps({"tool": "add_note", "pid": os.getpid()}))
             time.sleep(delay)
-        n = record("add_note", ctx, text=text)
         return f"note {n} added: {text}"
 
     @server.tool(annotations=READ_ONLY)
     def count_notes(ctx: Context, delay: float = 0.0) -> str:
         """How many notes there are (read only)."""
+        record("count_notes", ctx)
         if delay:
             marker = ledger.with_suffix(".calling")
             marker.write_text(json.dumps({"tool": "count_notes", "pid": os.getpid()}))
             time.sleep(delay)
-        record("count_notes", ctx)
         notes = [line for line in ledger.read_text().splitlines() if '"tool": "add_note"' in line]
         return f"{len(notes)} notes"
 
