@@ -245,21 +245,22 @@ WHERE id = :id AND status = 'NEEDS_ATTENTION'
 RETURNING id;
 
 -- resolve_supply_result --
--- The operator supplies the result of the step left STARTED (the innermost one: a nested
--- step's row comes after its parent's).
+-- The operator supplies the result of the step left STARTED: the outermost one, which is the
+-- one replay meets first and the one the run's reason names (a step nested in it is asked
+-- about, if still in doubt, once the outer one is settled).
 UPDATE run_step
 SET status = :status, response = CAST(:response AS jsonb), resolution = 'supplied',
     error = CASE WHEN :status = 'ERROR' THEN 'supplied by ' || :operator END,
     worker = :operator, finished_at = now()
 WHERE run_id = :id AND status = 'STARTED'
-  AND seq = (SELECT max(seq) FROM run_step WHERE run_id = :id AND status = 'STARTED');
+  AND seq = (SELECT min(seq) FROM run_step WHERE run_id = :id AND status = 'STARTED');
 
 -- resolve_retry_step --
 -- The operator authorises exactly one more execution of the step left STARTED: the flag is
 -- consumed when the step is written STARTED again.
 UPDATE run_step SET resolution = 'retry'
 WHERE run_id = :id AND status = 'STARTED'
-  AND seq = (SELECT max(seq) FROM run_step WHERE run_id = :id AND status = 'STARTED');
+  AND seq = (SELECT min(seq) FROM run_step WHERE run_id = :id AND status = 'STARTED');
 
 -- resolve_fail_run --
 UPDATE run

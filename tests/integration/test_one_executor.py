@@ -284,6 +284,37 @@ def test_an_operator_retry_authorises_exactly_one_more_execution(runtime: Runtim
     assert EFFECTS == ["pay", "pay"]
 
 
+def test_a_crash_inside_a_nested_step_asks_about_each_step_once(runtime: Runtime) -> None:
+    EFFECTS.clear()
+    crashed: list[bool] = []
+
+    def charge() -> str:
+        EFFECTS.append("charge")
+        if not crashed:
+            crashed.append(True)
+            raise SimulatedCrash("died inside the nested step")
+        return "charged"
+
+    @durable_agent("nested-crash")
+    def fn(_: object, steps: Steps) -> str:
+        return steps.run("checkout", lambda: steps.run("charge", charge, type=str), type=str)
+
+    run_id, dispatch = _start(runtime, fn)
+    with pytest.raises(SimulatedCrash):
+        _drive(runtime, dispatch)
+    assert _resume(runtime, run_id) is RunStatus.NEEDS_ATTENTION
+    assert "'checkout:0'" in (runtime.store.get_run(run_id).error or ""), "outer step first"
+    retry = runtime.store.resolve(run_id, "retry")
+    assert retry is not None
+    assert _drive(runtime, retry) is RunStatus.NEEDS_ATTENTION
+    error = runtime.store.get_run(run_id).error or ""
+    assert "'checkout:0/charge:0'" in error, "then the nested step, which is still in doubt"
+    supplied = runtime.store.resolve(run_id, "supply_result", output="charged")
+    assert supplied is not None
+    assert _drive(runtime, supplied) is RunStatus.SUCCEEDED, "the outer step is not asked again"
+    assert EFFECTS == ["charge"]
+
+
 # -- scenario 7: compensations of nested steps survive replay ----------------------------------
 
 UNDONE: list[str] = []
@@ -410,14 +441,15 @@ def test_the_heartbeat_has_its_own_connections(runtime: Runtime) -> None:
     run, dispatch = runtime.submit("acme-tickets", "hi")
     claim = runtime.store.claim(run.id, dispatch.token, runtime.settings.worker_name, 2)
     assert claim is not None
-    held = [runtime.engine.connect() for _ in range(runtime.engine.pool.size())]  # type: ignore[attr-defined]
-    try:
-        beat = Heartbeat(runtime.lease_store(), claim.worker, lease_seconds=30,
-                         interval_seconds=1)  # fmt: skip
+    pool: Any = runtime.engine.pool
+    held = [runtime.engine.connect() for _ in range(pool.size() + pool._max_overflow)]
+    try:  # every connection of the main pool is busy (tools, steps)
+        beat = Heartbeat(runtime.lease_store(), claim.worker, lease_seconds=30, interval_seconds=1)
         with beat.hold(claim):
-            t0 = time.monotonic()
-            beat.beat()
-            assert time.monotonic() - t0 < 2
+            renewing = threading.Thread(target=beat.beat, daemon=True)
+            renewing.start()
+            renewing.join(3)
+            assert not renewing.is_alive(), "the heartbeat waited for the main pool"
     finally:
         for c in held:
             c.close()
