@@ -297,7 +297,10 @@ def test_a_crash_inside_a_nested_step_asks_about_each_step_once(runtime: Runtime
 
     @durable_agent("nested-crash")
     def fn(_: object, steps: Steps) -> str:
-        return steps.run("checkout", lambda: steps.run("charge", charge, type=str), type=str)
+        def checkout() -> str:
+            return steps.run("charge", charge, type=str) + " and boxed"
+
+        return steps.run("checkout", checkout, type=str)
 
     run_id, dispatch = _start(runtime, fn)
     with pytest.raises(SimulatedCrash):
@@ -312,6 +315,7 @@ def test_a_crash_inside_a_nested_step_asks_about_each_step_once(runtime: Runtime
     supplied = runtime.store.resolve(run_id, "supply_result", output="charged")
     assert supplied is not None
     assert _drive(runtime, supplied) is RunStatus.SUCCEEDED, "the outer step is not asked again"
+    assert runtime.store.get_run(run_id).result == "charged and boxed", "supplied to the inner"
     assert EFFECTS == ["charge"]
 
 
