@@ -547,3 +547,22 @@ def test_step_timeout_is_a_step_error_callers_can_catch() -> None:
     from runtime.durable import StepError
 
     assert issubclass(StepTimeout, StepError)
+
+
+def test_resume_past_the_deadline_is_judged_by_the_database_clock(runtime: Runtime) -> None:
+    run, dispatch = runtime.submit("acme-tickets", "hi", timeout_seconds=60)
+    claim = runtime.store.claim(run.id, dispatch.token, "w", 5)
+    assert claim is not None
+    runtime.store.finish(claim, RunStatus.TIMED_OUT, error="deadline passed")
+    with runtime.engine.begin() as conn:  # past by the database's clock only
+        conn.execute(
+            text("UPDATE run SET deadline_at = now() - interval '1 second' WHERE id = :id"),
+            {"id": run.id},
+        )
+    runtime.store.resume_failed(run.id, default_timeout_seconds=120)
+    with runtime.engine.connect() as conn:
+        left = conn.execute(
+            text("SELECT EXTRACT(EPOCH FROM deadline_at - now()) FROM run WHERE id = :id"),
+            {"id": run.id},
+        ).scalar_one()
+    assert 100 < left <= 120
