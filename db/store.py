@@ -35,6 +35,7 @@ from db.records import (
     StepStatus,
     Usage,
 )
+from db.steplog import StepLogCache
 
 
 class _NotWaiting(Exception):
@@ -202,8 +203,9 @@ def _fence(claim: Claim) -> dict[str, Any]:
 class RunStore:
     """All reads and writes of runs and steps."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, step_log_cache: int = 512) -> None:
         self.engine = engine
+        self.step_logs = StepLogCache(step_log_cache)
         # One statement, one transaction, one round trip: no BEGIN and no COMMIT/ROLLBACK
         # of their own (psycopg sends each as a round trip). For every method below that is a
         # single statement; the others use engine.begin().
@@ -262,10 +264,22 @@ class RunStore:
             raise RunNotFound(f"no run with id {run_id}")
         return _run(row)
 
-    def steps(self, run_id: uuid.UUID) -> list[Step]:
+    def steps(
+        self, run_id: uuid.UUID, *, token: uuid.UUID | None = None, epoch: int | None = None
+    ) -> list[Step]:
+        """The run's steps in order. A worker passes the token its message carried and its
+        lease epoch: when this process handed the run on with that token itself, nothing is
+        read (see :mod:`db.steplog`)."""
+        if epoch is not None:
+            cached = self.step_logs.get(run_id, token, epoch)
+            if cached is not None:
+                return cached
         with self._statement() as conn:
             rows = conn.execute(Q["list_steps"], {"id": run_id}).mappings().all()
-        return [_step(r) for r in rows]
+        steps = [_step(r) for r in rows]
+        if epoch is not None:
+            self.step_logs.loaded(run_id, epoch, steps)
+        return steps
 
     def list_runs(
         self,
@@ -352,13 +366,20 @@ class RunStore:
 
     # -- checkpoints (fenced) -----------------------------------------------------------
 
-    @staticmethod
     def _record(
-        conn: Connection, claim: Claim, step: NewStep, next_token: uuid.UUID | None = None
-    ) -> None:
+        self,
+        conn: Connection,
+        claim: Claim,
+        step: NewStep,
+        next_token: uuid.UUID | None = None,
+    ) -> Step:
         """One fenced row (``record_step``); with ``next_token`` the lease is handed on."""
-        if conn.execute(Q["record_step"], _step_params(claim, step, next_token)).first() is None:
+        row = conn.execute(Q["record_step"], _step_params(claim, step, next_token)).mappings()
+        written = row.first()
+        if written is None:
+            self.step_logs.forget(claim.run_id)
             raise LeaseLost(claim.run_id, "checkpoint refused by the fence")
+        return _step(written)
 
     def checkpoint_model(self, claim: Claim, step: ModelCheckpoint) -> Dispatch:
         """Step row, token counters and lease hand-over in one statement."""
@@ -380,7 +401,8 @@ class RunStore:
             request=step.request,
         )
         with self._statement() as conn:
-            self._record(conn, claim, row, token)
+            written = self._record(conn, claim, row, token)
+        self.step_logs.wrote(claim.run_id, claim.epoch, [written], token)
         return Dispatch(claim.run_id, token)
 
     def schedule(
@@ -395,8 +417,13 @@ class RunStore:
         is not progress. ``model_attempts`` persists the attempts of the model step in flight.
         Fenced."""
         token = uuid.uuid4()
-        with self._statement() as conn:
-            self._schedule(conn, claim, delay_seconds, token, reason, False, model_attempts)
+        try:
+            with self._statement() as conn:
+                self._schedule(conn, claim, delay_seconds, token, reason, False, model_attempts)
+        except LeaseLost:
+            self.step_logs.forget(claim.run_id)
+            raise
+        self.step_logs.wrote(claim.run_id, claim.epoch, [], token)
         return Dispatch(claim.run_id, token, delay_seconds)
 
     @staticmethod
@@ -445,20 +472,37 @@ class RunStore:
         token = uuid.uuid4()
         if delay_seconds is None and len(steps) == 1:  # the common case: one statement
             with self._statement() as conn:
-                self._record(conn, claim, steps[0], token)
+                written = [self._record(conn, claim, steps[0], token)]
+            self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
             return Dispatch(claim.run_id, token)
-        with self.engine.begin() as conn:
-            for step in steps:
-                self._record(conn, claim, step)
-            if delay_seconds is not None:
-                self._schedule(
-                    conn, claim, delay_seconds, token, reason, bool(steps), model_attempts
+        try:
+            with self.engine.begin() as conn:
+                written = [self._record(conn, claim, step) for step in steps]
+                self._hand_over(
+                    conn, claim, token, delay_seconds, reason, bool(steps), model_attempts
                 )
-            elif not conn.execute(
-                Q["hand_over_run"], {**_fence(claim), "next_token": token}
-            ).rowcount:
-                raise LeaseLost(claim.run_id, "checkpoint refused by the fence")
+        except LeaseLost:
+            self.step_logs.forget(claim.run_id)
+            raise
+        self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
         return Dispatch(claim.run_id, token, delay_seconds or 0.0)
+
+    @staticmethod
+    def _hand_over(
+        conn: Connection,
+        claim: Claim,
+        token: uuid.UUID,
+        delay_seconds: float | None,
+        reason: str | None,
+        progress: bool,
+        model_attempts: int,
+    ) -> None:
+        """After rows recorded in the same transaction: the lease to the next message, or a
+        durable timer. Fenced."""
+        if delay_seconds is not None:
+            RunStore._schedule(conn, claim, delay_seconds, token, reason, progress, model_attempts)
+        elif not conn.execute(Q["hand_over_run"], {**_fence(claim), "next_token": token}).rowcount:
+            raise LeaseLost(claim.run_id, "checkpoint refused by the fence")
 
     def suspend_for_approval(
         self,
@@ -471,6 +515,7 @@ class RunStore:
         timeout_policy: str,
     ) -> uuid.UUID:
         """Record the PENDING approval and suspend the run (no lease). Fenced."""
+        self.step_logs.forget(claim.run_id)  # a decision gives the run a new token anyway
         with self.engine.begin() as conn:
             self._record(conn, claim, step)
             suspended = conn.execute(
@@ -651,28 +696,35 @@ class RunStore:
         """Record a step with an effect STARTED before its code runs (or again, when it is
         entered once more). Fenced."""
         with self._statement() as conn:
-            row = conn.execute(
-                Q["start_step"],
-                {
-                    **_fence(claim),
-                    "seq": step.seq,
-                    "step_key": step.step_key,
-                    "kind": str(step.kind),
-                    "tool_name": step.tool_name,
-                    "tool_use_id": step.tool_use_id,
-                    "attempt": step.attempt,
-                    "input_hash": step.input_hash,
-                },
-            ).first()
-            if row is None:
-                raise LeaseLost(claim.run_id, "step start refused by the fence")
+            row = (
+                conn.execute(
+                    Q["start_step"],
+                    {
+                        **_fence(claim),
+                        "seq": step.seq,
+                        "step_key": step.step_key,
+                        "kind": str(step.kind),
+                        "tool_name": step.tool_name,
+                        "tool_use_id": step.tool_use_id,
+                        "attempt": step.attempt,
+                        "input_hash": step.input_hash,
+                    },
+                )
+                .mappings()
+                .first()
+            )
+        if row is None:
+            self.step_logs.forget(claim.run_id)
+            raise LeaseLost(claim.run_id, "step start refused by the fence")
+        self.step_logs.wrote(claim.run_id, claim.epoch, [_step(row)])
 
     def record_child(self, claim: Claim, step: NewStep) -> None:
         """Record a step inside a step that is still running (a model call inside
         ``steps.llm``, a nested step) and add its tokens to the run, without handing the
         lease on. Fenced."""
         with self._statement() as conn:
-            self._record(conn, claim, step)
+            written = self._record(conn, claim, step)
+        self.step_logs.wrote(claim.run_id, claim.epoch, [written])
 
     def finish(
         self,
@@ -683,6 +735,7 @@ class RunStore:
         error: str | None = None,
     ) -> None:
         """End the run (or park it NEEDS_ATTENTION) and release the lease. Fenced."""
+        self.step_logs.forget(claim.run_id)
         with self._statement() as conn:
             row = conn.execute(
                 Q["finish_run"],
