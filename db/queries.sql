@@ -93,8 +93,8 @@ WHERE r.id = ANY(CAST(:ids AS uuid[]));
 -- no-progress counter and the model attempts of the step in flight are reset, and with
 -- :hand_over the lease is handed on to the next drive_run message (a new dispatch token).
 -- A key seen before (a STARTED tool or step, a retried or approved step) keeps its seq and
--- gets its new status, result and attempt; its tokens add up. Returns the row as list_steps
--- reads it (the store keeps the step log of the runs it holds: see RunStore.steps).
+-- gets its new status, result and attempt; its tokens add up. Returns the row written (the
+-- store keeps the step log of the runs it hands on: see db/steplog.py).
 WITH fenced AS (
     UPDATE run
     SET tokens_used = tokens_used + :total_tokens,
@@ -146,14 +146,7 @@ SET status = EXCLUDED.status, response = EXCLUDED.response, error = EXCLUDED.err
     stop_reason = EXCLUDED.stop_reason,
     worker = EXCLUDED.worker, lease_epoch = EXCLUDED.lease_epoch,
     finished_at = EXCLUDED.finished_at
-RETURNING run_step.run_id, run_step.seq, run_step.step_key, run_step.kind, run_step.status,
-          run_step.tool_name, run_step.tool_use_id, run_step.model, run_step.prompt_hash,
-          run_step.response, run_step.stop_reason, run_step.input_tokens,
-          run_step.output_tokens, run_step.cache_creation_input_tokens,
-          run_step.cache_read_input_tokens, run_step.cost_usd, run_step.latency_ms,
-          run_step.request_id, run_step.error, run_step.resolution, run_step.attempt,
-          run_step.input_hash, run_step.compensation, run_step.worker, run_step.lease_epoch,
-          run_step.started_at, run_step.finished_at;
+RETURNING *;
 
 -- hand_over_run --
 -- Hand the lease on without a step row (after several rows were recorded, each fenced, in
@@ -210,14 +203,7 @@ SET status = 'STARTED', resolution = NULL, attempt = EXCLUDED.attempt, error = N
     input_hash = COALESCE(EXCLUDED.input_hash, run_step.input_hash),
     worker = EXCLUDED.worker, lease_epoch = EXCLUDED.lease_epoch,
     started_at = now(), finished_at = NULL
-RETURNING run_step.run_id, run_step.seq, run_step.step_key, run_step.kind, run_step.status,
-          run_step.tool_name, run_step.tool_use_id, run_step.model, run_step.prompt_hash,
-          run_step.response, run_step.stop_reason, run_step.input_tokens,
-          run_step.output_tokens, run_step.cache_creation_input_tokens,
-          run_step.cache_read_input_tokens, run_step.cost_usd, run_step.latency_ms,
-          run_step.request_id, run_step.error, run_step.resolution, run_step.attempt,
-          run_step.input_hash, run_step.compensation, run_step.worker, run_step.lease_epoch,
-          run_step.started_at, run_step.finished_at;
+RETURNING *;
 
 -- finish_run --
 -- End the run (or park it for a human, NEEDS_ATTENTION), releasing the lease. Fenced.
