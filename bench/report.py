@@ -106,7 +106,7 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
                 add(
                     "a",
                     f"DB round trips per {kind.lower()} step ({calls[kind]['commits']:.1f} "
-                    f"commits, {calls[kind]['checkouts']:.1f} pre-pings)",
+                    f"tx, {calls[kind]['checkouts']:.1f} pings)",
                     calls[kind]["round_trips"],
                     "bare hop",
                     hop_rt,
