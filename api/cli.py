@@ -1,5 +1,5 @@
 """The ``dar`` command: migrate, run the development stack, run the demo, and every call of
-the REST API (runs, timeline, cancel, resume, resolve, approvals)."""
+the REST API (runs, timeline, cancel, resume, resolve, fork, diff, approvals)."""
 
 from __future__ import annotations
 

@@ -175,7 +175,7 @@ def _edit(copied: list[Step], from_seq: int, seq: int, output: Any, settings: Se
         kinds = "; ".join(f"{k} ({what})" for k, what in EDITABLE.items())
         raise ForkRefused(
             "toolResult",
-            f"step {seq} ({target.step_key}) is a {target.kind} step; an edit replaces {kinds}",
+            f"step {seq} ({target.step_key}) is of kind {target.kind}; an edit replaces {kinds}",
         )
     if target.kind is StepKind.TOOL:
         # As a tool's own output reaches the model: text, anything else as JSON, capped.

@@ -268,7 +268,7 @@ def test_bad_fork_points_and_edits_name_the_field(
         ({"from_seq": 11}, "fromSeq", "fromSeq must be from 1 to 10 (got 11)"),
         ({"from_seq": 0}, "fromSeq", "fromSeq must be from 1 to 10"),
         ({"from_seq": 5, "tool_result": (6, "x")}, "toolResult", "seq 6 is not a copied step"),
-        ({"from_seq": 5, "tool_result": (3, "x")}, "toolResult", "is a MODEL step"),
+        ({"from_seq": 5, "tool_result": (3, "x")}, "toolResult", "is of kind MODEL"),
         ({"from_seq": 5, "input": "  "}, "input", "must be a non-empty string"),
     ]
     for kwargs, field, message in cases:

@@ -205,7 +205,7 @@ def test_a_fork_point_inside_a_step_is_refused(
         fork(tester, first.run_id, from_seq=CALL)
     assert refused.value.field == "fromSeq"
     assert "seq 2 is inside step quote:0 (seq 1)" in str(refused.value)
-    with pytest.raises(ForkRefused, match=r"toolResult: step 5 \(pay:0\) is a APPROVAL step"):
+    with pytest.raises(ForkRefused, match=r"toolResult: step 5 \(pay:0\) is of kind APPROVAL"):
         fork(tester, first.run_id, from_seq=NOTIFY, tool_result=(PAY, 1))
 
 
