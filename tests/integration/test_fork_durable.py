@@ -46,9 +46,11 @@ class Shop:
                 lambda: effect("reserve", amount),
                 compensate=lambda a: effect("release", a),
             )
-            paid = steps.approval("lead", 3600).run(
-                "pay", lambda oid, r: effect("pay", [oid, r]), order["id"], reserved
-            )
+
+            def pay(oid: int, r: int) -> Any:  # the approved action charges in a nested step
+                return steps.run("charge", lambda: effect("pay", [oid, r]))
+
+            paid = steps.approval("lead", 3600).run("pay", pay, order["id"], reserved)
             if order.get("fail_notify"):
                 raise RuntimeError("notify failed")
             receipt = steps.run("notify", lambda: effect("notify", paid))
@@ -57,8 +59,9 @@ class Shop:
         return refund
 
 
-# seqs of the original: quote 1 (its model call 2), hold 3, reserve 4, pay 5, notify 6
-QUOTE, CALL, HOLD, RESERVE, PAY, NOTIFY = 1, 2, 3, 4, 5, 6
+# seqs of the original: quote 1 (its model call 2), hold 3, reserve 4, pay 5 (its charge 6),
+# notify 7
+QUOTE, CALL, HOLD, RESERVE, PAY, CHARGE, NOTIFY = 1, 2, 3, 4, 5, 6, 7
 
 
 @pytest.fixture
@@ -84,12 +87,13 @@ def original(tester: DurableTester, model: FakeModel, order: dict[str, Any] = OR
     waiting = tester.run("fork-refund", order)
     assert_run(waiting).waiting()
     done = tester.approve(waiting.run_id, "alice")
-    assert [(s.seq, s.step_key) for s in done.steps][:5] == [
+    assert [(s.seq, s.step_key) for s in done.steps][:6] == [
         (QUOTE, "quote:0"),
         (CALL, "quote:0/llm:0"),
         (HOLD, "hold:0"),
         (RESERVE, "reserve:0"),
         (PAY, "pay:0"),
+        (CHARGE, "pay:0/charge:0"),
     ]
     return done
 
@@ -127,6 +131,9 @@ def test_an_approval_whose_payload_an_edit_changed_is_asked_again(
     (pending,) = runtime.store.list_approvals(run_id=waiting.run_id)
     assert pending.payload == {"stepKey": "pay:0", "input": [1, 99]}
     assert shop.by(waiting.run_id) == [], "the old decision did not pay the new amount"
+    assert "pay:0/charge:0" not in {s.step_key for s in waiting.steps}, (
+        "the original's charge, nested in the old approval, is no history of the new one"
+    )
     pay = next(s for s in waiting.steps if s.step_key == "pay:0")
     assert (pay.seq, pay.status, pay.origin) == (PAY, StepStatus.PENDING, None)
     reserve = next(s for s in waiting.steps if s.step_key == "reserve:0")
@@ -173,8 +180,8 @@ def test_a_fork_of_a_compensated_run_before_its_failure_can_succeed(
 ) -> None:
     first = original(tester, model, {**ORDER, "fail_notify": True})
     assert_run(first).failed().compensated("reserve", "hold")
-    assert first.steps[5].step_key == "compensate:reserve:0"
-    done = fork(tester, first.run_id, from_seq=6, input=ORDER)  # before the compensations
+    assert first.steps[6].step_key == "compensate:reserve:0"
+    done = fork(tester, first.run_id, from_seq=7, input=ORDER)  # before the compensations
     assert_run(done).completed().output({"receipt": [1, 20]})
     assert shop.by(done.run_id) == [("notify", [1, 20])]
     assert not any(s.kind is StepKind.COMPENSATION for s in done.steps), "not copied: after N"
@@ -201,6 +208,8 @@ def test_a_fork_point_inside_a_step_is_refused(
     tester: DurableTester, model: FakeModel, shop: Shop
 ) -> None:
     first = original(tester, model)
+    with pytest.raises(ForkRefused, match=r"seq 6 is inside step pay:0 \(seq 5\)"):
+        fork(tester, first.run_id, from_seq=CHARGE)
     with pytest.raises(ForkRefused) as refused:
         fork(tester, first.run_id, from_seq=CALL)
     assert refused.value.field == "fromSeq"
