@@ -123,8 +123,7 @@ def _model_step(
     request = _request(task, agent, conversation)
     body = request.to_json()
     key = model_step_key(conversation.model_turns + 1)
-    diverged = modelcall.has_diverged(task.steps)
-    original = modelcall.recorded_answer(task, key, body, diverged=diverged)
+    original = modelcall.recorded_answer(task, key, body)
     if original is not None:  # a fork replaying the model, and the request is unchanged
         row = modelcall.replayed_row(seq, key, body, original)
         task.ensure_lease()

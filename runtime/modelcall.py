@@ -133,12 +133,17 @@ def has_diverged(steps: list[Step]) -> bool:
     )
 
 
-def recorded_answer(task: Task, key: str, body: dict[str, Any], *, diverged: bool) -> Step | None:
+def recorded_answer(
+    task: Task, key: str, body: dict[str, Any], *, diverged: bool | None = None
+) -> Step | None:
     """For a fork with ``replay_model``: the original's recorded model step ``key`` when its
     request was byte-identical to ``body`` (the prompt hashes match) and no request of the
-    fork has differed yet; ``None`` means call the model."""
+    fork has differed yet (``diverged``; read from the task's steps when ``None``); ``None``
+    means call the model. Costs nothing for a run that is not such a fork."""
     run = task.claim.run
-    if not run.replay_model or run.forked_from_run is None or diverged:
+    if not run.replay_model or run.forked_from_run is None:
+        return None
+    if diverged if diverged is not None else has_diverged(task.steps):
         return None
     original = task.store.step_by_key(run.forked_from_run, key)
     if (

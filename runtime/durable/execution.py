@@ -102,8 +102,9 @@ class Execution:
         self.compensations = Compensations(self)
         self.yielded: Yield | None = None
         self.steps_api = Steps(self)
-        self.model_diverged = modelcall.has_diverged(task.steps)
-        """A fork replaying the model has met a request that differs: no more replaying."""
+        self.model_diverged: bool | None = None
+        """A fork replaying the model met a request that differs in this task (``None``:
+        as the log says)."""
 
     # -- the Engine protocol's plain parts --------------------------------------------------
 
