@@ -301,14 +301,17 @@ class DevStack:
         self._write_state()
 
     def start_web(self) -> None:
-        # One process with threads, like the Procfile: its /metrics is the whole truth.
+        # One gevent process, like the Procfile: idle or slow clients cost no thread, and its
+        # /metrics is the whole truth.
         self._spawn(
             "web",
             [
                 "gunicorn",
                 "--bind", f"127.0.0.1:{self.port}",
+                "--worker-class", "gevent",
                 "--workers", "1",
-                "--threads", "8",
+                "--worker-connections", "2000",
+                "--keep-alive", "5",
                 "--logger-class", "api.gunicorn_logging.Logger",
                 *(["--access-logfile", "-"] if self.access_log else []),
                 *(["--no-control-socket"] if _gunicorn_has_control_socket() else []),

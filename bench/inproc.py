@@ -19,7 +19,9 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Engine, event
 
-import runtime.driver as driver_mod
+import runtime.agent_loop as loop_mod
+import runtime.effects as effects_mod
+import runtime.modelcall as modelcall_mod
 from bench.env import RESULTS, BenchEnv
 from bench.models import BenchModel, spec
 from db.records import Dispatch
@@ -84,9 +86,7 @@ for _method, _phase in STORE_PHASES.items():
 
 
 class TimedDriver(Driver):
-    @staticmethod
-    def _call(fn: Callable[..., T], timeout: float, *args: Any) -> T:
-        return _timed("tool_call", Driver._call)(fn, timeout, *args)
+    pass
 
 
 class TimedModel(BenchModel):
@@ -96,13 +96,14 @@ class TimedModel(BenchModel):
 
 @contextlib.contextmanager
 def _patched() -> Iterator[None]:
-    saved = driver_mod.replay, driver_mod.prompt_hash
-    driver_mod.replay = _timed("replay", saved[0])  # type: ignore[assignment]
-    driver_mod.prompt_hash = _timed("prompt_hash", saved[1])  # type: ignore[assignment]
+    saved = loop_mod.replay, modelcall_mod.prompt_hash, effects_mod._run
+    loop_mod.replay = _timed("replay", saved[0])  # type: ignore[assignment]
+    modelcall_mod.prompt_hash = _timed("prompt_hash", saved[1])  # type: ignore[assignment]
+    effects_mod._run = _timed("tool_call", saved[2])  # type: ignore[assignment]
     try:
         yield
     finally:
-        driver_mod.replay, driver_mod.prompt_hash = saved  # type: ignore[assignment]
+        loop_mod.replay, modelcall_mod.prompt_hash, effects_mod._run = saved  # type: ignore[assignment]
 
 
 @contextlib.contextmanager

@@ -241,6 +241,8 @@ class NewStep:
     tool_use_id: str | None = None
     compensation: str | None = None
     stop_reason: str | None = None
+    request: Any = None
+    """The full model request, kept only with DAR_STORE_REQUESTS."""
 
 
 @dataclass(frozen=True, slots=True)
