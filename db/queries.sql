@@ -405,8 +405,87 @@ SELECT count(*) FROM run_step WHERE run_id = :id AND kind = 'COMPENSATION';
 SELECT run_id, seq, step_key, kind, status, tool_name, tool_use_id, model, prompt_hash,
        response, stop_reason, input_tokens, output_tokens, cache_creation_input_tokens,
        cache_read_input_tokens, cost_usd, latency_ms, request_id, error, resolution, attempt,
-       input_hash, compensation, worker, lease_epoch, started_at, finished_at
+       input_hash, compensation, worker, lease_epoch, started_at, finished_at,
+       origin, original_tokens, original_cost_usd
 FROM run_step WHERE run_id = :id ORDER BY seq;
+
+-- lock_run_for_fork --
+-- The run to fork, held (shared) for the fork's transaction: no checkpoint of it commits
+-- while its steps are read and copied, so the copy is one consistent moment of its history.
+SELECT * FROM run WHERE id = :id FOR SHARE;
+
+-- create_fork_run --
+-- A new QUEUED run forked from :source at :from_seq, in the source's tenant.
+INSERT INTO run (id, agent, input, model, max_steps, token_budget, cost_budget_usd,
+                 deadline_at, dispatch_token, submitted_by, tenant, timeout_seconds,
+                 forked_from_run, forked_from_seq, replay_model)
+SELECT :id, s.agent, CAST(:input AS jsonb), :model, s.max_steps, :token_budget,
+       s.cost_budget_usd, now() + make_interval(secs => :timeout_seconds), :token,
+       :submitted_by, s.tenant, :timeout_seconds, s.id, :from_seq, :replay_model
+FROM run s WHERE s.id = :source
+RETURNING *;
+
+-- copy_steps_to_fork --
+-- The source's steps before :from_seq, as the fork's own history: never executed again,
+-- billing nothing (token and cost columns 0), what the source paid kept apart.
+INSERT INTO run_step (run_id, seq, step_key, kind, status, tool_name, tool_use_id, model,
+                      request, prompt_hash, response, stop_reason, latency_ms, request_id,
+                      error, resolution, attempt, input_hash, compensation, worker,
+                      lease_epoch, started_at, finished_at, origin, original_tokens,
+                      original_cost_usd)
+SELECT :fork, seq, step_key, kind, status, tool_name, tool_use_id, model, request,
+       prompt_hash, response, stop_reason, latency_ms, request_id, error, resolution, attempt,
+       input_hash, compensation, worker, lease_epoch, started_at, finished_at, 'copied',
+       COALESCE(original_tokens, 0) + input_tokens + output_tokens
+           + cache_creation_input_tokens + cache_read_input_tokens,
+       COALESCE(original_cost_usd, 0) + cost_usd
+FROM run_step WHERE run_id = :source AND seq < :from_seq
+ORDER BY seq;
+
+-- edit_fork_step --
+-- A fork's edit: a copied step's result replaced.
+UPDATE run_step
+SET response = CAST(:response AS jsonb), status = :status, error = :error, origin = 'edited'
+WHERE run_id = :fork AND seq = :seq AND origin IS NOT NULL;
+
+-- copy_approvals_to_fork --
+-- The decisions of the approvals among the copied steps (the fork's code asks again when
+-- what it would approve differs: the payload hash decides).
+INSERT INTO approval (id, run_id, step_key, role, status, payload, payload_hash,
+                      timeout_policy, requested_at, expires_at, decided_by, decided_at, comment)
+SELECT gen_random_uuid(), :fork, a.step_key, a.role, a.status, a.payload, a.payload_hash,
+       a.timeout_policy, a.requested_at, a.expires_at, a.decided_by, a.decided_at, a.comment
+FROM approval a
+JOIN run_step s ON s.run_id = a.run_id AND s.step_key = a.step_key
+WHERE a.run_id = :source AND s.seq < :from_seq AND a.status <> 'PENDING';
+
+-- get_step_by_key --
+SELECT run_id, seq, step_key, kind, status, tool_name, tool_use_id, model, prompt_hash,
+       response, stop_reason, input_tokens, output_tokens, cache_creation_input_tokens,
+       cache_read_input_tokens, cost_usd, latency_ms, request_id, error, resolution, attempt,
+       input_hash, compensation, worker, lease_epoch, started_at, finished_at,
+       origin, original_tokens, original_cost_usd
+FROM run_step WHERE run_id = :id AND step_key = :step_key;
+
+-- mark_step_origin --
+-- A row the fork recorded without executing it (a replayed model answer): say so, and what
+-- the original paid for it.
+UPDATE run_step
+SET origin = :origin, original_tokens = :original_tokens,
+    original_cost_usd = :original_cost_usd
+WHERE run_id = :id AND step_key = :step_key
+RETURNING *;
+
+-- discard_copied_step --
+-- A copied step the fork executes itself after all (an approval asked again because the
+-- edits changed what it approves): the row becomes the fork's own, and the copied rows
+-- nested in it, which belonged to the original's execution, are dropped.
+WITH dropped AS (
+    DELETE FROM run_step
+    WHERE run_id = :id AND origin IS NOT NULL AND starts_with(step_key, :step_key || '/')
+)
+UPDATE run_step SET origin = NULL, original_tokens = NULL, original_cost_usd = NULL
+WHERE run_id = :id AND step_key = :step_key;
 
 -- list_runs --
 -- Newest first, keyset-paginated on (created_at, id).

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
@@ -26,12 +27,15 @@ from db.records import (
     Dispatch,
     ModelCheckpoint,
     NewAudit,
+    NewFork,
     NewRun,
     NewStep,
     Run,
     RunStatus,
     Step,
+    StepEdit,
     StepKind,
+    StepOrigin,
     StepStatus,
     Usage,
 )
@@ -88,6 +92,9 @@ def _run(row: RowMapping) -> Run:
         model_attempts=row["model_attempts"],
         tenant=row["tenant"],
         timeout_seconds=row["timeout_seconds"],
+        forked_from_run=row["forked_from_run"],
+        forked_from_seq=row["forked_from_seq"],
+        replay_model=row["replay_model"],
     )
 
 
@@ -117,6 +124,9 @@ def _step(row: RowMapping) -> Step:
         started_at=row["started_at"],
         finished_at=row["finished_at"],
         compensation=row["compensation"],
+        origin=StepOrigin(row["origin"]) if row["origin"] else None,
+        original_tokens=row["original_tokens"],
+        original_cost_usd=row["original_cost_usd"],
     )
 
 
@@ -513,10 +523,17 @@ class RunStore:
         payload: Any,
         timeout_seconds: float,
         timeout_policy: str,
+        discard_copied: bool = False,
     ) -> uuid.UUID:
-        """Record the PENDING approval and suspend the run (no lease). Fenced."""
+        """Record the PENDING approval and suspend the run (no lease). Fenced. With
+        ``discard_copied``, a fork asks again for an approval it copied: the row becomes its
+        own and the copied rows nested in it are dropped, in the same transaction."""
         self.step_logs.forget(claim.run_id)  # a decision gives the run a new token anyway
         with self.engine.begin() as conn:
+            if discard_copied:
+                conn.execute(
+                    Q["discard_copied_step"], {"id": claim.run_id, "step_key": step.step_key}
+                )
             self._record(conn, claim, step)
             suspended = conn.execute(
                 Q["suspend_run"],
@@ -853,6 +870,97 @@ class RunStore:
             )
             for r in rows
         ]
+
+    # -- forks ----------------------------------------------------------------------------
+
+    def fork_run(self, new: NewFork, check: Callable[[Run, list[Step]], Sequence[StepEdit]]) -> Run:
+        """Create a fork of ``new.source`` in one transaction: the source is held (shared)
+        while ``check`` judges it and its steps and returns the edits to make (raising
+        refuses the fork); its steps before ``new.from_seq`` and their decided approvals are
+        copied, the edits applied, and the fork queued. Raises :class:`RunNotFound` for no
+        source."""
+        fork_id = uuid.uuid4()
+        with self.engine.begin() as conn:
+            row = conn.execute(Q["lock_run_for_fork"], {"id": new.source}).mappings().first()
+            if row is None:
+                raise RunNotFound(f"no run with id {new.source}")
+            steps = [_step(r) for r in conn.execute(Q["list_steps"], {"id": new.source}).mappings()]
+            edits = check(_run(row), steps)
+            created = (
+                conn.execute(
+                    Q["create_fork_run"],
+                    {
+                        "id": fork_id,
+                        "source": new.source,
+                        "input": _json(new.input),
+                        "model": new.model,
+                        "token_budget": new.token_budget,
+                        "timeout_seconds": new.timeout_seconds,
+                        "token": uuid.uuid4(),
+                        "submitted_by": new.submitted_by,
+                        "from_seq": new.from_seq,
+                        "replay_model": new.replay_model,
+                    },
+                )
+                .mappings()
+                .one()
+            )
+            copy = {"fork": fork_id, "source": new.source, "from_seq": new.from_seq}
+            conn.execute(Q["copy_steps_to_fork"], copy)
+            conn.execute(Q["copy_approvals_to_fork"], copy)
+            for edit in edits:
+                edited = conn.execute(
+                    Q["edit_fork_step"],
+                    {
+                        "fork": fork_id,
+                        "seq": edit.seq,
+                        "response": _json(edit.response),
+                        "status": str(edit.status),
+                        "error": edit.error,
+                    },
+                ).rowcount
+                if edited != 1:
+                    raise InvalidTransition(f"step {edit.seq} is not a copied step of the fork")
+            if new.audit is not None:  # on the source: who forked it, from where, into what
+                detail = {"fork": str(fork_id), **(new.audit.detail or {})}
+                _record_audit(conn, new.source, replace(new.audit, detail=detail))
+        return _run(created)
+
+    def step_by_key(self, run_id: uuid.UUID, step_key: str) -> Step | None:
+        with self.engine.connect() as conn:
+            row = (
+                conn.execute(Q["get_step_by_key"], {"id": run_id, "step_key": step_key})
+                .mappings()
+                .first()
+            )
+        return _step(row) if row else None
+
+    def record_replayed(
+        self, claim: Claim, step: NewStep, original: Step, *, hand_over: bool
+    ) -> Dispatch | None:
+        """Record a model step a fork answered from ``original`` (the source run's row) without
+        calling the model: no tokens billed, what the original paid kept apart. With
+        ``hand_over`` it is the task's step (the lease is handed on, as a checkpoint does);
+        else a child step of a running durable step. Fenced."""
+        token = uuid.uuid4() if hand_over else None
+        with self.engine.begin() as conn:
+            self._record(conn, claim, step, token)
+            marked = (
+                conn.execute(
+                    Q["mark_step_origin"],
+                    {
+                        "id": claim.run_id,
+                        "step_key": step.step_key,
+                        "origin": str(StepOrigin.REPLAYED),
+                        "original_tokens": (original.original_tokens or 0) + original.usage.total,
+                        "original_cost_usd": (original.original_cost_usd or 0) + original.cost_usd,
+                    },
+                )
+                .mappings()
+                .one()
+            )
+        self.step_logs.wrote(claim.run_id, claim.epoch, [_step(marked)], token)
+        return Dispatch(claim.run_id, token) if token is not None else None
 
     def mark_undispatched(self, dispatch: Dispatch) -> None:
         with self._statement() as conn:
