@@ -22,8 +22,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 
 @pytest.fixture
+def pool() -> str:
+    return "threads"
+
+
+@pytest.fixture
 def stack(
-    database_url: str, redis_url: str, settings: Settings, tmp_path: Path
+    database_url: str, redis_url: str, settings: Settings, tmp_path: Path, pool: str
 ) -> Iterator[DevStack]:
     log_path = tmp_path / "stack.log"
     with log_path.open("wb") as log:
@@ -32,6 +37,7 @@ def stack(
             port=free_port(),
             workers=2,
             concurrency=4,
+            pool=pool,
             env={
                 **{k: v for k, v in __import__("os").environ.items()},
                 "DATABASE_URL": database_url,
@@ -53,7 +59,13 @@ def stack(
             print(log_path.read_text(errors="replace")[-20000:])
 
 
-def test_sigkill_mid_step_resumes_on_the_other_worker(stack: DevStack) -> None:
+@pytest.mark.parametrize("pool", ["threads", "gevent"])
+def test_sigkill_mid_step_resumes_on_the_other_worker(stack: DevStack, pool: str) -> None:
+    """The same with either worker pool: a thread per step, or a greenlet per step (gevent,
+    for thousands of model calls in flight per process)."""
+    for name, proc in stack.processes.items():
+        if name.startswith("worker-"):
+            assert ["--pool", pool] == [a for a in proc.args if a in ("--pool", pool)][:2]
     engine = make_engine(stack.database_url, pool_size=2)
     store = RunStore(engine)
     try:
