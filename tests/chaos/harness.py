@@ -497,6 +497,9 @@ def build_stack(
             "DAR_MODEL_TIMEOUT_SECONDS": "30",
             "DAR_FAULTS_SEED": str(seed),
             "DAR_LOG_LEVEL": "INFO",
+            # A process that dies of a signal it did not get from us (a segfault) leaves the
+            # Python stack of every thread in its log.
+            "PYTHONFAULTHANDLER": "1",
             "DAR_AGENT_MODULES": "tests.chaos.durable_agents",
             "ANTHROPIC_API_KEY": "test",
             "ANTHROPIC_BASE_URL": fake.url,

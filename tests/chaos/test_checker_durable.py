@@ -308,6 +308,22 @@ MUTATIONS: dict[str, tuple[Callable[[Evidence], Evidence], str]] = {
         lambda ev: extra_call(ev, OK),
         checker.MODEL_REPEATS,
     ),
+    "every recorded call made again after one crash": (
+        lambda ev: hit(
+            dataclasses.replace(
+                ev,
+                calls=[
+                    *ev.calls,
+                    *(
+                        dataclasses.replace(c, request_id=c.request_id + "_again")
+                        for c in _calls(OK)
+                    ),
+                ],
+            ),
+            OK,
+        ),
+        checker.MODEL_REPEATS,
+    ),
     "billed tokens nowhere, with no fault": (
         lambda ev: extra_call(ev, OK),
         checker.BILLED,
