@@ -1108,7 +1108,7 @@ def report(ev: Evidence, start: float) -> str:
             f"steps={d_steps} effects={len(ev.effects)} compensations={dict(comps)} "
             f"decisions={dict(verbs)} repeated_posts={dict(again)}"
         )
-        lines.append(f"  faults that hit durable runs: {dict(sorted(hits.items())) or 'none'}")
+        lines.append(f"  fault hits on durable runs: {dict(sorted(hits.items())) or 'none'}")
     if ev.lease_losses:
         lines.append(
             "leases found taken over by their holder's heartbeat (post-commit false alarms "
