@@ -91,11 +91,13 @@ def create_app(
             pop_context(token)
 
     from api.approvals import bp as approvals_bp
+    from api.forks import bp as forks_bp
     from api.health import bp as health_bp
     from api.runs import bp as runs_bp
 
     app.register_blueprint(runs_bp, url_prefix="/api")
     app.register_blueprint(approvals_bp, url_prefix="/api")
+    app.register_blueprint(forks_bp, url_prefix="/api")
     app.register_blueprint(health_bp)
 
     # HTTP metrics, and the fleet-wide gauges read from PostgreSQL, on /metrics. A registry

@@ -129,6 +129,9 @@ class DevStack:
     port: int = 8080
     workers: int = 2
     concurrency: int = 16
+    pool: str = field(default_factory=lambda: os.environ.get("DAR_WORKER_POOL", "threads"))
+    """Celery's worker pool: ``threads`` or ``gevent`` (a model call in flight costs a
+    greenlet, not a thread: thousands per process)."""
     beat: bool = True
     flower_port: int = 0
     """Run Flower on this port (0: no Flower)."""
@@ -328,7 +331,7 @@ class DevStack:
             name,
             [
                 "celery", "--quiet", "-A", "tasks.app", "worker",
-                "--pool", "threads",
+                "--pool", self.pool,
                 "--concurrency", str(self.concurrency),
                 "--hostname", f"{name}@%h",
                 "--without-gossip", "--without-mingle",

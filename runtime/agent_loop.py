@@ -122,6 +122,14 @@ def _model_step(
     set_step(seq)
     request = _request(task, agent, conversation)
     body = request.to_json()
+    key = model_step_key(conversation.model_turns + 1)
+    original = modelcall.recorded_answer(task, key, body)
+    if original is not None:  # a fork replaying the model, and the request is unchanged
+        row = modelcall.replayed_row(seq, key, body, original)
+        task.ensure_lease()
+        dispatch = task.store.record_replayed(task.claim, row, original, hand_over=True)
+        log.info("run=%s seq=%d MODEL replayed (request unchanged; 0 tokens)", task.rid, seq)
+        return StepResult(Outcome.CONTINUE, dispatch=dispatch)
     refusal = modelcall.strict_budget_refusal(task, request, body)
     if refusal:
         return task.finish(RunStatus.FAILED, error=refusal)
@@ -151,7 +159,7 @@ def _model_step(
         )
     checkpoint = ModelCheckpoint(
         seq=seq,
-        step_key=model_step_key(conversation.model_turns + 1),
+        step_key=key,
         model=answer.model,
         prompt_hash=modelcall.prompt_hash(body),
         request=body if task.settings.store_requests else None,

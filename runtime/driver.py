@@ -90,7 +90,7 @@ class Driver:
             )
             return StepResult(Outcome.DROPPED)
         crash_point("after_claim")
-        result = self.execute(claim)
+        result = self.execute(claim, token)
         if result.dispatch is not None:
             crash_point("after_checkpoint")
         return result
@@ -102,7 +102,8 @@ class Driver:
 
     # -- one step -----------------------------------------------------------------------
 
-    def execute(self, claim: Claim) -> StepResult:
+    def execute(self, claim: Claim, token: uuid.UUID | None = None) -> StepResult:
+        """One step of the claimed run; ``token`` is the one its message carried."""
         run = claim.run
         services = Services(
             store=self.store,
@@ -129,7 +130,7 @@ class Driver:
                         f"{self.settings.max_claims_without_progress})"
                     ),
                 )
-            task.steps = self.store.steps(run.id)
+            task.steps = self.store.steps(run.id, token=token, epoch=claim.epoch)
             if run.claims_without_progress > 1:
                 log.info("run=%s resumed at seq=%d", short(run.id), self._resume_seq(task.steps))
             try:

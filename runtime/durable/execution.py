@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from db.records import NewStep, RunStatus, Step, StepKind, StepStatus
+from db.records import NewStep, RunStatus, Step, StepKind, StepStatus, Usage
 from runtime import effects, modelcall
 from runtime.codec import decode, encode
 from runtime.durable.api import (
@@ -102,6 +102,9 @@ class Execution:
         self.compensations = Compensations(self)
         self.yielded: Yield | None = None
         self.steps_api = Steps(self)
+        self.model_diverged: bool | None = None
+        """A fork replaying the model met a request that differs in this task (``None``:
+        as the log says)."""
 
     # -- the Engine protocol's plain parts --------------------------------------------------
 
@@ -484,6 +487,11 @@ class Execution:
             )
         body = request.to_json()
         with self.engine_call():
+            original = modelcall.recorded_answer(self.task, key, body, diverged=self.model_diverged)
+        if original is not None:  # a fork replaying the model, and the request is unchanged
+            return self._replayed(key, rec, parent, body, original)
+        self.model_diverged = True
+        with self.engine_call():
             stop = self.task.guard(steps_taken=0, next_is_model=True)
             refusal = modelcall.strict_budget_refusal(self.task, request, body)
         if stop is None and refusal:
@@ -533,6 +541,28 @@ class Execution:
         )
         return response
 
+    def _replayed(
+        self, key: str, rec: Step | None, parent: Frame, body: dict[str, Any], original: Step
+    ) -> LlmResponse:
+        row = modelcall.replayed_row(
+            rec.seq if rec is not None else self.take_seq(),
+            key,
+            body,
+            original,
+            attempt=parent.attempt,
+        )
+        with self.engine_call():
+            self.task.ensure_lease()
+            self.task.store.record_replayed(self.task.claim, row, original, hand_over=False)
+        log.info("run=%s seq=%d MODEL %s replayed (request unchanged)", self.task.rid, row.seq, key)
+        return LlmResponse(
+            original.response or [],
+            original.stop_reason,
+            Usage(),
+            original.model or self.default_model,
+            original.request_id,
+        )
+
     # -- approvals ----------------------------------------------------------------------------
 
     def approval(
@@ -557,6 +587,11 @@ class Execution:
         payload = {"stepKey": key, "input": encode(list(args))}
         digest = _hash(payload)
         rec = self.recorded.get(key)
+        if rec is not None and rec.origin is not None and rec.input_hash != digest:
+            # A fork copied this decision, but its edits changed what would be approved: the
+            # decision was not about this payload, so the approver is asked again.
+            self._guard(StepKind.APPROVAL)
+            return self._suspend(builder, key, payload, digest, copied=rec)
         if rec is not None and rec.status is StepStatus.DONE:
             value = decode(rec.response, type)
             self.compensations.completed(key, value, None)
@@ -593,8 +628,15 @@ class Execution:
         self._guard(StepKind.APPROVAL)
         return self._suspend(builder, key, payload, digest)
 
-    def _suspend(self, builder: ApprovalBuilder, key: str, payload: Any, digest: str) -> NoReturn:
-        seq = self.take_seq()
+    def _suspend(
+        self,
+        builder: ApprovalBuilder,
+        key: str,
+        payload: Any,
+        digest: str,
+        copied: Step | None = None,
+    ) -> NoReturn:
+        seq = copied.seq if copied is not None else self.take_seq()
         row = NewStep(
             seq=seq,
             step_key=key,
@@ -611,6 +653,7 @@ class Execution:
                 payload=payload,
                 timeout_seconds=builder.timeout_seconds,
                 timeout_policy=builder.policy,
+                discard_copied=copied is not None,
             )
         log.info("run=%s seq=%d APPROVAL %s waiting for %s", self.task.rid, seq, key, builder.role)
         notify_approval(self.task, self.agent, approval_id, key, builder, payload, digest)

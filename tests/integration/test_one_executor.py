@@ -13,7 +13,8 @@ from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from db.errors import LeaseLost
-from db.records import Dispatch, NewStep, RunStatus, StepKind, StepStatus, Usage
+from db.records import Dispatch, NewStep, RunStatus, Step, StepKind, StepStatus, Usage
+from db.store import RunStore
 from examples.order_refund import build as build_refund
 from runtime.bootstrap import Runtime
 from runtime.durable import Model, Steps, StepTimeout, durable_agent, idempotent, step
@@ -21,8 +22,10 @@ from runtime.durable.errors import InfrastructureError
 from runtime.heartbeat import Heartbeat
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.retry import RetryingLlmClient, RetryPolicy
+from runtime.llm.scripted import ScriptedLlm
 from runtime.testkit import DurableTester, FakeModel, SimulatedCrash
-from tests.support import expire_lease
+from runtime.tools import ToolContext, tool
+from tests.support import drive_to_end, expire_lease, register_agent, submit
 
 EFFECTS: list[str] = []
 
@@ -598,3 +601,78 @@ def test_resume_past_the_deadline_is_judged_by_the_database_clock(runtime: Runti
             {"id": run.id},
         ).scalar_one()
     assert 100 < left <= 120
+
+
+# -- the step log a process keeps of the runs it hands on (issue "Fast at scale") -----------
+
+
+class _CheckedStore(RunStore):
+    """Every log served from the process's copy is compared with the database's."""
+
+    served: int = 0
+
+    def steps(
+        self, run_id: uuid.UUID, *, token: uuid.UUID | None = None, epoch: int | None = None
+    ) -> list[Step]:
+        hits = self.step_logs.hits
+        got = super().steps(run_id, token=token, epoch=epoch)
+        if self.step_logs.hits > hits:
+            _CheckedStore.served += 1
+            assert got == super().steps(run_id), "the copy differs from the database"
+        return got
+
+
+def test_the_next_step_reads_no_log_when_this_process_handed_the_run_on(
+    runtime: Runtime,
+) -> None:
+    checked = _CheckedStore(runtime.engine)
+    runtime.store = checked
+
+    @tool(idempotent=True)
+    def lookup(q: str, ctx: ToolContext) -> str:
+        """Look up."""
+        return q.upper()
+
+    llm = runtime.llm
+    assert isinstance(llm, ScriptedLlm)
+    for i in range(3):
+        llm.then_tool_use(f"toolu_{i}", "lookup", {"q": f"x{i}"})
+    llm.then_text("done")
+    register_agent(runtime.agents, lookup)
+    run, dispatch = submit(checked)
+    _CheckedStore.served = 0
+    drive_to_end(runtime.driver(), dispatch)
+    assert checked.get_run(run.id).status is RunStatus.SUCCEEDED
+    assert _CheckedStore.served == 7, "every step after the first was served from the copy"
+
+    # A durable function with a retry timer, nested steps and a model call in a step.
+    model = FakeModel().respond_with_text("hi")
+    runtime.llm = model
+
+    @durable_agent("cached")
+    def fn(_: object, steps: Steps) -> str:
+        a = steps.run("a", lambda: steps.run("inner", lambda: "a", type=str), type=str)
+        b = steps.retry(2, 0.01).run("b", lambda: "b", type=str)
+        c = steps.llm("c", lambda m: m.complete("hello"), type=str)
+        return a + b + c
+
+    _CheckedStore.served = 0
+    run_id, dispatch2 = _start(runtime, fn)
+    assert _drive(runtime, dispatch2) is RunStatus.SUCCEEDED
+    assert checked.get_run(run_id).result == "abhi"
+    assert _CheckedStore.served >= 3
+
+
+def test_a_message_this_process_did_not_send_reads_the_log(runtime: Runtime) -> None:
+    run, dispatch = runtime.submit("acme-tickets", "hi")
+    claim = runtime.store.claim(run.id, dispatch.token, "w", 5)
+    assert claim is not None
+    runtime.store.steps(run.id, token=dispatch.token, epoch=claim.epoch)
+    handed = runtime.store.schedule(claim, 0, reason="x")
+    (other,) = runtime.store.redispatch_due(redispatch_after=0)  # the reaper's new token
+    assert other.token != handed.token
+    before = runtime.store.step_logs.misses
+    claim2 = runtime.store.claim(run.id, other.token, "w", 5)
+    assert claim2 is not None
+    runtime.store.steps(run.id, token=other.token, epoch=claim2.epoch)
+    assert runtime.store.step_logs.misses == before + 1
