@@ -278,7 +278,9 @@ class Execution:
     ) -> Any:
         if rec is None:
             seq, attempt = self.take_seq(), 1
-        elif rec.status is StepStatus.PAUSED:
+        elif rec.status in (StepStatus.PAUSED, StepStatus.STARTED):
+            # Entered again after a pause or a crash: the same attempt, so the model calls
+            # it recorded are replayed (only a failed attempt's retry calls the model afresh).
             seq, attempt = rec.seq, rec.attempt
         else:
             seq, attempt = rec.seq, rec.attempt + 1

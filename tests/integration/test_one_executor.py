@@ -231,6 +231,38 @@ def test_an_answered_call_is_not_repeated_after_a_rate_limit_wait(runtime: Runti
     assert script.calls == ["first", "second", "second"], "the answered call was replayed"
 
 
+def test_answered_calls_are_replayed_after_a_crash_in_the_llm_step(runtime: Runtime) -> None:
+    # Found by the durable chaos campaign: the worker died after both calls of a steps.llm
+    # were recorded, before the step's checkpoint. The step is re-entered (llm steps are
+    # idempotent), but as a new attempt, and a recorded call is replayed only for its own
+    # attempt: both calls were made and paid again (README: at most one repeat per crash).
+    model = FakeModel()
+    for i in range(4):
+        model.respond_with_text(f"answer {i}", input_tokens=100 + i, output_tokens=1)
+    runtime.llm = model
+    crashed: list[bool] = []
+
+    def advise(m: Model) -> str:
+        answer = m.complete("one") + " / " + m.complete("two")
+        if not crashed:
+            crashed.append(True)
+            raise SimulatedCrash("died after both calls were recorded, before the checkpoint")
+        return answer
+
+    @durable_agent("advise-crash")
+    def fn(_: object, steps: Steps) -> str:
+        return steps.llm("advise", advise, type=str)
+
+    run_id, dispatch = _start(runtime, fn)
+    with pytest.raises(SimulatedCrash):
+        _drive(runtime, dispatch)
+    assert _resume(runtime, run_id) is RunStatus.SUCCEEDED
+    assert model.calls == 2, "the recorded calls were replayed, not made again"
+    run = runtime.store.get_run(run_id)
+    assert run.result == "answer 0 / answer 1"
+    assert run.tokens_used == (100 + 1) + (101 + 1)
+
+
 # -- scenario 4: model attempts are capped across durable timers ------------------------------
 
 
