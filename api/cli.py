@@ -1,5 +1,5 @@
 """The ``dar`` command: migrate, run the development stack, run the demo, and every call of
-the REST API (runs, timeline, cancel, resume, resolve, approvals)."""
+the REST API (runs, timeline, cancel, resume, resolve, fork, diff, approvals)."""
 
 from __future__ import annotations
 
@@ -302,7 +302,7 @@ def _timeline_table(steps: list[dict[str, Any]]) -> str:
             [
                 s["seq"],
                 s["kind"],
-                s["status"],
+                s["status"] + (f" ({s['origin']})" if s.get("origin") else ""),
                 s["toolName"] or s["stopReason"] or s["stepKey"],
                 s["inputTokens"],
                 s["outputTokens"],
@@ -401,6 +401,78 @@ def _resolve(args: argparse.Namespace) -> int:
         body["reason"] = args.reason
     run = api_call(args.api, "POST", f"/api/runs/{run_id}/resolve", body)
     print(f"dar: run {run_id} resolved ({args.action}): {run.get('status', '')}".rstrip())
+    return 0
+
+
+def _fork(args: argparse.Namespace) -> int:
+    run_id = resolve_run_id(args.api, args.run_id)
+    body: dict[str, Any] = {"fromSeq": args.from_seq}
+    if args.input is not None:
+        try:
+            body["input"] = json.loads(args.input) if args.json else args.input
+        except ValueError as e:
+            raise CliError(f"--json was given but --input is not JSON: {e}") from None
+    if args.tool_result is not None:
+        seq, output = args.tool_result
+        if not seq.isdigit():
+            raise CliError(f"--tool-result SEQ OUTPUT: SEQ must be a step's seq, not {seq!r}")
+        try:
+            value: Any = json.loads(output) if args.json else output
+        except ValueError as e:
+            raise CliError(f"--json was given but the tool result is not JSON: {e}") from None
+        body["toolResult"] = {"seq": int(seq), "output": value}
+    for key, value in (
+        ("model", args.model),
+        ("tokenBudget", args.token_budget),
+        ("timeoutSeconds", args.timeout_seconds),
+    ):
+        if value is not None:
+            body[key] = value
+    if args.replay_model:
+        body["replayModel"] = True
+    accepted = api_call(args.api, "POST", f"/api/runs/{run_id}/fork", body)
+    print(accepted["id"])
+    return 0
+
+
+def _diff_cell(side: dict[str, Any] | None) -> str:
+    if side is None:
+        return "-"
+    what = side["toolName"] or side["stepKey"]
+    origin = f" ({side['origin']})" if side["origin"] else ""
+    return f"{side['kind']} {what} {side['status']}{origin} tokens={side['tokens']}"
+
+
+def _diff(args: argparse.Namespace) -> int:
+    a = resolve_run_id(args.api, args.a)
+    b = resolve_run_id(args.api, args.b)
+    diff = api_call(args.api, "GET", f"/api/runs/{a}/diff/{b}")
+    for name in ("a", "b"):
+        r = diff[name]
+        fork = r["forkedFrom"]
+        lineage = f" forked from {fork['runId']} at seq {fork['seq']}" if fork else ""
+        print(
+            f"{name}: {r['id']} {r['status']} model={r['model']} tokens={r['tokensUsed']} "
+            f"cost=${r['costUsd']:.4f}{lineage}"
+        )
+    if diff["runDifferences"]:
+        print(f"runs differ in: {', '.join(diff['runDifferences'])}")
+    first = diff["firstDifferentSeq"]
+    print("the steps are the same" if first is None else f"first difference at seq {first}")
+    print(
+        _table(
+            ["SEQ", "A", "B", "DIFFERS IN"],
+            [
+                [
+                    row["seq"],
+                    _diff_cell(row["a"]),
+                    _diff_cell(row["b"]),
+                    ", ".join(row["differences"]),
+                ]
+                for row in diff["steps"]
+            ],
+        )
+    )
     return 0
 
 
@@ -598,6 +670,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="with supply_result: the tool's result")
     p.add_argument("--is-error", action="store_true", help="with supply_result: it is an error")
     p.add_argument("--reason", help="with fail: why")
+
+    p = api_command("fork", _fork, "fork a run from a step, with edits; prints the new run's id")
+    p.add_argument("run_id", help=run_help)
+    p.add_argument(
+        "--from-seq", type=int, required=True,
+        help="the first step the fork executes itself (steps before it are copied)",
+    )  # fmt: skip
+    p.add_argument("--input", help="the fork's input instead of the run's (JSON with --json)")
+    p.add_argument("--json", action="store_true", help="--input and the tool result are JSON")
+    p.add_argument("--model", help="another model for the fork's model steps")
+    p.add_argument(
+        "--tool-result", nargs=2, metavar=("SEQ", "OUTPUT"),
+        help="replace the result of the copied step SEQ (a tool or a durable step) by OUTPUT",
+    )  # fmt: skip
+    p.add_argument("--token-budget", type=int, help="tokens (default: the run's budget)")
+    p.add_argument("--timeout-seconds", type=int, help="deadline from now (default: the run's)")
+    p.add_argument(
+        "--replay-model", action="store_true",
+        help="answer model steps from the run's recorded responses while the request is "
+        "unchanged; call the model from the first request that differs",
+    )  # fmt: skip
+
+    p = api_command("diff", _diff, "compare two runs step by step (a fork and its original)")
+    p.add_argument("a", help=run_help)
+    p.add_argument("b", help=run_help)
 
     p = api_command("approvals", _approvals, "list approvals")
     p.add_argument(

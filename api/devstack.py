@@ -129,6 +129,9 @@ class DevStack:
     port: int = 8080
     workers: int = 2
     concurrency: int = 16
+    pool: str = field(default_factory=lambda: os.environ.get("DAR_WORKER_POOL", "threads"))
+    """Celery's worker pool: ``threads`` or ``gevent`` (a model call in flight costs a
+    greenlet, not a thread: thousands per process)."""
     beat: bool = True
     flower_port: int = 0
     """Run Flower on this port (0: no Flower)."""
@@ -301,14 +304,17 @@ class DevStack:
         self._write_state()
 
     def start_web(self) -> None:
-        # One process with threads, like the Procfile: its /metrics is the whole truth.
+        # One gevent process, like the Procfile: idle or slow clients cost no thread, and its
+        # /metrics is the whole truth.
         self._spawn(
             "web",
             [
                 "gunicorn",
                 "--bind", f"127.0.0.1:{self.port}",
+                "--worker-class", "gevent",
                 "--workers", "1",
-                "--threads", "8",
+                "--worker-connections", "2000",
+                "--keep-alive", "5",
                 "--logger-class", "api.gunicorn_logging.Logger",
                 *(["--access-logfile", "-"] if self.access_log else []),
                 *(["--no-control-socket"] if _gunicorn_has_control_socket() else []),
@@ -325,7 +331,7 @@ class DevStack:
             name,
             [
                 "celery", "--quiet", "-A", "tasks.app", "worker",
-                "--pool", "threads",
+                "--pool", self.pool,
                 "--concurrency", str(self.concurrency),
                 "--hostname", f"{name}@%h",
                 "--without-gossip", "--without-mingle",

@@ -17,11 +17,12 @@ from api.schemas import (
     STATS_WINDOWS,
     TEXT_RULE,
     decision_schema,
+    fork_schema,
     resolution_schema,
     resume_schema,
     submission_schema,
 )
-from db.records import ApprovalStatus, RunStatus, StepKind, StepStatus
+from db.records import ApprovalStatus, RunStatus, StepKind, StepOrigin, StepStatus
 from db.schema import AUDIT_ACTIONS
 from runtime.config import Settings
 
@@ -55,6 +56,13 @@ APPROVAL_ID = {
 }
 
 NULLABLE_STR = {"type": ["string", "null"]}
+
+OTHER_ID = {
+    "name": "other_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "format": "uuid"},
+}
 
 
 def _decision(verb: str) -> JsonObj:
@@ -296,6 +304,41 @@ def openapi_document(
                     },
                 }
             },
+            "/api/runs/{run_id}/fork": {
+                "post": {
+                    "summary": "Fork a run: a new run whose history is the run's steps before "
+                    "fromSeq (copied, never executed again; with the edits), continuing from "
+                    "fromSeq. Needs submit and the run's tenant.",
+                    "operationId": "forkRun",
+                    "parameters": [RUN_ID],
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _ref("Fork")}},
+                    },
+                    "responses": {
+                        "201": _json(_ref("ForkAccepted"), "The fork, stored and queued"),
+                        "400": _error("Invalid field; the message names it"),
+                        "404": _error("No such run"),
+                        "409": _error(
+                            "The run's state refuses the fork (a step before fromSeq has not "
+                            "completed, or its agent is not registered)"
+                        ),
+                        "429": _error("Too many submits by this token (a fork is a submit)"),
+                    },
+                }
+            },
+            "/api/runs/{run_id}/diff/{other_id}": {
+                "get": {
+                    "summary": "Compare two runs step by step: the first seq where they differ "
+                    "and each step's kind, key, tool, input, output, tokens and cost",
+                    "operationId": "diffRuns",
+                    "parameters": [RUN_ID, OTHER_ID],
+                    "responses": {
+                        "200": _json(_ref("RunDiff"), "The comparison"),
+                        "404": _error("No such run (either)"),
+                    },
+                }
+            },
             "/api/approvals": {
                 "get": {
                     "summary": "Approvals, oldest first (PENDING unless status says otherwise)",
@@ -390,6 +433,54 @@ def openapi_document(
                 "RunSubmission": submission_schema(s, agents, any_json_input=any_json_input),
                 "Resolution": resolution_schema(),
                 "Resume": resume_schema(s),
+                "Fork": fork_schema(s, any_json_input=any_json_input),
+                "ForkedFrom": {
+                    "type": ["object", "null"],
+                    "description": "a fork's original run and the seq it forked from",
+                    "properties": {
+                        "runId": {"type": ["string", "null"], "format": "uuid"},
+                        "seq": {"type": "integer"},
+                        "replayModel": {"type": "boolean"},
+                    },
+                },
+                "ForkAccepted": {
+                    "type": "object",
+                    "required": ["id", "status", "forkedFrom"],
+                    "properties": {
+                        "id": {"type": "string", "format": "uuid"},
+                        "status": {"enum": statuses},
+                        "forkedFrom": _ref("ForkedFrom"),
+                    },
+                },
+                "RunDiff": {
+                    "type": "object",
+                    "required": ["a", "b", "runDifferences", "firstDifferentSeq", "steps"],
+                    "properties": {
+                        "a": {"type": "object"},
+                        "b": {"type": "object"},
+                        "runDifferences": {"type": "array", "items": {"type": "string"}},
+                        "firstDifferentSeq": {
+                            "type": ["integer", "null"],
+                            "description": "null when the two runs have the same steps",
+                        },
+                        "steps": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "seq": {"type": "integer"},
+                                    "same": {"type": "boolean"},
+                                    "differences": {
+                                        "type": "array",
+                                        "items": {"type": "string"},
+                                    },
+                                    "a": {"type": ["object", "null"]},
+                                    "b": {"type": ["object", "null"]},
+                                },
+                            },
+                        },
+                    },
+                },
                 "Decision": decision_schema(),
                 "Approval": {
                     "type": "object",
@@ -457,6 +548,7 @@ def openapi_document(
                         "createdAt": {"type": "string", "format": "date-time"},
                         "updatedAt": {"type": "string", "format": "date-time"},
                         "finishedAt": NULLABLE_TIME,
+                        "forkedFrom": _ref("ForkedFrom"),
                         "audit": {
                             "type": "array",
                             "items": _ref("AuditEvent"),
@@ -519,6 +611,17 @@ def openapi_document(
                         "worker": NULLABLE_STR,
                         "startedAt": {"type": "string", "format": "date-time"},
                         "finishedAt": NULLABLE_TIME,
+                        "origin": {
+                            "enum": [*map(str, StepOrigin), None],
+                            "description": "a fork's step it did not execute: copied from the "
+                            "original, edited, or a model answer replayed; null: executed",
+                        },
+                        "originalTokens": {
+                            "type": ["integer", "null"],
+                            "description": "what the original paid for a copied or replayed "
+                            "step, apart from this run's own tokens",
+                        },
+                        "originalCostUsd": {"type": ["number", "null"]},
                         "actor": {"type": "string", "description": "AUDIT entries: the token"},
                         "action": {"enum": list(AUDIT_ACTIONS)},
                         "detail": {},

@@ -283,20 +283,20 @@ def resume(run_id: str) -> tuple[Response, int]:
             code="forbidden",
             field="timeoutSeconds",
         )
-    if timeout is None and run.deadline_at <= datetime.now(run.deadline_at.tzinfo):
-        # A past deadline would stop it at once: the default again, within its own limit.
-        timeout = (
-            settings.default_timeout_seconds
-            if admin
-            else min(settings.default_timeout_seconds, granted)
-        )
+    # A deadline already past (by the database's clock) would stop it at once: the store
+    # gives it the default again, within the run's own limit.
+    fresh_timeout = (
+        settings.default_timeout_seconds
+        if admin
+        else min(settings.default_timeout_seconds, granted)
+    )
     detail = {k: v for k, v in (("tokenBudget", budget), ("timeoutSeconds", timeout)) if v}
     try:
         dispatch = s.runtime.store.resume_failed(
             rid,
             token_budget=budget,
             timeout_seconds=timeout,
-            default_timeout_seconds=settings.default_timeout_seconds,
+            default_timeout_seconds=fresh_timeout,
             audit=audit("resume", detail or None),
         )
     except InvalidTransition as e:

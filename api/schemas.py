@@ -49,6 +49,8 @@ MAX_MODEL_CHARS = 200
 MAX_COMMENT_CHARS = 4000
 MAX_REASON_CHARS = 4000
 RESOLVE_ACTIONS = ("supply_result", "retry", "fail")
+MAX_SEQ = 2_147_483_647
+"""A step's seq is a PostgreSQL integer."""
 
 
 def _text(description: str, *, max_length: int, non_blank: bool = False) -> JsonObj:
@@ -132,6 +134,52 @@ def resume_schema(settings: Settings) -> JsonObj:
         "properties": {
             "tokenBudget": _whole(1, settings.max_token_budget, "DAR_MAX_TOKEN_BUDGET"),
             "timeoutSeconds": _whole(1, settings.max_timeout_seconds, "DAR_MAX_TIMEOUT_SECONDS"),
+        },
+    }
+
+
+def fork_schema(settings: Settings, *, any_json_input: bool = False) -> JsonObj:
+    """``POST /api/runs/{id}/fork``: where to fork from, and what to change."""
+    submission = submission_schema(settings, any_json_input=any_json_input)["properties"]
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["fromSeq"],
+        "properties": {
+            "fromSeq": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": MAX_SEQ,
+                "description": "must be the seq of the first step the fork executes itself "
+                "(steps before it are copied from the run, never executed again), a whole "
+                f"number from 1 to {MAX_SEQ}",
+            },
+            "input": {
+                **submission["input"],
+                "description": "the fork's input instead of the run's: "
+                + submission["input"]["description"],
+            },
+            "model": submission["model"],
+            "toolResult": {
+                "type": ["object", "null"],
+                "additionalProperties": False,
+                "required": ["seq", "output"],
+                "properties": {
+                    "seq": {"type": "integer", "minimum": 1, "maximum": MAX_SEQ},
+                    "output": {},
+                },
+                "description": 'must be {"seq": k, "output": ...}: the result of the copied '
+                "step k (a TOOL step of an agent loop, a STEP or SIDE_EFFECT step of a durable "
+                f"function; k below fromSeq) replaced by output, any JSON of {TEXT_RULE}",
+            },
+            "tokenBudget": submission["tokenBudget"],
+            "timeoutSeconds": submission["timeoutSeconds"],
+            "replayModel": {
+                "type": "boolean",
+                "description": "must be true or false: true answers each model step from the "
+                "run's recorded response while the request is byte-identical to the recorded "
+                "one, and calls the model from the first request that differs",
+            },
         },
     }
 

@@ -43,6 +43,17 @@ def run_json(run: Run) -> dict[str, Any]:
         "createdAt": _iso(run.created_at),
         "updatedAt": _iso(run.updated_at),
         "finishedAt": _iso(run.finished_at),
+        "forkedFrom": forked_from_json(run),
+    }
+
+
+def forked_from_json(run: Run) -> dict[str, Any] | None:
+    if run.forked_from_seq is None:
+        return None
+    return {
+        "runId": str(run.forked_from_run) if run.forked_from_run else None,
+        "seq": run.forked_from_seq,
+        "replayModel": run.replay_model,
     }
 
 
@@ -69,6 +80,15 @@ def step_json(step: Step) -> dict[str, Any]:
         "worker": step.worker,
         "startedAt": _iso(step.started_at),
         "finishedAt": _iso(step.finished_at),
+        # A fork's step it did not execute (copied, edited, replayed): it billed nothing,
+        # and what the original paid for it is shown apart.
+        "origin": str(step.origin) if step.origin else None,
+        "originalTokens": step.original_tokens if step.origin else None,
+        "originalCostUsd": (
+            float(step.original_cost_usd)
+            if step.origin and step.original_cost_usd is not None
+            else None
+        ),
     }
 
 
@@ -126,6 +146,9 @@ def _audit_entry(e: AuditEvent) -> dict[str, Any]:
         "worker": None,
         "startedAt": at,
         "finishedAt": at,
+        "origin": None,
+        "originalTokens": None,
+        "originalCostUsd": None,
         "actor": e.actor,
         "action": e.action,
         "detail": e.detail,

@@ -18,8 +18,6 @@ from typing import Any
 from celery import Celery
 from sqlalchemy import Connection, text
 
-from db.queries import QUERIES as Q
-
 HOP_TASK = "bench.hop"
 
 # advance_run's SET list, word for word; fenced on the dispatch token, not on a lease.
@@ -38,6 +36,22 @@ SET tokens_used = tokens_used + :total_tokens,
     wait_reason = NULL,
     updated_at = now()
 WHERE id = :id AND dispatch_token = :token
+"""
+)
+
+# The model step row, as the store inserted it when this baseline was written (the store
+# now does the advance and the insert in one statement; the baseline keeps its two).
+INSERT_MODEL_STEP = text(
+    """
+INSERT INTO run_step (run_id, seq, step_key, kind, status, model, request, prompt_hash,
+                      response, stop_reason, input_tokens, output_tokens,
+                      cache_creation_input_tokens, cache_read_input_tokens, cost_usd,
+                      latency_ms, request_id, worker, lease_epoch, started_at, finished_at)
+VALUES (:id, :seq, :step_key, 'MODEL', 'DONE', :model, CAST(:request AS jsonb), :prompt_hash,
+        CAST(:response AS jsonb), :stop_reason, :input_tokens, :output_tokens,
+        :cache_creation_input_tokens, :cache_read_input_tokens, :cost_usd,
+        :latency_ms, :request_id, :worker, :epoch,
+        now() - make_interval(secs => :latency_ms / 1000.0), now())
 """
 )
 
@@ -71,7 +85,7 @@ def checkpoint(
     if owned == 0:
         return False
     conn.execute(
-        Q["insert_model_step"],
+        INSERT_MODEL_STEP,
         {
             "id": run_id,
             "seq": seq,

@@ -19,9 +19,12 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Engine, event
 
-import runtime.driver as driver_mod
+import runtime.agent_loop as loop_mod
+import runtime.effects as effects_mod
+import runtime.modelcall as modelcall_mod
 from bench.env import RESULTS, BenchEnv
 from bench.models import BenchModel, spec
+from db.engine import PING_AFTER_IDLE_SECONDS
 from db.records import Dispatch
 from db.store import RunStore
 from runtime.bootstrap import load_agents
@@ -33,17 +36,30 @@ T = TypeVar("T")
 
 _current: dict[str, float] = defaultdict(float)
 _calls: Counter[str] = Counter()
-"""Per drive() call: pool checkouts (each one a pre-ping round trip), statements, commits
-and rollbacks, counted by SQLAlchemy events on the engine."""
+"""Per drive() call: pings of idle pooled connections, statements, and the commits and
+rollbacks of explicit transactions, counted by SQLAlchemy events on the engine."""
+
+
+def _auto(conn: Any) -> bool:
+    return bool(conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT")
+
+
+def _count_ping(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+    """A checkout pings only a connection idle longer than the engine's threshold."""
+    since = record.info.get("dar_checked_in")
+    if since is not None and time.monotonic() - since >= PING_AFTER_IDLE_SECONDS:
+        _calls.update(["checkouts"])
 
 
 def _count_db_calls(engine: Engine) -> None:
     if getattr(engine, "_bench_counting", False):
         return
-    event.listen(engine, "checkout", lambda *a: _calls.update(["checkouts"]))
+    event.listen(engine, "checkout", _count_ping)
     event.listen(engine, "before_cursor_execute", lambda *a, **k: _calls.update(["statements"]))
-    event.listen(engine, "commit", lambda *a: _calls.update(["commits"]))
-    event.listen(engine, "rollback", lambda *a: _calls.update(["rollbacks"]))
+    # BEGIN and COMMIT/ROLLBACK are round trips only outside autocommit (a single statement
+    # in autocommit is its own transaction: no BEGIN, no COMMIT).
+    event.listen(engine, "commit", lambda c: _calls.update([] if _auto(c) else ["commits"]))
+    event.listen(engine, "rollback", lambda c: _calls.update([] if _auto(c) else ["rollbacks"]))
     engine._bench_counting = True  # type: ignore[attr-defined]
 
 
@@ -84,9 +100,7 @@ for _method, _phase in STORE_PHASES.items():
 
 
 class TimedDriver(Driver):
-    @staticmethod
-    def _call(fn: Callable[..., T], timeout: float, *args: Any) -> T:
-        return _timed("tool_call", Driver._call)(fn, timeout, *args)
+    pass
 
 
 class TimedModel(BenchModel):
@@ -96,13 +110,14 @@ class TimedModel(BenchModel):
 
 @contextlib.contextmanager
 def _patched() -> Iterator[None]:
-    saved = driver_mod.replay, driver_mod.prompt_hash
-    driver_mod.replay = _timed("replay", saved[0])  # type: ignore[assignment]
-    driver_mod.prompt_hash = _timed("prompt_hash", saved[1])  # type: ignore[assignment]
+    saved = loop_mod.replay, modelcall_mod.prompt_hash, effects_mod._run
+    loop_mod.replay = _timed("replay", saved[0])  # type: ignore[assignment]
+    modelcall_mod.prompt_hash = _timed("prompt_hash", saved[1])  # type: ignore[assignment]
+    effects_mod._run = _timed("tool_call", saved[2])  # type: ignore[assignment]
     try:
         yield
     finally:
-        driver_mod.replay, driver_mod.prompt_hash = saved  # type: ignore[assignment]
+        loop_mod.replay, modelcall_mod.prompt_hash, effects_mod._run = saved  # type: ignore[assignment]
 
 
 @contextlib.contextmanager
@@ -226,7 +241,8 @@ def phase_table(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def db_calls(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Mean database calls per step by kind, and the round trips they make: one per
-    checkout (the pool's pre-ping), statement, BEGIN, and COMMIT or ROLLBACK."""
+    ping of an idle connection, statement, BEGIN, and COMMIT or ROLLBACK of an explicit
+    transaction."""
     out: dict[str, dict[str, float]] = {}
     for kind in ("MODEL", "TOOL"):
         rs = [r["db_calls"] for r in records if r["kind"] == kind]

@@ -106,7 +106,7 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
                 add(
                     "a",
                     f"DB round trips per {kind.lower()} step ({calls[kind]['commits']:.1f} "
-                    f"commits, {calls[kind]['checkouts']:.1f} pre-pings)",
+                    f"tx, {calls[kind]['checkouts']:.1f} pings)",
                     calls[kind]["round_trips"],
                     "bare hop",
                     hop_rt,
@@ -159,7 +159,8 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
             big = lv["runs"] >= 500
             add(
                 "c",
-                f"steps/s, {lv['runs']} in flight, {lv['model_latency_ms']} ms model",
+                f"steps/s, {lv['runs']} in flight, {lv['model_latency_ms']} ms model, "
+                f"{lv.get('pool', 'threads')}",
                 lv["steps_per_s"],
                 "ideal in_flight/latency",
                 lv["ideal_steps_per_s"],
@@ -169,7 +170,8 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
             )
             add(
                 "c",
-                f"leases held (runs in a step), {lv['runs']} submitted",
+                f"leases held (runs in a step), {lv['runs']} submitted, "
+                f"{lv.get('pool', 'threads')}",
                 lv["leases_held_median"],
                 "runs submitted",
                 lv["runs"],
@@ -180,9 +182,9 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
             "largest level tested at >= 90% of ideal, runs in flight",
             inf["largest_level_at_90pct"],
             "target",
-            500,
-            ">= 500",
-            (inf["largest_level_at_90pct"] or 0) >= 500,
+            2000,
+            ">= 2000",
+            (inf["largest_level_at_90pct"] or 0) >= 2000,
             nd=0,
         )
         hop2 = ((tp or {}).get("by_processes") or {}).get(2) or (
@@ -198,6 +200,19 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
                 big[0]["ideal_steps_per_s"],
                 nd=0,
             )
+        for lv in inf["levels"]:
+            mib = max((lv["connections"].get("rss_mib_max") or {}).values(), default=None)
+            if mib is not None and lv["runs"] >= 2000:
+                add(
+                    "c",
+                    f"resident memory per worker process, max, {lv['runs']} in flight, MiB",
+                    mib,
+                    "limit",
+                    1024,
+                    "<= 1024",
+                    mib <= 1024,
+                    nd=0,
+                )
         m = inf["max_connections_per_process"]
         add(
             "c",

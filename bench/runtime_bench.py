@@ -14,6 +14,7 @@ tool it is zero to the millisecond.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 import threading
@@ -22,6 +23,7 @@ import uuid
 from collections import defaultdict
 from typing import Any
 
+import psutil
 from sqlalchemy import text
 
 from bench.cpu import CpuMeter, per_step_ms
@@ -105,12 +107,15 @@ def _sample_connections(
     env: BenchEnv, fleet: RuntimeFleet, stop: threading.Event, out: dict[str, Any]
 ) -> None:
     per_proc: dict[str, list[int]] = defaultdict(list)
+    rss: dict[str, list[int]] = defaultdict(list)
     in_flight: list[tuple[float, int]] = []
     activity: list[dict[str, int]] = []
     while not stop.is_set():
         pids = fleet.pids()
         for name, pid in pids.items():
             per_proc[name].append(pg_sockets(pid))
+            with contextlib.suppress(psutil.Error):
+                rss[name].append(psutil.Process(pid).memory_info().rss)
         with env.engine.connect() as conn:
             n = conn.execute(
                 text("SELECT count(*) FROM run WHERE status = 'RUNNING' AND locked_until > now()")
@@ -130,6 +135,7 @@ def _sample_connections(
         activity.append(dict(snap))
         stop.wait(0.5)
     out["per_process"] = {k: {"max": max(v), "median": median(v)} for k, v in per_proc.items()}
+    out["rss_mib_max"] = {k: max(v) / 2**20 for k, v in rss.items() if v}
     out["in_flight_samples"] = in_flight
     peak = max(activity, key=lambda s: sum(s.values())) if activity else {}
     out["pg_stat_activity_at_peak"] = peak

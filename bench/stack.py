@@ -42,7 +42,7 @@ def wait_ping(app: Celery, names: list[str], timeout: float = 60) -> None:
 
 
 class RuntimeFleet:
-    """N runtime worker processes (``celery -A tasks.app worker --pool threads``) and
+    """N runtime worker processes (``celery -A tasks.app worker --pool threads|gevent``) and
     optionally beat, configured for the bench agent and model."""
 
     def __init__(
@@ -56,6 +56,7 @@ class RuntimeFleet:
         extra_env: dict[str, str] | None = None,
         queue: str = QUEUE,
         first: int = 0,
+        pool: str = "threads",
     ) -> None:
         self.env = env
         self.n = workers
@@ -68,6 +69,7 @@ class RuntimeFleet:
             data_dir=RESULTS / ".stack",
             workers=workers,
             concurrency=concurrency,
+            pool=pool,
             beat=beat,
             env=env.worker_env(DAR_QUEUE=queue, **(extra_env or {})),
             output=self.log,

@@ -49,6 +49,9 @@ class Plan:
     # (c)
     inflight_levels: tuple[tuple[int, int], ...] = ((50, 10), (100, 10), (500, 5))
     inflight_concurrency: int = 256
+    gevent_levels: tuple[tuple[int, int, int], ...] = ((500, 5, 1000), (2000, 3, 10000))
+    """(runs, steps each, model latency ms) on a gevent pool of ``gevent_concurrency``."""
+    gevent_concurrency: int = 1200
     inflight_workers: int = 2
     model_latency_ms: int = 1000
     # (e)
@@ -79,6 +82,7 @@ class Plan:
                 dbos_latency_steps=100,
                 long_runs=1,
                 inflight_levels=((500, 4),),
+                gevent_levels=((500, 4, 1000), (2000, 2, 10000)),
                 recovery_configs=(("default (DAR_LEASE_SECONDS=15)", ()),),
             )
         if repeats:
@@ -258,7 +262,8 @@ def section_replay(env: BenchEnv, plan: Plan) -> dict[str, Any]:
 
 
 def section_inflight(env: BenchEnv, plan: Plan) -> dict[str, Any]:
-    """(c) many runs in flight with a 1 s model on one host (2 worker processes)."""
+    """(c) many runs in flight on one host (2 worker processes): a thread pool with a 1 s
+    model, then a gevent pool with 1 s and 10 s models."""
     env.reset_redis()
     levels = []
     with RuntimeFleet(
@@ -270,11 +275,27 @@ def section_inflight(env: BenchEnv, plan: Plan) -> dict[str, Any]:
         for runs, steps in plan.inflight_levels:
             _log(f"in flight: {runs} runs x {steps} steps of {plan.model_latency_ms} ms")
             levels.append(rb.in_flight(env, rt, runs, steps, plan.model_latency_ms))
+    for lv in levels:
+        lv["pool"] = "threads"
+    env.reset_redis()
+    with RuntimeFleet(
+        env,
+        workers=plan.inflight_workers,
+        concurrency=plan.gevent_concurrency,
+        name="inflight-gevent",
+        pool="gevent",
+    ) as rt:
+        for runs, steps, latency in plan.gevent_levels:
+            _log(f"in flight (gevent): {runs} runs x {steps} steps of {latency} ms")
+            lv = rb.in_flight(env, rt, runs, steps, latency)
+            lv["pool"] = "gevent"
+            levels.append(lv)
     ok = [lv["runs"] for lv in levels if lv["ratio_to_ideal"] >= 0.9]
     conns = [c["max"] for lv in levels for c in lv["connections"]["per_process"].values()]
     return {
         "workers": plan.inflight_workers,
         "concurrency": plan.inflight_concurrency,
+        "gevent_concurrency": plan.gevent_concurrency,
         "levels": levels,
         "largest_level_at_90pct": max(ok) if ok else None,
         "max_connections_per_process": max(conns) if conns else None,

@@ -86,35 +86,75 @@ SELECT r.id, r.lease_epoch, EXISTS (SELECT 1 FROM renewed WHERE renewed.id = r.i
 FROM run r
 WHERE r.id = ANY(CAST(:ids AS uuid[]));
 
--- advance_run --
--- Commit a step's effect on the run: add its tokens and cost, reset the no-progress counter,
--- and hand the lease on to the next drive_run message (a new dispatch token). Fenced.
-UPDATE run
-SET tokens_used = tokens_used + :total_tokens,
-    input_tokens = input_tokens + :input_tokens,
-    output_tokens = output_tokens + :output_tokens,
-    cache_creation_input_tokens = cache_creation_input_tokens + :cache_creation_input_tokens,
-    cache_read_input_tokens = cache_read_input_tokens + :cache_read_input_tokens,
-    cost_usd = cost_usd + :cost_usd,
-    claims_without_progress = 0, model_attempts = 0,
-    locked_by = NULL, locked_until = NULL,
-    dispatch_token = :next_token, dispatched_at = now(),
-    wait_reason = NULL,
-    updated_at = now()
-WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING';
+-- record_step --
+-- Record one step row, fenced, in ONE statement (one round trip, one commit): the run must
+-- still be held by this worker under this lease epoch, else nothing is written and no row is
+-- returned (the caller raises LeaseLost). The row's tokens and cost are added to the run, the
+-- no-progress counter and the model attempts of the step in flight are reset, and with
+-- :hand_over the lease is handed on to the next drive_run message (a new dispatch token).
+-- A key seen before (a STARTED tool or step, a retried or approved step) keeps its seq and
+-- gets its new status, result and attempt; its tokens add up. Returns the row written (the
+-- store keeps the step log of the runs it hands on: see db/steplog.py).
+WITH fenced AS (
+    UPDATE run
+    SET tokens_used = tokens_used + :total_tokens,
+        input_tokens = input_tokens + :input_tokens,
+        output_tokens = output_tokens + :output_tokens,
+        cache_creation_input_tokens = cache_creation_input_tokens
+                                      + :cache_creation_input_tokens,
+        cache_read_input_tokens = cache_read_input_tokens + :cache_read_input_tokens,
+        cost_usd = cost_usd + :cost_usd,
+        claims_without_progress = 0, model_attempts = 0,
+        locked_by = CASE WHEN :hand_over THEN NULL ELSE locked_by END,
+        locked_until = CASE WHEN :hand_over THEN NULL ELSE locked_until END,
+        dispatch_token = CASE WHEN :hand_over THEN CAST(:next_token AS uuid)
+                              ELSE dispatch_token END,
+        dispatched_at = CASE WHEN :hand_over THEN now() ELSE dispatched_at END,
+        wait_reason = CASE WHEN :hand_over THEN NULL ELSE wait_reason END,
+        updated_at = now()
+    WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING'
+    RETURNING id
+)
+INSERT INTO run_step (run_id, seq, step_key, kind, status, response, error, attempt,
+                      input_hash, model, request, prompt_hash, input_tokens, output_tokens,
+                      cache_creation_input_tokens, cache_read_input_tokens, cost_usd,
+                      latency_ms, request_id, tool_name, tool_use_id, compensation,
+                      stop_reason, worker, lease_epoch, started_at, finished_at)
+SELECT fenced.id, :seq, :step_key, :kind, :status, CAST(:response AS jsonb), :error, :attempt,
+       :input_hash, :model, CAST(:request AS jsonb), :prompt_hash, :input_tokens,
+       :output_tokens, :cache_creation_input_tokens, :cache_read_input_tokens, :cost_usd,
+       :latency_ms, :request_id, :tool_name, :tool_use_id, :compensation, :stop_reason,
+       :worker, :epoch,
+       now() - make_interval(secs => COALESCE(:latency_ms, 0) / 1000.0),
+       CASE WHEN :status IN ('DONE', 'ERROR', 'REJECTED') THEN now() END
+FROM fenced
+ON CONFLICT (run_id, step_key) DO UPDATE
+SET status = EXCLUDED.status, response = EXCLUDED.response, error = EXCLUDED.error,
+    compensation = COALESCE(EXCLUDED.compensation, run_step.compensation),
+    attempt = EXCLUDED.attempt, input_hash = COALESCE(EXCLUDED.input_hash, run_step.input_hash),
+    model = COALESCE(EXCLUDED.model, run_step.model),
+    request = COALESCE(EXCLUDED.request, run_step.request),
+    prompt_hash = COALESCE(EXCLUDED.prompt_hash, run_step.prompt_hash),
+    input_tokens = run_step.input_tokens + EXCLUDED.input_tokens,
+    output_tokens = run_step.output_tokens + EXCLUDED.output_tokens,
+    cache_creation_input_tokens = run_step.cache_creation_input_tokens
+                                  + EXCLUDED.cache_creation_input_tokens,
+    cache_read_input_tokens = run_step.cache_read_input_tokens
+                              + EXCLUDED.cache_read_input_tokens,
+    cost_usd = run_step.cost_usd + EXCLUDED.cost_usd,
+    latency_ms = EXCLUDED.latency_ms, request_id = EXCLUDED.request_id,
+    stop_reason = EXCLUDED.stop_reason,
+    worker = EXCLUDED.worker, lease_epoch = EXCLUDED.lease_epoch,
+    finished_at = EXCLUDED.finished_at
+RETURNING *;
 
--- charge_run --
--- Add a billed model call made inside a step to the run's counters without ending the step
--- (the call is recorded as a child step in the same transaction). Fenced.
+-- hand_over_run --
+-- Hand the lease on without a step row (after several rows were recorded, each fenced, in
+-- the same transaction). Fenced.
 UPDATE run
-SET tokens_used = tokens_used + :total_tokens,
-    input_tokens = input_tokens + :input_tokens,
-    output_tokens = output_tokens + :output_tokens,
-    cache_creation_input_tokens = cache_creation_input_tokens + :cache_creation_input_tokens,
-    cache_read_input_tokens = cache_read_input_tokens + :cache_read_input_tokens,
-    cost_usd = cost_usd + :cost_usd,
-    claims_without_progress = 0, model_attempts = 0,
-    updated_at = now()
+SET locked_by = NULL, locked_until = NULL,
+    dispatch_token = :next_token, dispatched_at = now(),
+    wait_reason = NULL, updated_at = now()
 WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING';
 
 -- schedule_run --
@@ -145,17 +185,6 @@ SET unrecorded_tokens = unrecorded_tokens + :total_tokens,
     unrecorded_cost_usd = unrecorded_cost_usd + :cost_usd
 WHERE id = :id;
 
--- insert_model_step --
-INSERT INTO run_step (run_id, seq, step_key, kind, status, model, request, prompt_hash,
-                      response, stop_reason, input_tokens, output_tokens,
-                      cache_creation_input_tokens, cache_read_input_tokens, cost_usd,
-                      latency_ms, request_id, worker, lease_epoch, started_at, finished_at)
-VALUES (:id, :seq, :step_key, 'MODEL', 'DONE', :model, CAST(:request AS jsonb), :prompt_hash,
-        CAST(:response AS jsonb), :stop_reason, :input_tokens, :output_tokens,
-        :cache_creation_input_tokens, :cache_read_input_tokens, :cost_usd,
-        :latency_ms, :request_id, :worker, :epoch,
-        now() - make_interval(secs => :latency_ms / 1000.0), now());
-
 -- start_step --
 -- Write a step with an effect STARTED before its code runs (a tool, a durable step, an
 -- approved action, a compensation). Entering it again (a retry, an operator's one-time
@@ -174,14 +203,7 @@ SET status = 'STARTED', resolution = NULL, attempt = EXCLUDED.attempt, error = N
     input_hash = COALESCE(EXCLUDED.input_hash, run_step.input_hash),
     worker = EXCLUDED.worker, lease_epoch = EXCLUDED.lease_epoch,
     started_at = now(), finished_at = NULL
-RETURNING seq;
-
--- fence_check --
--- Holds the run row (shared) for the rest of the transaction if this worker still holds the
--- lease; no row otherwise.
-SELECT r.id FROM run r
-WHERE r.id = :id AND r.locked_by = :worker AND r.lease_epoch = :epoch AND r.status = 'RUNNING'
-FOR SHARE OF r;
+RETURNING *;
 
 -- finish_run --
 -- End the run (or park it for a human, NEEDS_ATTENTION), releasing the lease. Fenced.
@@ -245,61 +267,28 @@ WHERE id = :id AND status = 'NEEDS_ATTENTION'
 RETURNING id;
 
 -- resolve_supply_result --
--- The operator supplies the result of the step left STARTED (the innermost one: a nested
--- step's row comes after its parent's).
+-- The operator supplies the result of the step left STARTED: the outermost one, which is the
+-- one replay meets first and the one the run's reason names (a step nested in it is asked
+-- about, if still in doubt, once the outer one is settled).
 UPDATE run_step
 SET status = :status, response = CAST(:response AS jsonb), resolution = 'supplied',
     error = CASE WHEN :status = 'ERROR' THEN 'supplied by ' || :operator END,
     worker = :operator, finished_at = now()
 WHERE run_id = :id AND status = 'STARTED'
-  AND seq = (SELECT max(seq) FROM run_step WHERE run_id = :id AND status = 'STARTED');
+  AND seq = (SELECT min(seq) FROM run_step WHERE run_id = :id AND status = 'STARTED');
 
 -- resolve_retry_step --
 -- The operator authorises exactly one more execution of the step left STARTED: the flag is
 -- consumed when the step is written STARTED again.
 UPDATE run_step SET resolution = 'retry'
 WHERE run_id = :id AND status = 'STARTED'
-  AND seq = (SELECT max(seq) FROM run_step WHERE run_id = :id AND status = 'STARTED');
+  AND seq = (SELECT min(seq) FROM run_step WHERE run_id = :id AND status = 'STARTED');
 
 -- resolve_fail_run --
 UPDATE run
 SET status = 'FAILED', error = :error, finished_at = now(), updated_at = now()
 WHERE id = :id AND status = 'NEEDS_ATTENTION'
 RETURNING id;
-
--- upsert_step --
--- Record a durable-function step. A key seen before (a retried or approved step) keeps its
--- seq and gets its new status, result and attempt. Fenced by the caller's advance_run or
--- schedule_run in the same transaction.
-INSERT INTO run_step (run_id, seq, step_key, kind, status, response, error, attempt,
-                      input_hash, model, prompt_hash, input_tokens, output_tokens,
-                      cache_creation_input_tokens, cache_read_input_tokens, cost_usd,
-                      latency_ms, request_id, tool_name, tool_use_id, compensation,
-                      stop_reason, worker, lease_epoch, started_at, finished_at)
-VALUES (:id, :seq, :step_key, :kind, :status, CAST(:response AS jsonb), :error, :attempt,
-        :input_hash, :model, :prompt_hash, :input_tokens, :output_tokens,
-        :cache_creation_input_tokens, :cache_read_input_tokens, :cost_usd,
-        :latency_ms, :request_id, :tool_name, :tool_use_id, :compensation, :stop_reason,
-        :worker, :epoch,
-        now() - make_interval(secs => COALESCE(:latency_ms, 0) / 1000.0),
-        CASE WHEN :status IN ('DONE', 'ERROR', 'REJECTED') THEN now() END)
-ON CONFLICT (run_id, step_key) DO UPDATE
-SET status = EXCLUDED.status, response = EXCLUDED.response, error = EXCLUDED.error,
-    compensation = COALESCE(EXCLUDED.compensation, run_step.compensation),
-    attempt = EXCLUDED.attempt, input_hash = COALESCE(EXCLUDED.input_hash, run_step.input_hash),
-    model = COALESCE(EXCLUDED.model, run_step.model),
-    prompt_hash = COALESCE(EXCLUDED.prompt_hash, run_step.prompt_hash),
-    input_tokens = run_step.input_tokens + EXCLUDED.input_tokens,
-    output_tokens = run_step.output_tokens + EXCLUDED.output_tokens,
-    cache_creation_input_tokens = run_step.cache_creation_input_tokens
-                                  + EXCLUDED.cache_creation_input_tokens,
-    cache_read_input_tokens = run_step.cache_read_input_tokens
-                              + EXCLUDED.cache_read_input_tokens,
-    cost_usd = run_step.cost_usd + EXCLUDED.cost_usd,
-    latency_ms = EXCLUDED.latency_ms, request_id = EXCLUDED.request_id,
-    stop_reason = EXCLUDED.stop_reason,
-    worker = EXCLUDED.worker, lease_epoch = EXCLUDED.lease_epoch,
-    finished_at = EXCLUDED.finished_at;
 
 -- suspend_run --
 -- Suspend for a human: no lease, no worker slot, a new dispatch token so any message still
@@ -416,8 +405,87 @@ SELECT count(*) FROM run_step WHERE run_id = :id AND kind = 'COMPENSATION';
 SELECT run_id, seq, step_key, kind, status, tool_name, tool_use_id, model, prompt_hash,
        response, stop_reason, input_tokens, output_tokens, cache_creation_input_tokens,
        cache_read_input_tokens, cost_usd, latency_ms, request_id, error, resolution, attempt,
-       input_hash, compensation, worker, lease_epoch, started_at, finished_at
+       input_hash, compensation, worker, lease_epoch, started_at, finished_at,
+       origin, original_tokens, original_cost_usd
 FROM run_step WHERE run_id = :id ORDER BY seq;
+
+-- lock_run_for_fork --
+-- The run to fork, held (shared) for the fork's transaction: no checkpoint of it commits
+-- while its steps are read and copied, so the copy is one consistent moment of its history.
+SELECT * FROM run WHERE id = :id FOR SHARE;
+
+-- create_fork_run --
+-- A new QUEUED run forked from :source at :from_seq, in the source's tenant.
+INSERT INTO run (id, agent, input, model, max_steps, token_budget, cost_budget_usd,
+                 deadline_at, dispatch_token, submitted_by, tenant, timeout_seconds,
+                 forked_from_run, forked_from_seq, replay_model)
+SELECT :id, s.agent, CAST(:input AS jsonb), :model, s.max_steps, :token_budget,
+       s.cost_budget_usd, now() + make_interval(secs => :timeout_seconds), :token,
+       :submitted_by, s.tenant, :timeout_seconds, s.id, :from_seq, :replay_model
+FROM run s WHERE s.id = :source
+RETURNING *;
+
+-- copy_steps_to_fork --
+-- The source's steps before :from_seq, as the fork's own history: never executed again,
+-- billing nothing (token and cost columns 0), what the source paid kept apart.
+INSERT INTO run_step (run_id, seq, step_key, kind, status, tool_name, tool_use_id, model,
+                      request, prompt_hash, response, stop_reason, latency_ms, request_id,
+                      error, resolution, attempt, input_hash, compensation, worker,
+                      lease_epoch, started_at, finished_at, origin, original_tokens,
+                      original_cost_usd)
+SELECT :fork, seq, step_key, kind, status, tool_name, tool_use_id, model, request,
+       prompt_hash, response, stop_reason, latency_ms, request_id, error, resolution, attempt,
+       input_hash, compensation, worker, lease_epoch, started_at, finished_at, 'copied',
+       COALESCE(original_tokens, 0) + input_tokens + output_tokens
+           + cache_creation_input_tokens + cache_read_input_tokens,
+       COALESCE(original_cost_usd, 0) + cost_usd
+FROM run_step WHERE run_id = :source AND seq < :from_seq
+ORDER BY seq;
+
+-- edit_fork_step --
+-- A fork's edit: a copied step's result replaced.
+UPDATE run_step
+SET response = CAST(:response AS jsonb), status = :status, error = :error, origin = 'edited'
+WHERE run_id = :fork AND seq = :seq AND origin IS NOT NULL;
+
+-- copy_approvals_to_fork --
+-- The decisions of the approvals among the copied steps (the fork's code asks again when
+-- what it would approve differs: the payload hash decides).
+INSERT INTO approval (id, run_id, step_key, role, status, payload, payload_hash,
+                      timeout_policy, requested_at, expires_at, decided_by, decided_at, comment)
+SELECT gen_random_uuid(), :fork, a.step_key, a.role, a.status, a.payload, a.payload_hash,
+       a.timeout_policy, a.requested_at, a.expires_at, a.decided_by, a.decided_at, a.comment
+FROM approval a
+JOIN run_step s ON s.run_id = a.run_id AND s.step_key = a.step_key
+WHERE a.run_id = :source AND s.seq < :from_seq AND a.status <> 'PENDING';
+
+-- get_step_by_key --
+SELECT run_id, seq, step_key, kind, status, tool_name, tool_use_id, model, prompt_hash,
+       response, stop_reason, input_tokens, output_tokens, cache_creation_input_tokens,
+       cache_read_input_tokens, cost_usd, latency_ms, request_id, error, resolution, attempt,
+       input_hash, compensation, worker, lease_epoch, started_at, finished_at,
+       origin, original_tokens, original_cost_usd
+FROM run_step WHERE run_id = :id AND step_key = :step_key;
+
+-- mark_step_origin --
+-- A row the fork recorded without executing it (a replayed model answer): say so, and what
+-- the original paid for it.
+UPDATE run_step
+SET origin = :origin, original_tokens = :original_tokens,
+    original_cost_usd = :original_cost_usd
+WHERE run_id = :id AND step_key = :step_key
+RETURNING *;
+
+-- discard_copied_step --
+-- A copied step the fork executes itself after all (an approval asked again because the
+-- edits changed what it approves): the row becomes the fork's own, and the copied rows
+-- nested in it, which belonged to the original's execution, are dropped.
+WITH dropped AS (
+    DELETE FROM run_step
+    WHERE run_id = :id AND origin IS NOT NULL AND starts_with(step_key, :step_key || '/')
+)
+UPDATE run_step SET origin = NULL, original_tokens = NULL, original_cost_usd = NULL
+WHERE run_id = :id AND step_key = :step_key;
 
 -- list_runs --
 -- Newest first, keyset-paginated on (created_at, id).

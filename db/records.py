@@ -40,6 +40,8 @@ class StepKind(enum.StrEnum):
     APPROVAL = "APPROVAL"
     COMPENSATION = "COMPENSATION"
     VERSION = "VERSION"
+    TOOLSET = "TOOLSET"
+    """The MCP tools a run offers, fixed at its first model step (runtime.mcp.toolset)."""
 
 
 class StepStatus(enum.StrEnum):
@@ -52,6 +54,17 @@ class StepStatus(enum.StrEnum):
     REJECTED = "REJECTED"
     PAUSED = "PAUSED"
     """Interrupted cleanly (a durable timer inside its body): entered again, not in doubt."""
+
+
+class StepOrigin(enum.StrEnum):
+    """How a fork's step row came to be without the fork executing it."""
+
+    COPIED = "copied"
+    """Copied from the original run (a step before the fork point)."""
+    EDITED = "edited"
+    """Copied, with its result replaced by the fork's edit."""
+    REPLAYED = "replayed"
+    """A model step answered from the original's recorded response (the request matched)."""
 
 
 class ApprovalStatus(enum.StrEnum):
@@ -114,6 +127,11 @@ class Run:
     """Model attempts made for the step in flight, across durable timers."""
     tenant: str = ""
     timeout_seconds: int | None = None
+    forked_from_run: uuid.UUID | None = None
+    """A fork's original run (its steps before ``forked_from_seq`` are copies of that run's)."""
+    forked_from_seq: int | None = None
+    replay_model: bool = False
+    """A fork answering model steps from the original's recorded responses while they match."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +174,11 @@ class Step:
     started_at: datetime
     finished_at: datetime | None
     compensation: str | None = None
+    origin: StepOrigin | None = None
+    """In a fork: how the row came to be without being executed (``None``: executed)."""
+    original_tokens: int | None = None
+    """What the original run was billed for this step (copied and replayed rows)."""
+    original_cost_usd: Decimal | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +243,8 @@ class NewStep:
     tool_use_id: str | None = None
     compensation: str | None = None
     stop_reason: str | None = None
+    request: Any = None
+    """The full model request, kept only with DAR_STORE_REQUESTS."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,3 +324,29 @@ class Stats:
     finished: list[HourCount]
     cost: list[HourCost]
     latency: list[HourLatency]
+
+
+@dataclass(frozen=True, slots=True)
+class StepEdit:
+    """A fork's edit of a copied step: its result replaced."""
+
+    seq: int
+    response: Any
+    status: StepStatus = StepStatus.DONE
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NewFork:
+    """A fork to create: a new run whose steps before ``from_seq`` are copies of the
+    source's, continuing from ``from_seq`` on the engine."""
+
+    source: uuid.UUID
+    from_seq: int
+    input: Any
+    model: str
+    token_budget: int
+    timeout_seconds: int
+    replay_model: bool = False
+    submitted_by: str | None = None
+    audit: NewAudit | None = None

@@ -88,6 +88,12 @@ run = Table(
     Column("tenant", Text, nullable=False, server_default=text("''")),
     # The timeout it was submitted with: a resume by a non-admin token may not exceed it.
     Column("timeout_seconds", Integer),
+    # A fork: the run it was forked from and the first step it executes itself (its steps
+    # before that are copies). No foreign key: the lineage outlives the original's retention.
+    Column("forked_from_run", UUID(as_uuid=True)),
+    Column("forked_from_seq", Integer),
+    # Answer model steps from the original's recorded responses while the requests match.
+    Column("replay_model", Boolean, nullable=False, server_default=text("false")),
     CheckConstraint(
         "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES) + ")",
         name="run_status_ck",
@@ -156,10 +162,17 @@ run_step = Table(
     Column("lease_epoch", BigInteger, nullable=False),
     Column("started_at", TZ, nullable=False, server_default=text("now()")),
     Column("finished_at", TZ),
+    # A fork's step it did not execute: 'copied' (from the original), 'edited' (copied, its
+    # result replaced by the fork's edit) or 'replayed' (a model step answered from the
+    # original's recorded response). Such a row bills nothing (its token and cost columns
+    # are 0); what the original paid for it is kept apart.
+    Column("origin", Text),
+    Column("original_tokens", BigInteger),
+    Column("original_cost_usd", Numeric(18, 8)),
     PrimaryKeyConstraint("run_id", "seq", name="run_step_pkey"),
     CheckConstraint(
         "kind IN ('MODEL', 'TOOL', 'STEP', 'LLM', 'SIDE_EFFECT', 'APPROVAL', 'COMPENSATION', "
-        "'VERSION')",
+        "'VERSION', 'TOOLSET')",
         name="run_step_kind_ck",
     ),
     CheckConstraint(
@@ -167,6 +180,7 @@ run_step = Table(
         "'PAUSED')",
         name="run_step_status_ck",
     ),
+    CheckConstraint("origin IN ('copied', 'edited', 'replayed')", name="run_step_origin_ck"),
 )
 
 Index("run_step_key_uk", run_step.c.run_id, run_step.c.step_key, unique=True)
@@ -211,7 +225,7 @@ Index(
 )
 Index("approval_expiry_idx", approval.c.expires_at, postgresql_where=text("status = 'PENDING'"))
 
-AUDIT_ACTIONS = ("cancel", "resume", "resolve", "approve", "reject")
+AUDIT_ACTIONS = ("cancel", "resume", "resolve", "approve", "reject", "fork")
 
 # Who did what to a run, through the API: append-only (a trigger refuses UPDATE and DELETE).
 # No foreign key: the trail outlives the run when retention deletes it.

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
@@ -29,16 +30,20 @@ from db.records import (
     HourLatency,
     ModelCheckpoint,
     NewAudit,
+    NewFork,
     NewRun,
     NewStep,
     Run,
     RunStatus,
     Stats,
     Step,
+    StepEdit,
     StepKind,
+    StepOrigin,
     StepStatus,
     Usage,
 )
+from db.steplog import StepLogCache
 
 
 class _NotWaiting(Exception):
@@ -91,6 +96,9 @@ def _run(row: RowMapping) -> Run:
         model_attempts=row["model_attempts"],
         tenant=row["tenant"],
         timeout_seconds=row["timeout_seconds"],
+        forked_from_run=row["forked_from_run"],
+        forked_from_seq=row["forked_from_seq"],
+        replay_model=row["replay_model"],
     )
 
 
@@ -120,6 +128,9 @@ def _step(row: RowMapping) -> Step:
         started_at=row["started_at"],
         finished_at=row["finished_at"],
         compensation=row["compensation"],
+        origin=StepOrigin(row["origin"]) if row["origin"] else None,
+        original_tokens=row["original_tokens"],
+        original_cost_usd=row["original_cost_usd"],
     )
 
 
@@ -141,9 +152,15 @@ def _approval(row: RowMapping) -> Approval:
     )
 
 
-def _step_params(claim: Claim, step: NewStep) -> dict[str, Any]:
+def _step_params(
+    claim: Claim, step: NewStep, next_token: uuid.UUID | None = None
+) -> dict[str, Any]:
     return {
         **_fence(claim),
+        **_usage_params(step.usage, step.cost_usd),
+        "hand_over": next_token is not None,
+        "next_token": next_token,
+        "request": _json(step.request),
         "seq": step.seq,
         "step_key": step.step_key,
         "kind": str(step.kind),
@@ -200,8 +217,17 @@ def _fence(claim: Claim) -> dict[str, Any]:
 class RunStore:
     """All reads and writes of runs and steps."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, step_log_cache: int = 512) -> None:
         self.engine = engine
+        self.step_logs = StepLogCache(step_log_cache)
+        # One statement, one transaction, one round trip: no BEGIN and no COMMIT/ROLLBACK
+        # of their own (psycopg sends each as a round trip). For every method below that is a
+        # single statement; the others use engine.begin().
+        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+
+    def _statement(self) -> Connection:
+        """A connection for one statement that is its own transaction."""
+        return self._autocommit.connect()
 
     # -- submitting ---------------------------------------------------------------------
 
@@ -246,16 +272,28 @@ class RunStore:
     # -- reading ------------------------------------------------------------------------
 
     def get_run(self, run_id: uuid.UUID) -> Run:
-        with self.engine.connect() as conn:
+        with self._statement() as conn:
             row = conn.execute(Q["get_run"], {"id": run_id}).mappings().first()
         if row is None:
             raise RunNotFound(f"no run with id {run_id}")
         return _run(row)
 
-    def steps(self, run_id: uuid.UUID) -> list[Step]:
-        with self.engine.connect() as conn:
+    def steps(
+        self, run_id: uuid.UUID, *, token: uuid.UUID | None = None, epoch: int | None = None
+    ) -> list[Step]:
+        """The run's steps in order. A worker passes the token its message carried and its
+        lease epoch: when this process handed the run on with that token itself, nothing is
+        read (see :mod:`db.steplog`)."""
+        if epoch is not None:
+            cached = self.step_logs.get(run_id, token, epoch)
+            if cached is not None:
+                return cached
+        with self._statement() as conn:
             rows = conn.execute(Q["list_steps"], {"id": run_id}).mappings().all()
-        return [_step(r) for r in rows]
+        steps = [_step(r) for r in rows]
+        if epoch is not None:
+            self.step_logs.loaded(run_id, epoch, steps)
+        return steps
 
     def list_runs(
         self,
@@ -278,12 +316,12 @@ class RunStore:
             "before_created": before[0] if before else None,
             "before_id": before[1] if before else None,
         }
-        with self.engine.connect() as conn:
+        with self._statement() as conn:
             rows = conn.execute(Q["list_runs"], params).mappings().all()
         return [_run(r) for r in rows]
 
     def count_runs_by_status(self) -> dict[str, int]:
-        with self.engine.connect() as conn:
+        with self._statement() as conn:
             return {r.status: r.n for r in conn.execute(Q["count_runs_by_status"])}
 
     def count_runs(self, *, tenant: str | None = None, agent: str | None = None) -> dict[str, int]:
@@ -321,7 +359,7 @@ class RunStore:
         return Stats(finished, cost, latency)
 
     def count_stale_leases(self) -> int:
-        with self.engine.connect() as conn:
+        with self._statement() as conn:
             return int(conn.execute(Q["count_stale_leases"]).scalar_one())
 
     # -- claiming and the lease ---------------------------------------------------------
@@ -337,7 +375,7 @@ class RunStore:
     ) -> Claim | None:
         """Claim the run for the message carrying ``token``; ``None`` when the message is
         stale or duplicated, the lease is live, or the run is not due."""
-        with self.engine.begin() as conn:
+        with self._statement() as conn:
             row = (
                 conn.execute(
                     Q["claim_run"],
@@ -350,7 +388,7 @@ class RunStore:
 
     def claim_next(self, worker: str, lease_s: float) -> Claim | None:
         """Claim any due run (QUEUED, or RUNNING with a lapsed lease)."""
-        with self.engine.begin() as conn:
+        with self._statement() as conn:
             row = (
                 conn.execute(Q["claim_next_run"], {"worker": worker, "lease_seconds": lease_s})
                 .mappings()
@@ -367,7 +405,7 @@ class RunStore:
         if not pairs:
             return set()
         epochs = dict(pairs)
-        with self.engine.begin() as conn:
+        with self._statement() as conn:
             rows = conn.execute(
                 Q["renew_leases"],
                 {
@@ -381,42 +419,43 @@ class RunStore:
 
     # -- checkpoints (fenced) -----------------------------------------------------------
 
-    @staticmethod
-    def _advance(
-        conn: Connection, claim: Claim, usage: Usage, cost: Decimal, next_token: uuid.UUID
-    ) -> None:
-        owned = conn.execute(
-            Q["advance_run"],
-            {**_fence(claim), **_usage_params(usage, cost), "next_token": next_token},
-        ).rowcount
-        if owned == 0:
+    def _record(
+        self,
+        conn: Connection,
+        claim: Claim,
+        step: NewStep,
+        next_token: uuid.UUID | None = None,
+    ) -> Step:
+        """One fenced row (``record_step``); with ``next_token`` the lease is handed on."""
+        row = conn.execute(Q["record_step"], _step_params(claim, step, next_token)).mappings()
+        written = row.first()
+        if written is None:
+            self.step_logs.forget(claim.run_id)
             raise LeaseLost(claim.run_id, "checkpoint refused by the fence")
+        return _step(written)
 
     def checkpoint_model(self, claim: Claim, step: ModelCheckpoint) -> Dispatch:
-        """Step row, token counters and lease hand-over in one transaction."""
+        """Step row, token counters and lease hand-over in one statement."""
         token = uuid.uuid4()
-        with self.engine.begin() as conn:
-            self._advance(conn, claim, step.usage, step.cost_usd, token)
-            conn.execute(
-                Q["insert_model_step"],
-                {
-                    **_fence(claim),
-                    "seq": step.seq,
-                    "step_key": step.step_key,
-                    "model": step.model,
-                    "request": _json(step.request),
-                    "prompt_hash": step.prompt_hash,
-                    "response": _json(step.response),
-                    "stop_reason": step.stop_reason,
-                    "input_tokens": step.usage.input_tokens,
-                    "output_tokens": step.usage.output_tokens,
-                    "cache_creation_input_tokens": step.usage.cache_creation_input_tokens,
-                    "cache_read_input_tokens": step.usage.cache_read_input_tokens,
-                    "cost_usd": step.cost_usd,
-                    "latency_ms": step.latency_ms,
-                    "request_id": step.request_id,
-                },
-            )
+        row = NewStep(
+            seq=step.seq,
+            step_key=step.step_key,
+            kind=StepKind.MODEL,
+            status=StepStatus.DONE,
+            response=step.response,
+            attempt=1,
+            model=step.model,
+            prompt_hash=step.prompt_hash,
+            usage=step.usage,
+            cost_usd=step.cost_usd,
+            latency_ms=step.latency_ms,
+            request_id=step.request_id,
+            stop_reason=step.stop_reason,
+            request=step.request,
+        )
+        with self._statement() as conn:
+            written = self._record(conn, claim, row, token)
+        self.step_logs.wrote(claim.run_id, claim.epoch, [written], token)
         return Dispatch(claim.run_id, token)
 
     def schedule(
@@ -431,8 +470,13 @@ class RunStore:
         is not progress. ``model_attempts`` persists the attempts of the model step in flight.
         Fenced."""
         token = uuid.uuid4()
-        with self.engine.begin() as conn:
-            self._schedule(conn, claim, delay_seconds, token, reason, False, model_attempts)
+        try:
+            with self._statement() as conn:
+                self._schedule(conn, claim, delay_seconds, token, reason, False, model_attempts)
+        except LeaseLost:
+            self.step_logs.forget(claim.run_id)
+            raise
+        self.step_logs.wrote(claim.run_id, claim.epoch, [], token)
         return Dispatch(claim.run_id, token, delay_seconds)
 
     @staticmethod
@@ -461,7 +505,7 @@ class RunStore:
 
     def record_unrecorded_usage(self, run_id: uuid.UUID, usage: Usage, cost: Decimal) -> None:
         """Count a billed model call whose checkpoint was refused against the run."""
-        with self.engine.begin() as conn:
+        with self._statement() as conn:
             conn.execute(
                 Q["record_unrecorded_usage"],
                 {"id": run_id, "total_tokens": usage.total, "cost_usd": cost},
@@ -479,25 +523,39 @@ class RunStore:
         """Checkpoint steps: the rows, the token counters and the lease hand-over (or a
         durable timer, with ``delay_seconds``) in one transaction. Fenced."""
         token = uuid.uuid4()
-        usage = Usage(
-            sum(s.usage.input_tokens for s in steps),
-            sum(s.usage.output_tokens for s in steps),
-            sum(s.usage.cache_creation_input_tokens for s in steps),
-            sum(s.usage.cache_read_input_tokens for s in steps),
-        )
-        cost = sum((s.cost_usd for s in steps), Decimal(0))
-        with self.engine.begin() as conn:
-            if delay_seconds is None:
-                self._advance(conn, claim, usage, cost, token)
-            else:
-                if usage.total:
-                    conn.execute(Q["charge_run"], {**_fence(claim), **_usage_params(usage, cost)})
-                self._schedule(
-                    conn, claim, delay_seconds, token, reason, bool(steps), model_attempts
+        if delay_seconds is None and len(steps) == 1:  # the common case: one statement
+            with self._statement() as conn:
+                written = [self._record(conn, claim, steps[0], token)]
+            self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
+            return Dispatch(claim.run_id, token)
+        try:
+            with self.engine.begin() as conn:
+                written = [self._record(conn, claim, step) for step in steps]
+                self._hand_over(
+                    conn, claim, token, delay_seconds, reason, bool(steps), model_attempts
                 )
-            for step in steps:
-                conn.execute(Q["upsert_step"], _step_params(claim, step))
+        except LeaseLost:
+            self.step_logs.forget(claim.run_id)
+            raise
+        self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
         return Dispatch(claim.run_id, token, delay_seconds or 0.0)
+
+    @staticmethod
+    def _hand_over(
+        conn: Connection,
+        claim: Claim,
+        token: uuid.UUID,
+        delay_seconds: float | None,
+        reason: str | None,
+        progress: bool,
+        model_attempts: int,
+    ) -> None:
+        """After rows recorded in the same transaction: the lease to the next message, or a
+        durable timer. Fenced."""
+        if delay_seconds is not None:
+            RunStore._schedule(conn, claim, delay_seconds, token, reason, progress, model_attempts)
+        elif not conn.execute(Q["hand_over_run"], {**_fence(claim), "next_token": token}).rowcount:
+            raise LeaseLost(claim.run_id, "checkpoint refused by the fence")
 
     def suspend_for_approval(
         self,
@@ -508,9 +566,18 @@ class RunStore:
         payload: Any,
         timeout_seconds: float,
         timeout_policy: str,
+        discard_copied: bool = False,
     ) -> uuid.UUID:
-        """Record the PENDING approval and suspend the run (no lease). Fenced."""
+        """Record the PENDING approval and suspend the run (no lease). Fenced. With
+        ``discard_copied``, a fork asks again for an approval it copied: the row becomes its
+        own and the copied rows nested in it are dropped, in the same transaction."""
+        self.step_logs.forget(claim.run_id)  # a decision gives the run a new token anyway
         with self.engine.begin() as conn:
+            if discard_copied:
+                conn.execute(
+                    Q["discard_copied_step"], {"id": claim.run_id, "step_key": step.step_key}
+                )
+            self._record(conn, claim, step)
             suspended = conn.execute(
                 Q["suspend_run"],
                 {
@@ -521,7 +588,6 @@ class RunStore:
             ).first()
             if suspended is None:
                 raise LeaseLost(claim.run_id, "suspend refused by the fence")
-            conn.execute(Q["upsert_step"], _step_params(claim, step))
             approval_id: uuid.UUID = conn.execute(
                 Q["insert_approval"],
                 {
@@ -616,7 +682,7 @@ class RunStore:
         return Dispatch(row.run_id, token)
 
     def get_approval(self, approval_id: uuid.UUID) -> Approval | None:
-        with self.engine.connect() as conn:
+        with self._statement() as conn:
             row = conn.execute(Q["get_approval"], {"approval_id": approval_id}).mappings().first()
         return _approval(row) if row else None
 
@@ -636,17 +702,17 @@ class RunStore:
             "limit": limit,
             "tenant": tenant,
         }
-        with self.engine.connect() as conn:
+        with self._statement() as conn:
             rows = conn.execute(Q["list_approvals"], params).mappings().all()
         return [_approval(r) for r in rows]
 
     def due_approvals(self, limit: int = 100) -> list[tuple[uuid.UUID, str]]:
-        with self.engine.connect() as conn:
+        with self._statement() as conn:
             rows = conn.execute(Q["due_approvals"], {"limit": limit}).all()
         return [(r.id, r.timeout_policy) for r in rows]
 
     def count_pending_approvals(self) -> dict[str, int]:
-        with self.engine.connect() as conn:
+        with self._statement() as conn:
             return {r.role: r.n for r in conn.execute(Q["count_pending_approvals"])}
 
     def resume_failed(
@@ -689,34 +755,36 @@ class RunStore:
     def start_step(self, claim: Claim, step: NewStep) -> None:
         """Record a step with an effect STARTED before its code runs (or again, when it is
         entered once more). Fenced."""
-        with self.engine.begin() as conn:
-            row = conn.execute(
-                Q["start_step"],
-                {
-                    **_fence(claim),
-                    "seq": step.seq,
-                    "step_key": step.step_key,
-                    "kind": str(step.kind),
-                    "tool_name": step.tool_name,
-                    "tool_use_id": step.tool_use_id,
-                    "attempt": step.attempt,
-                    "input_hash": step.input_hash,
-                },
-            ).first()
-            if row is None:
-                raise LeaseLost(claim.run_id, "step start refused by the fence")
+        with self._statement() as conn:
+            row = (
+                conn.execute(
+                    Q["start_step"],
+                    {
+                        **_fence(claim),
+                        "seq": step.seq,
+                        "step_key": step.step_key,
+                        "kind": str(step.kind),
+                        "tool_name": step.tool_name,
+                        "tool_use_id": step.tool_use_id,
+                        "attempt": step.attempt,
+                        "input_hash": step.input_hash,
+                    },
+                )
+                .mappings()
+                .first()
+            )
+        if row is None:
+            self.step_logs.forget(claim.run_id)
+            raise LeaseLost(claim.run_id, "step start refused by the fence")
+        self.step_logs.wrote(claim.run_id, claim.epoch, [_step(row)])
 
     def record_child(self, claim: Claim, step: NewStep) -> None:
         """Record a step inside a step that is still running (a model call inside
         ``steps.llm``, a nested step) and add its tokens to the run, without handing the
         lease on. Fenced."""
-        with self.engine.begin() as conn:
-            owned = conn.execute(
-                Q["charge_run"], {**_fence(claim), **_usage_params(step.usage, step.cost_usd)}
-            ).rowcount
-            if owned == 0:
-                raise LeaseLost(claim.run_id, "step refused by the fence")
-            conn.execute(Q["upsert_step"], _step_params(claim, step))
+        with self._statement() as conn:
+            written = self._record(conn, claim, step)
+        self.step_logs.wrote(claim.run_id, claim.epoch, [written])
 
     def finish(
         self,
@@ -727,7 +795,8 @@ class RunStore:
         error: str | None = None,
     ) -> None:
         """End the run (or park it NEEDS_ATTENTION) and release the lease. Fenced."""
-        with self.engine.begin() as conn:
+        self.step_logs.forget(claim.run_id)
+        with self._statement() as conn:
             row = conn.execute(
                 Q["finish_run"],
                 {**_fence(claim), "status": str(status), "result": _json(result), "error": error},
@@ -798,7 +867,7 @@ class RunStore:
     def redispatch_due(self, *, redispatch_after: float, limit: int = 500) -> list[Dispatch]:
         """Give a fresh dispatch token to every run whose message is presumed lost, whose
         lease lapsed, or whose timer came due. The caller sends one message for each."""
-        with self.engine.begin() as conn:
+        with self._statement() as conn:
             rows = conn.execute(
                 Q["redispatch_due"], {"redispatch_after": redispatch_after, "limit": limit}
             ).all()
@@ -815,7 +884,7 @@ class RunStore:
 
     def recent_submits(self, submitted_by: str, window_seconds: float) -> tuple[int, float]:
         """``(count, age in seconds of the oldest)`` of this submitter's recent runs."""
-        with self.engine.connect() as conn:
+        with self._statement() as conn:
             row = conn.execute(
                 Q["recent_submits"],
                 {"submitted_by": submitted_by, "window_seconds": window_seconds},
@@ -824,7 +893,7 @@ class RunStore:
 
     def make_due_now(self, run_id: uuid.UUID) -> None:
         """Fast-forward a run's timer and lease (test kits; an operator's "wake it now")."""
-        with self.engine.begin() as conn:
+        with self._statement() as conn:
             conn.execute(Q["make_due_now"], {"id": run_id})
 
     def audit_events(self, run_id: uuid.UUID) -> list[AuditEvent]:
@@ -845,6 +914,97 @@ class RunStore:
             for r in rows
         ]
 
-    def mark_undispatched(self, dispatch: Dispatch) -> None:
+    # -- forks ----------------------------------------------------------------------------
+
+    def fork_run(self, new: NewFork, check: Callable[[Run, list[Step]], Sequence[StepEdit]]) -> Run:
+        """Create a fork of ``new.source`` in one transaction: the source is held (shared)
+        while ``check`` judges it and its steps and returns the edits to make (raising
+        refuses the fork); its steps before ``new.from_seq`` and their decided approvals are
+        copied, the edits applied, and the fork queued. Raises :class:`RunNotFound` for no
+        source."""
+        fork_id = uuid.uuid4()
         with self.engine.begin() as conn:
+            row = conn.execute(Q["lock_run_for_fork"], {"id": new.source}).mappings().first()
+            if row is None:
+                raise RunNotFound(f"no run with id {new.source}")
+            steps = [_step(r) for r in conn.execute(Q["list_steps"], {"id": new.source}).mappings()]
+            edits = check(_run(row), steps)
+            created = (
+                conn.execute(
+                    Q["create_fork_run"],
+                    {
+                        "id": fork_id,
+                        "source": new.source,
+                        "input": _json(new.input),
+                        "model": new.model,
+                        "token_budget": new.token_budget,
+                        "timeout_seconds": new.timeout_seconds,
+                        "token": uuid.uuid4(),
+                        "submitted_by": new.submitted_by,
+                        "from_seq": new.from_seq,
+                        "replay_model": new.replay_model,
+                    },
+                )
+                .mappings()
+                .one()
+            )
+            copy = {"fork": fork_id, "source": new.source, "from_seq": new.from_seq}
+            conn.execute(Q["copy_steps_to_fork"], copy)
+            conn.execute(Q["copy_approvals_to_fork"], copy)
+            for edit in edits:
+                edited = conn.execute(
+                    Q["edit_fork_step"],
+                    {
+                        "fork": fork_id,
+                        "seq": edit.seq,
+                        "response": _json(edit.response),
+                        "status": str(edit.status),
+                        "error": edit.error,
+                    },
+                ).rowcount
+                if edited != 1:
+                    raise InvalidTransition(f"step {edit.seq} is not a copied step of the fork")
+            if new.audit is not None:  # on the source: who forked it, from where, into what
+                detail = {"fork": str(fork_id), **(new.audit.detail or {})}
+                _record_audit(conn, new.source, replace(new.audit, detail=detail))
+        return _run(created)
+
+    def step_by_key(self, run_id: uuid.UUID, step_key: str) -> Step | None:
+        with self.engine.connect() as conn:
+            row = (
+                conn.execute(Q["get_step_by_key"], {"id": run_id, "step_key": step_key})
+                .mappings()
+                .first()
+            )
+        return _step(row) if row else None
+
+    def record_replayed(
+        self, claim: Claim, step: NewStep, original: Step, *, hand_over: bool
+    ) -> Dispatch | None:
+        """Record a model step a fork answered from ``original`` (the source run's row) without
+        calling the model: no tokens billed, what the original paid kept apart. With
+        ``hand_over`` it is the task's step (the lease is handed on, as a checkpoint does);
+        else a child step of a running durable step. Fenced."""
+        token = uuid.uuid4() if hand_over else None
+        with self.engine.begin() as conn:
+            self._record(conn, claim, step, token)
+            marked = (
+                conn.execute(
+                    Q["mark_step_origin"],
+                    {
+                        "id": claim.run_id,
+                        "step_key": step.step_key,
+                        "origin": str(StepOrigin.REPLAYED),
+                        "original_tokens": (original.original_tokens or 0) + original.usage.total,
+                        "original_cost_usd": (original.original_cost_usd or 0) + original.cost_usd,
+                    },
+                )
+                .mappings()
+                .one()
+            )
+        self.step_logs.wrote(claim.run_id, claim.epoch, [_step(marked)], token)
+        return Dispatch(claim.run_id, token) if token is not None else None
+
+    def mark_undispatched(self, dispatch: Dispatch) -> None:
+        with self._statement() as conn:
             conn.execute(Q["mark_undispatched"], {"id": dispatch.run_id, "token": dispatch.token})

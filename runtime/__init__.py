@@ -6,15 +6,18 @@ plain loop.
 
 from runtime.agents import Agent, AgentRegistry
 from runtime.driver import Driver, Outcome, StepResult
+from runtime.mcp import McpServer, ToolPolicy
 from runtime.tools import Tool, ToolContext, tool
 
 __all__ = [
     "Agent",
     "AgentRegistry",
     "Driver",
+    "McpServer",
     "Outcome",
     "StepResult",
     "Tool",
     "ToolContext",
+    "ToolPolicy",
     "tool",
 ]

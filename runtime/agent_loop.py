@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from db.records import ModelCheckpoint, NewStep, RunStatus, StepKind, StepStatus
-from runtime import effects, modelcall
+from runtime import effects, mcpcall, modelcall
 from runtime.agents import Agent
 from runtime.llm.base import LlmError, LlmRequest
 from runtime.llm.retry import RetryLater
 from runtime.logctx import set_step
+from runtime.mcp.client import CallResult
+from runtime.mcp.toolset import Toolset
 from runtime.replay import Conversation, model_step_key, replay, tool_step_key
 from runtime.task import Outcome, StepResult, Task
-from runtime.tools import ToolInputError, render_output
+from runtime.tools import ToolContext, ToolInputError, render_output
 from runtime.tracing import Span, step_span
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,11 @@ def run_agent(task: Task, agent: Agent) -> StepResult:
         return task.finish(RunStatus.SUCCEEDED, result=conversation.final_text)
     if halt:
         return task.finish(RunStatus.FAILED, error=halt)
+    toolset = mcpcall.recorded_toolset(task)
+    if toolset is None and agent.servers and conversation.model_turns == 0:
+        # Fixed before the first model step, once. (A run that started before its agent had
+        # MCP servers keeps offering what it offered: no tool set, no MCP tools.)
+        return mcpcall.record_toolset(task, list(agent.servers.values()))
     with step_span(
         f"chat {task.claim.run.model}",
         {
@@ -60,7 +68,7 @@ def run_agent(task: Task, agent: Agent) -> StepResult:
             "gen_ai.request.model": task.claim.run.model,
         },
     ) as span:
-        return _model_step(task, agent, conversation, span)
+        return _model_step(task, agent, conversation, span, toolset)
 
 
 def span_attributes(task: Task, kind: str) -> dict[str, Any]:
@@ -100,7 +108,9 @@ def halt_reason(task: Task, conversation: Conversation) -> str | None:
 # -- model step -----------------------------------------------------------------------------
 
 
-def _request(task: Task, agent: Agent, conversation: Conversation) -> LlmRequest:
+def _request(
+    task: Task, agent: Agent, conversation: Conversation, toolset: Toolset | None = None
+) -> LlmRequest:
     system = (
         [{"type": "text", "text": agent.system_prompt, "cache_control": {"type": "ephemeral"}}]
         if agent.system_prompt
@@ -110,18 +120,30 @@ def _request(task: Task, agent: Agent, conversation: Conversation) -> LlmRequest
         model=task.claim.run.model,
         max_tokens=agent.max_tokens or task.settings.max_tokens,
         system=system,
-        tools=agent.tool_definitions(),
+        tools=agent.tool_definitions() + (toolset.definitions() if toolset else []),
         messages=conversation.messages,
     )
 
 
 def _model_step(
-    task: Task, agent: Agent, conversation: Conversation, span: Span | None
+    task: Task,
+    agent: Agent,
+    conversation: Conversation,
+    span: Span | None,
+    toolset: Toolset | None = None,
 ) -> StepResult:
     seq = task.next_seq
     set_step(seq)
-    request = _request(task, agent, conversation)
+    request = _request(task, agent, conversation, toolset)
     body = request.to_json()
+    key = model_step_key(conversation.model_turns + 1)
+    original = modelcall.recorded_answer(task, key, body)
+    if original is not None:  # a fork replaying the model, and the request is unchanged
+        row = modelcall.replayed_row(seq, key, body, original)
+        task.ensure_lease()
+        dispatch = task.store.record_replayed(task.claim, row, original, hand_over=True)
+        log.info("run=%s seq=%d MODEL replayed (request unchanged; 0 tokens)", task.rid, seq)
+        return StepResult(Outcome.CONTINUE, dispatch=dispatch)
     refusal = modelcall.strict_budget_refusal(task, request, body)
     if refusal:
         return task.finish(RunStatus.FAILED, error=refusal)
@@ -151,7 +173,7 @@ def _model_step(
         )
     checkpoint = ModelCheckpoint(
         seq=seq,
-        step_key=model_step_key(conversation.model_turns + 1),
+        step_key=key,
         model=answer.model,
         prompt_hash=modelcall.prompt_hash(body),
         request=body if task.settings.store_requests else None,
@@ -231,21 +253,46 @@ def _tool_step(task: Task, agent: Agent, use: dict[str, Any]) -> StepResult:
             tool_use_id=tool_use_id,
         )
 
-    if tool is None:  # nothing to run, nothing in doubt: the model learns its mistake
-        known = ", ".join(sorted(agent.tools_by_name)) or "none"
+    toolset = mcpcall.recorded_toolset(task) if tool is None else None
+    mcp_tool = toolset.get(name) if toolset is not None else None
+    server = agent.servers.get(mcp_tool.server) if mcp_tool is not None else None
+    if tool is None and (mcp_tool is None or server is None):
+        # nothing to run, nothing in doubt: the model learns its mistake
+        offered = [*agent.tools_by_name, *(t.name for t in toolset.tools)] if toolset else []
+        known = ", ".join(sorted(offered or agent.tools_by_name)) or "none"
         output = f"error: unknown tool {name!r}; known tools: {known}"
+        if mcp_tool is not None:
+            output = f"error: tool {name!r} belongs to MCP server {mcp_tool.server!r}, which "
+            output += "this agent no longer declares"
         return task.checkpoint([row(StepStatus.ERROR, output, 0)])
     arguments = dict(use.get("input") or {})
     attempt = (existing.attempt + 1) if existing is not None else 1
+    if tool is not None:
+        python_tool = tool
+
+        def invoke(ctx: ToolContext) -> Any:
+            return python_tool.invoke(arguments, ctx)
+
+        fn: Callable[[ToolContext], Any] = invoke
+        idempotent, reconcile = tool.idempotent, tool.reconcile
+        timeout: float | None = tool.timeout_seconds
+        label, limit_seconds = f"tool {name!r}", tool.timeout_seconds
+    else:
+        assert mcp_tool is not None
+        assert server is not None
+        call = mcpcall.prepare(task, server, mcp_tool, arguments)
+        fn, idempotent, reconcile = call.fn, call.idempotent, call.reconcile
+        # The MCP client keeps the time itself: it cancels the request on the server.
+        timeout, label, limit_seconds = None, call.label, call.timeout_seconds
     effect = effects.Effect(
         key=key,
         kind=StepKind.TOOL,
         seq=seq,
-        fn=lambda ctx: tool.invoke(arguments, ctx),
-        label=f"tool {name!r} (tool_use id {tool_use_id}, seq={seq})",
-        idempotent=tool.idempotent,
-        reconcile=tool.reconcile,
-        timeout_seconds=tool.timeout_seconds,
+        fn=fn,
+        label=f"{label} (tool_use id {tool_use_id}, seq={seq})",
+        idempotent=idempotent,
+        reconcile=reconcile,
+        timeout_seconds=timeout,
         attempt=attempt,
         tool_name=name,
         tool_use_id=tool_use_id,
@@ -261,6 +308,10 @@ def _tool_step(task: Task, agent: Agent, use: dict[str, Any]) -> StepResult:
         return task.schedule(task.settings.cancel_grace_seconds, verdict.reason, model_attempts=0)
     if isinstance(verdict, effects.WasReconciled):
         result = row(StepStatus.DONE, render_output(verdict.output, limit), 0, attempt)
+    elif isinstance(verdict, effects.Ran) and isinstance(verdict.value, CallResult):
+        answer = verdict.value  # an MCP result: its isError decides
+        status = StepStatus.ERROR if answer.is_error else StepStatus.DONE
+        result = row(status, render_output(answer.text, limit), verdict.latency_ms, attempt)
     elif isinstance(verdict, effects.Ran):
         result = row(
             StepStatus.DONE, render_output(verdict.value, limit), verdict.latency_ms, attempt
@@ -268,9 +319,11 @@ def _tool_step(task: Task, agent: Agent, use: dict[str, Any]) -> StepResult:
     else:
         e = verdict.error
         if verdict.timed_out:
-            output = f"error: tool {name!r} timed out after {tool.timeout_seconds:g}s"
+            output = f"error: tool {name!r} timed out after {limit_seconds:g}s"
         elif isinstance(e, ToolInputError):
             output = f"error: {e}"
+        elif tool is None:
+            output = render_output(mcpcall.error_text(e), limit)
         else:  # a failing tool is information for the model
             output = render_output(f"error: {type(e).__name__}: {e}", limit)
         result = row(StepStatus.ERROR, output, verdict.latency_ms, attempt)

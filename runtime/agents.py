@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from db.errors import DarError
+from runtime.mcp.servers import McpServer
 from runtime.tools import Tool
 
 
@@ -28,6 +29,10 @@ class Agent:
     """The model to use; ``None`` takes DAR_DEFAULT_MODEL."""
     max_tokens: int | None = None
     max_steps: int | None = None
+    mcp_servers: tuple[McpServer | str, ...] = ()
+    """MCP servers whose tools the model is offered next to ``tools`` (as ``<server>__<tool>``),
+    or names of servers configured in ``DAR_MCP_SERVERS`` / registered with
+    :meth:`AgentRegistry.register_mcp_server`."""
     tools_by_name: dict[str, Tool] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -39,6 +44,17 @@ class Agent:
                 raise AgentConfigError(f"agent {self.name!r} declares tool {t.name!r} twice")
             by_name[t.name] = t
         object.__setattr__(self, "tools_by_name", by_name)
+        seen: set[str] = set()
+        for server in self.mcp_servers:
+            name = server if isinstance(server, str) else server.name
+            if name in seen:
+                raise AgentConfigError(f"agent {self.name!r} declares MCP server {name!r} twice")
+            seen.add(name)
+
+    @property
+    def servers(self) -> dict[str, McpServer]:
+        """The MCP servers by name (after :meth:`AgentRegistry.finalize` resolved names)."""
+        return {s.name: s for s in self.mcp_servers if isinstance(s, McpServer)}
 
     def tool_definitions(self) -> list[dict[str, Any]]:
         return [t.definition() for t in self.tools_by_name.values()]
@@ -65,6 +81,8 @@ class AgentRegistry:
     ) -> None:
         self._agents: dict[str, AnyAgent] = {}
         self._tools: dict[str, Tool] = {}
+        self._mcp_servers: dict[str, McpServer] = {}
+        self._mcp_attach: dict[str, list[str]] = {}
         self.resources: dict[str, Any] = dict(resources or {})
         """What agent modules may use: ``engine``, ``tickets`` (the demo's store), ``settings``."""
         for a in agents:
@@ -77,8 +95,63 @@ class AgentRegistry:
         self._tools[tool.name] = tool
         return tool
 
+    def register_mcp_server(self, server: McpServer, agents: Iterable[str] = ()) -> McpServer:
+        """A server agents may name in their ``mcp_servers``; ``agents``: attach it to these
+        agents as well (how ``DAR_MCP_SERVERS`` gives an agent a server)."""
+        if server.name in self._mcp_servers:
+            raise AgentConfigError(f"two MCP servers are registered under the name {server.name!r}")
+        self._mcp_servers[server.name] = server
+        self._mcp_attach[server.name] = list(agents)
+        return server
+
+    def mcp_servers(self) -> list[McpServer]:
+        """Every MCP server some registered agent uses (after :meth:`finalize`)."""
+        found: dict[str, McpServer] = {}
+        for agent in self._agents.values():
+            for server in getattr(agent, "mcp_servers", ()):
+                if isinstance(server, McpServer):
+                    found.setdefault(server.name, server)
+        return list(found.values())
+
+    def _resolve_servers(self) -> None:
+        for server, agent_names in self._mcp_attach.items():
+            for agent_name in agent_names:
+                agent = self._agents.get(agent_name)
+                if agent is None:
+                    raise AgentConfigError(
+                        f"MCP server {server!r} is configured for agent {agent_name!r}, which "
+                        "is not registered"
+                    )
+                declared = getattr(agent, "mcp_servers", ())
+                names = {s if isinstance(s, str) else s.name for s in declared}
+                if server not in names:
+                    self._agents[agent_name] = replace(  # type: ignore[type-var]
+                        agent, mcp_servers=(*declared, server)
+                    )
+        for name, agent in list(self._agents.items()):
+            declared = getattr(agent, "mcp_servers", ())
+            if not declared:
+                continue
+            resolved: list[McpServer] = []
+            for s in declared:
+                if isinstance(s, McpServer):
+                    resolved.append(s)
+                    continue
+                if s not in self._mcp_servers:
+                    known = ", ".join(sorted(self._mcp_servers)) or "none"
+                    raise AgentConfigError(
+                        f"agent {name!r} uses MCP server {s!r}, which is not configured "
+                        f"(configured MCP servers: {known}; see DAR_MCP_SERVERS)"
+                    )
+                resolved.append(self._mcp_servers[s])
+            self._agents[name] = replace(  # type: ignore[type-var]
+                agent, mcp_servers=tuple(resolved)
+            )
+
     def finalize(self) -> None:
-        """Resolve tool names; fail with a precise message on any that names nothing."""
+        """Resolve tool and MCP server names; fail with a precise message on any that names
+        nothing."""
+        self._resolve_servers()
         for name, agent in list(self._agents.items()):
             if not isinstance(agent, Agent):
                 continue

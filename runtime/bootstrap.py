@@ -20,6 +20,8 @@ from runtime.driver import Driver
 from runtime.heartbeat import Heartbeat
 from runtime.llm.base import LlmClient
 from runtime.llm.demo import DemoModel
+from runtime.mcp.client import McpClients
+from runtime.mcp.servers import parse_servers, parse_tool_overrides
 from runtime.metrics import Metrics
 from runtime.pricing import PriceTable
 
@@ -56,6 +58,8 @@ def load_agents(
         [acme_agent(tickets)],
         resources={"engine": engine, "tickets": tickets, "settings": settings},
     )
+    for configured in parse_servers(settings.mcp_servers_json):
+        registry.register_mcp_server(configured.server, configured.agents)
     for name in settings.agent_modules:
         try:
             module = importlib.import_module(name)
@@ -87,6 +91,8 @@ class Runtime:
     agents: AgentRegistry
     llm: LlmClient
     pricing: PriceTable
+    mcp: McpClients | None = None
+    """This process's MCP sessions; opened lazily, on the first call that needs one."""
     _lease_store: RunStore | None = None
 
     @classmethod
@@ -103,6 +109,10 @@ class Runtime:
             agents=load_agents(settings, tickets, engine),
             llm=llm or build_llm(settings),
             pricing=PriceTable.from_json(settings.prices_json),
+            mcp=McpClients(
+                connect_timeout_seconds=settings.mcp_connect_timeout_seconds,
+                tool_overrides=parse_tool_overrides(settings.mcp_tools_json),
+            ),
         )
 
     def lease_store(self) -> RunStore:
@@ -136,6 +146,7 @@ class Runtime:
             pricing=self.pricing,
             heartbeat=heartbeat,
             worker=worker,
+            mcp=self.mcp,
         )
 
     def submit(
@@ -167,6 +178,8 @@ class Runtime:
         return run, Dispatch(run.id, run.dispatch_token)
 
     def close(self) -> None:
+        if self.mcp is not None:
+            self.mcp.close()
         self.engine.dispose()
         if self._lease_store is not None:
             self._lease_store.engine.dispose()

@@ -109,6 +109,13 @@ class Settings:
     max_token_budget: int = 10_000_000
     default_timeout_seconds: int = 600
     max_timeout_seconds: int = 7 * 86400
+    mcp_servers_json: str | None = field(default=None, repr=False)
+    """DAR_MCP_SERVERS: MCP servers by name (runtime.mcp.servers.parse_servers)."""
+    mcp_tools_json: str | None = None
+    """DAR_MCP_TOOLS: per-tool overrides of MCP annotations, by <server>__<tool>."""
+    mcp_connect_timeout_seconds: float = 30.0
+    mcp_startup_check: str = "strict"
+    mcp_retry_seconds: float = 10.0
     worker_name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 
     @classmethod
@@ -163,6 +170,13 @@ class Settings:
             max_token_budget=_int(e, "DAR_MAX_TOKEN_BUDGET", 10_000_000, minimum=1),
             default_timeout_seconds=_int(e, "DAR_DEFAULT_TIMEOUT_SECONDS", 600, minimum=1),
             max_timeout_seconds=_int(e, "DAR_MAX_TIMEOUT_SECONDS", 7 * 86400, minimum=1),
+            mcp_servers_json=e.get("DAR_MCP_SERVERS") or None,
+            mcp_tools_json=e.get("DAR_MCP_TOOLS") or None,
+            mcp_connect_timeout_seconds=_num(e, "DAR_MCP_CONNECT_TIMEOUT_SECONDS", 30.0, minimum=1),
+            mcp_startup_check=_choice(
+                e, "DAR_MCP_STARTUP_CHECK", "strict", ("strict", "warn", "off")
+            ),
+            mcp_retry_seconds=_num(e, "DAR_MCP_RETRY_SECONDS", 10.0, minimum=0.1),
             worker_name=_get(e, "DAR_WORKER_NAME", f"{socket.gethostname()}:{os.getpid()}"),
         )
         for default, maximum, dname, mname in (

@@ -32,6 +32,7 @@ from runtime.faults import crash_point
 from runtime.heartbeat import Heartbeat
 from runtime.llm.base import LlmClient
 from runtime.logctx import log_context
+from runtime.mcp.client import McpClients
 from runtime.metrics import Metrics
 from runtime.modelcall import estimate_tokens, prompt_hash
 from runtime.pricing import PriceTable
@@ -62,6 +63,7 @@ class Driver:
         heartbeat: Heartbeat | None = None,
         worker: str | None = None,
         metrics: Metrics | None = None,
+        mcp: McpClients | None = None,
     ) -> None:
         self.store = store
         self.agents = agents
@@ -70,6 +72,7 @@ class Driver:
         self.pricing = pricing or PriceTable.from_json(None)
         self.worker = worker or settings.worker_name
         self.metrics = metrics
+        self.mcp = mcp
         self.heartbeat = heartbeat or Heartbeat(
             store,
             self.worker,
@@ -90,7 +93,7 @@ class Driver:
             )
             return StepResult(Outcome.DROPPED)
         crash_point("after_claim")
-        result = self.execute(claim)
+        result = self.execute(claim, token)
         if result.dispatch is not None:
             crash_point("after_checkpoint")
         return result
@@ -102,7 +105,8 @@ class Driver:
 
     # -- one step -----------------------------------------------------------------------
 
-    def execute(self, claim: Claim) -> StepResult:
+    def execute(self, claim: Claim, token: uuid.UUID | None = None) -> StepResult:
+        """One step of the claimed run; ``token`` is the one its message carried."""
         run = claim.run
         services = Services(
             store=self.store,
@@ -111,6 +115,7 @@ class Driver:
             pricing=self.pricing,
             metrics=self.metrics,
             worker=self.worker,
+            mcp=self.mcp,
         )
         with (
             log_context(run_id=str(run.id), worker=self.worker, step_seq="-"),
@@ -129,7 +134,7 @@ class Driver:
                         f"{self.settings.max_claims_without_progress})"
                     ),
                 )
-            task.steps = self.store.steps(run.id)
+            task.steps = self.store.steps(run.id, token=token, epoch=claim.epoch)
             if run.claims_without_progress > 1:
                 log.info("run=%s resumed at seq=%d", short(run.id), self._resume_seq(task.steps))
             try:

@@ -16,6 +16,11 @@ compensation. The rule, written once:
    out" would invite a second one); if it raises, the timeout is recorded; if it is still
    running, it stays ``STARTED`` and rule 2 decides on the next task. A timed-out call is never
    recorded as failed while its code may still produce the effect.
+4. A step whose code raises :class:`~runtime.tools.OutcomeUnknown` (it sent a request, an MCP
+   call for one, and the answer never came) is in doubt at once, as if its worker had crashed
+   there: when it is idempotent the error is recorded (the caller may call again); else its
+   ``reconcile`` hook is asked; else the run stops ``NEEDS_ATTENTION``, the step left
+   ``STARTED`` for the operator.
 
 The caller records the verdict (and so chooses the step's row), in the same transaction that
 hands the lease on.
@@ -34,7 +39,7 @@ from typing import Any
 from db.records import NewStep, Step, StepKind, StepStatus
 from runtime.faults import crash_point
 from runtime.task import Task
-from runtime.tools import Reconciled, ToolContext
+from runtime.tools import OutcomeUnknown, Reconciled, ToolContext
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +122,28 @@ def execute(task: Task, effect: Effect, recorded: Step | None) -> Verdict:
     crash_point("after_tool_start")
     verdict = _run(task, effect, context)
     crash_point("after_tool_effect")
+    if (
+        isinstance(verdict, Raised)
+        and isinstance(verdict.error, OutcomeUnknown)
+        and not effect.idempotent
+    ):
+        return _answer_lost(task, effect, context, verdict.error)
     return verdict
+
+
+def _answer_lost(task: Task, effect: Effect, context: ToolContext, error: Exception) -> Verdict:
+    """Rule 4: the effect's answer never came and it is not idempotent."""
+    if effect.reconcile is None:
+        return InDoubt(
+            f"{effect.label}: {error}; it is not declared idempotent, so it was not run "
+            "again: check whether its effect happened, then resolve the run (supply_result, "
+            "retry or fail)"
+        )
+    log.warning(
+        "run=%s seq=%d %s: %s; asking its reconcile hook", task.rid, effect.seq, effect.label, error
+    )
+    decided = _reconciled(task, effect, context)
+    return _run(task, effect, context) if decided is None else decided
 
 
 def _in_doubt(task: Task, effect: Effect, recorded: Step, context: ToolContext) -> Verdict | None:
@@ -138,7 +164,13 @@ def _in_doubt(task: Task, effect: Effect, recorded: Step, context: ToolContext) 
             "and it is not declared idempotent, so it was not run again: check whether its "
             "effect happened, then resolve the run (supply_result, retry or fail)"
         )
+    return _reconciled(task, effect, context)
+
+
+def _reconciled(task: Task, effect: Effect, context: ToolContext) -> Verdict | None:
+    """Ask the effect's reconcile hook: ``None`` when the effect had not happened."""
     reconcile = effect.reconcile
+    assert reconcile is not None
     try:
         answer = _run(
             task,

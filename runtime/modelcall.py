@@ -19,7 +19,7 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 from db.errors import LeaseLost
-from db.records import Usage
+from db.records import NewStep, Step, StepKind, StepStatus, Usage
 from runtime.faults import crash_point
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.retry import prior_attempts, reset_prior_attempts
@@ -119,3 +119,57 @@ def record_billed(task: Task, answer: Answer, write: Callable[[], T]) -> T:
     )
     task.spent_cost += answer.cost
     return result
+
+
+# -- forks: replaying recorded answers ------------------------------------------------------
+
+
+def has_diverged(steps: list[Step]) -> bool:
+    """Whether this run called the real model already: a fork replaying the model stops
+    replaying at the first request that differs from the original's, for good."""
+    return any(
+        s.kind in (StepKind.MODEL, StepKind.LLM) and s.prompt_hash is not None and s.origin is None
+        for s in steps
+    )
+
+
+def recorded_answer(
+    task: Task, key: str, body: dict[str, Any], *, diverged: bool | None = None
+) -> Step | None:
+    """For a fork with ``replay_model``: the original's recorded model step ``key`` when its
+    request was byte-identical to ``body`` (the prompt hashes match) and no request of the
+    fork has differed yet (``diverged``; read from the task's steps when ``None``); ``None``
+    means call the model. Costs nothing for a run that is not such a fork."""
+    run = task.claim.run
+    if not run.replay_model or run.forked_from_run is None:
+        return None
+    if diverged if diverged is not None else has_diverged(task.steps):
+        return None
+    original = task.store.step_by_key(run.forked_from_run, key)
+    if (
+        original is None
+        or original.kind not in (StepKind.MODEL, StepKind.LLM)
+        or original.status is not StepStatus.DONE
+        or original.prompt_hash != prompt_hash(body)
+    ):
+        return None
+    return original
+
+
+def replayed_row(
+    seq: int, key: str, body: dict[str, Any], original: Step, *, attempt: int = 0
+) -> NewStep:
+    """The row of a model step answered from ``original``: its response, no tokens billed."""
+    return NewStep(
+        seq=seq,
+        step_key=key,
+        kind=original.kind,
+        status=StepStatus.DONE,
+        response=original.response,
+        attempt=attempt,
+        model=original.model,
+        prompt_hash=prompt_hash(body),
+        latency_ms=0,
+        request_id=original.request_id,
+        stop_reason=original.stop_reason,
+    )

@@ -7,12 +7,16 @@ A process that cannot work must not start: a worker whose agents do not load wou
 
 from __future__ import annotations
 
+import logging
+
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from db.engine import make_engine, normalize_url
 from runtime.agents import AgentRegistry
 from runtime.config import ConfigError, Settings
+
+log = logging.getLogger(__name__)
 
 DATABASE_URL_FORM = "postgresql://user:password@host:5432/dbname"
 
@@ -81,13 +85,47 @@ def check_agents(settings: Settings) -> AgentRegistry:
     return registry
 
 
+def check_mcp_servers(settings: Settings, registry: AgentRegistry) -> None:
+    """Start (or reach) every MCP server an agent uses and list its tools, so a missing
+    command, a server that dies at startup or a refused credential names the server now,
+    not in the middle of a run. ``DAR_MCP_STARTUP_CHECK``: ``strict`` (fail), ``warn`` (log
+    and start anyway), ``off``."""
+    if settings.mcp_startup_check == "off":
+        return
+    servers = registry.mcp_servers()
+    if not servers:
+        return
+    from runtime.mcp.client import McpClients
+    from runtime.mcp.errors import McpError
+    from runtime.mcp.servers import parse_tool_overrides
+
+    parse_tool_overrides(settings.mcp_tools_json)  # a bad DAR_MCP_TOOLS fails here too
+    clients = McpClients(connect_timeout_seconds=settings.mcp_connect_timeout_seconds)
+    try:
+        for server in servers:
+            try:
+                tools = clients.check(server)
+            except McpError as e:
+                if settings.mcp_startup_check == "strict":
+                    raise ConfigError(
+                        f"{e} (DAR_MCP_STARTUP_CHECK=warn starts the worker anyway)"
+                    ) from None
+                log.warning("MCP startup check: %s", e)
+                continue
+            log.info("MCP startup check: %s offers %d tools", server.where, len(tools))
+    finally:
+        clients.close()
+
+
 def check_startup(settings: Settings) -> AgentRegistry:
-    """What a worker needs before it takes a message: a DATABASE_URL that parses and agents
-    that load. A database that does not answer *yet* is not a configuration error (a worker
-    restarted during a PostgreSQL restart waits for it, as the chaos suite requires); `dar dev`
-    and `dar migrate` check that it connects."""
+    """What a worker needs before it takes a message: a DATABASE_URL that parses, agents
+    that load, and the MCP servers they use answering. A database that does not answer *yet*
+    is not a configuration error (a worker restarted during a PostgreSQL restart waits for
+    it, as the chaos suite requires); `dar dev` and `dar migrate` check that it connects."""
     check_database_url(settings.database_url, connect=False)
-    return check_agents(settings)
+    registry = check_agents(settings)
+    check_mcp_servers(settings, registry)
+    return registry
 
 
 def unknown_agent_message(name: str, registry: AgentRegistry) -> str:

@@ -78,6 +78,8 @@ def replay(run_input: Any, steps: list[Step]) -> Conversation:
     turns = 0
     last_content: list[JsonObj] = []
     for step in steps:
+        if step.kind is StepKind.TOOLSET:
+            continue  # the tools offered, not part of the conversation
         if step.kind is StepKind.MODEL:
             if results:
                 messages.append({"role": "user", "content": results})

@@ -25,6 +25,7 @@ from runtime.config import Settings
 from runtime.guard import Stop, guard
 from runtime.heartbeat import HeldLease
 from runtime.llm.base import LlmClient
+from runtime.mcp.client import McpClients
 from runtime.metrics import Metrics
 from runtime.pricing import PriceTable
 from runtime.tracing import run_span
@@ -61,6 +62,8 @@ class Services:
     pricing: PriceTable
     metrics: Metrics | None
     worker: str
+    mcp: McpClients | None = None
+    """This process's MCP sessions (``None``: no agent here uses MCP servers)."""
 
 
 def short(run_id: uuid.UUID) -> str:

@@ -150,6 +150,12 @@ class ToolInputError(ValueError):
     """The model's input does not match the tool's schema."""
 
 
+class OutcomeUnknown(Exception):
+    """The call was sent and its answer never came (the far side died, or did not answer in
+    time): its effect may or may not have happened. A tool raises it to say so; the step is
+    then in doubt exactly as if its worker had crashed there (:mod:`runtime.effects`)."""
+
+
 @dataclass(frozen=True)
 class Tool:
     name: str

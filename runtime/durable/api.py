@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 from runtime.codec import return_type
 from runtime.llm.base import LlmRequest, LlmResponse
+from runtime.mcp.servers import McpServer
 from runtime.tools import Reconciled, ToolContext
 
 T = TypeVar("T")
@@ -57,6 +58,9 @@ class DurableAgent:
     on_approval: Callable[[ApprovalRequest], None] | None = None
     """Called (after the commit) when the function asks for an approval."""
     input_type: Any = field(default=None, compare=False)
+    mcp_servers: tuple[McpServer | str, ...] = ()
+    """MCP servers ``steps.tool(server, tool, arguments)`` may call (or names of servers
+    configured in ``DAR_MCP_SERVERS``)."""
 
     def __post_init__(self) -> None:
         if self.input_type is None:
@@ -71,6 +75,7 @@ def durable_agent(
     approval_roles: Sequence[str] = (),
     max_steps: int | None = None,
     on_approval: Callable[[ApprovalRequest], None] | None = None,
+    mcp_servers: Sequence[McpServer | str] = (),
 ) -> Callable[[Callable[[Any, Steps], Any]], DurableAgent]:
     """Declare ``fn(input, steps)`` a durable function called ``name``; register the result
     with ``registry.register(...)`` in your module's ``register(registry)``."""
@@ -82,6 +87,7 @@ def durable_agent(
             approval_roles=tuple(approval_roles),
             max_steps=max_steps,
             on_approval=on_approval,
+            mcp_servers=tuple(mcp_servers),
         )
 
     return wrap
@@ -230,6 +236,16 @@ class Engine(Protocol):
 
     def version(self, name: str, minimum: int, maximum: int) -> int: ...
 
+    def mcp_tool(
+        self,
+        server: McpServer | str,
+        tool: str,
+        arguments: dict[str, Any],
+        *,
+        name: str | None,
+        options: StepOptions,
+    ) -> Any: ...
+
     def compensate_last(self, fn: Callable[[Any], Any]) -> None: ...
 
     def model_call(self, request: LlmRequest) -> LlmResponse: ...
@@ -302,6 +318,20 @@ class StepOptions:
             declared_by=declared_by,
         )
         return result
+
+    def tool(
+        self,
+        server: McpServer | str,
+        tool: str,
+        arguments: dict[str, Any] | None = None,
+        *,
+        name: str | None = None,
+    ) -> Any:
+        """``steps.retry(3).tool(...)``, ``steps.timeout(10).tool(...)``: an MCP call with
+        these options (the timeout is the call's)."""
+        return self.steps._engine.mcp_tool(
+            server, tool, dict(arguments or {}), name=name, options=self
+        )
 
     def llm(self, name: str, fn: Callable[[Model], T], *, type: Any = None) -> T:
         """``steps.retry(3).llm(...)``: each attempt calls the model afresh."""
@@ -417,6 +447,23 @@ class Steps:
             idempotent=idempotent,
             reconcile=reconcile,
         )
+
+    def tool(
+        self,
+        server: McpServer | str,
+        tool: str,
+        arguments: dict[str, Any] | None = None,
+        *,
+        name: str | None = None,
+    ) -> Any:
+        """Call ``tool`` of the MCP server (declared in ``mcp_servers``) once, as a recorded
+        step keyed ``<server>__<tool>:n`` (or ``name:n``); the step key is the call's
+        idempotency key (``_meta``). Returns the tool's structured content when it has one,
+        else its text; a result with ``isError`` fails the step (:class:`StepError`). After a
+        crash left it in doubt it runs again only when its annotations say read-only or
+        idempotent (or the operator's ``DAR_MCP_TOOLS`` does); else its configured
+        ``reconcile`` is asked; else the run stops for an operator."""
+        return StepOptions(self).tool(server, tool, arguments, name=name)
 
     def side_effect(self, name: str, fn: Callable[[], T], *, type: Any = None) -> T:
         """Record a non-deterministic value (a uuid, the time, a random number) once."""

@@ -87,6 +87,9 @@ class Compensations:
             for s in recorded.values()
             if s.status is StepStatus.DONE
             and s.kind is not StepKind.COMPENSATION
+            # A fork's copied steps were executed by the original run: their effects are
+            # the original's, and a fork never undoes them.
+            and s.origin is None
             and (s.compensation is not None or s.step_key in self.registered)
             and (parent is None or s.step_key.startswith(parent + "/"))
             and not self._compensated(s.step_key)
@@ -123,6 +126,16 @@ class Compensations:
             message += f" (compensated: {', '.join(done)})"
         if failed:
             message += f" (compensation failed: {'; '.join(failed)})"
+        copied = [
+            s.step_key.rsplit(":", 1)[0]
+            for s in sorted(self.execution.recorded.values(), key=lambda s: s.seq)
+            if s.origin is not None
+            and s.status is StepStatus.DONE
+            and "/" not in s.step_key
+            and (s.compensation is not None or s.step_key in self.registered)
+        ]
+        if copied:
+            message += f" (not compensated, copied from the original run: {', '.join(copied)})"
         return self.execution.task.finish(status, error=message)
 
     def _run_one(self, target: Step) -> StepResult:

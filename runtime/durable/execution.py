@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from db.records import NewStep, RunStatus, Step, StepKind, StepStatus
-from runtime import effects, modelcall
+from db.records import NewStep, RunStatus, Step, StepKind, StepStatus, Usage
+from runtime import effects, mcpcall, modelcall
 from runtime.codec import decode, encode
 from runtime.durable.api import (
     ApprovalBuilder,
@@ -53,6 +53,10 @@ from runtime.guard import Stop
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.retry import RetryLater
 from runtime.logctx import set_step
+from runtime.mcp.client import CallResult
+from runtime.mcp.errors import McpRemoteError, McpUnavailable
+from runtime.mcp.servers import McpServer, namespaced
+from runtime.mcp.toolset import OfferedTool, idempotent, offered
 from runtime.task import Outcome, StepResult, Task
 from runtime.tools import ToolContext
 
@@ -102,6 +106,9 @@ class Execution:
         self.compensations = Compensations(self)
         self.yielded: Yield | None = None
         self.steps_api = Steps(self)
+        self.model_diverged: bool | None = None
+        """A fork replaying the model met a request that differs in this task (``None``:
+        as the log says)."""
 
     # -- the Engine protocol's plain parts --------------------------------------------------
 
@@ -271,7 +278,9 @@ class Execution:
     ) -> Any:
         if rec is None:
             seq, attempt = self.take_seq(), 1
-        elif rec.status is StepStatus.PAUSED:
+        elif rec.status in (StepStatus.PAUSED, StepStatus.STARTED):
+            # Entered again after a pause or a crash: the same attempt, so the model calls
+            # it recorded are replayed (only a failed attempt's retry calls the model afresh).
             seq, attempt = rec.seq, rec.attempt
         else:
             seq, attempt = rec.seq, rec.attempt + 1
@@ -426,6 +435,80 @@ class Execution:
     def compensate_last(self, fn: Callable[[Any], Any]) -> None:
         self.compensations.attach_to_last(fn)
 
+    # -- MCP tools ----------------------------------------------------------------------------
+
+    def mcp_tool(
+        self,
+        server: McpServer | str,
+        tool: str,
+        arguments: dict[str, Any],
+        *,
+        name: str | None,
+        options: StepOptions,
+    ) -> Any:
+        """``steps.tool``: a STEP whose body is one MCP call (runtime.mcpcall)."""
+        self._check_yielded()
+        declared = {s.name: s for s in self.agent.mcp_servers if isinstance(s, McpServer)}
+        wanted = server if isinstance(server, str) else server.name
+        found = declared.get(wanted) or (server if isinstance(server, McpServer) else None)
+        if found is None:
+            raise DurableConfigError(
+                f"MCP server {wanted!r} is not declared: add it to "
+                f"@durable_agent({self.agent.name!r}, mcp_servers=[...])"
+            )
+        target: McpServer = found
+        step_name = name or namespaced(target.name, tool)
+        parent = self.stack[-1].key if self.stack else ""
+        n = self.counters.get((parent, step_name), 0)
+        key = f"{parent}/{step_name}:{n}" if parent else f"{step_name}:{n}"
+        rec = self.recorded.get(key)
+        settled = rec is not None and rec.status in (StepStatus.DONE, StepStatus.ERROR)
+        timeout = options.timeout or target.timeout_seconds
+        rerun, reconcile = False, None
+        entry: OfferedTool | None = None
+        unavailable: McpUnavailable | None = None
+        if not settled:  # it will run: how it may run again comes from the live listing
+            mcp = mcpcall.clients(self.task)
+            try:
+                listing = offered(target, mcp.tools(target), set())
+            except McpUnavailable as e:
+                listing, unavailable = [], e
+            entry = next((t for t in listing if t.tool == tool), None)
+            if entry is not None:
+                policy = mcpcall.policy_for(mcp, target, tool, entry.name)
+                rerun, reconcile = idempotent(entry, policy), policy.reconcile
+                timeout = options.timeout or policy.timeout_seconds or target.timeout_seconds
+
+        def call() -> Any:
+            if unavailable is not None:
+                raise unavailable  # not sent: a failure like any other (steps.retry applies)
+            if entry is None:
+                raise McpRemoteError(f"{target.where} offers no tool {tool!r}")
+            mcpcall.validate(entry, arguments)
+            context = self.current_context()
+            assert context is not None
+            result: CallResult = mcpcall.clients(self.task).call(
+                target,
+                tool,
+                arguments,
+                key=context.idempotency_key,
+                run_id=self.run_id,
+                timeout_seconds=timeout,
+            )
+            if result.is_error:
+                raise mcpcall.McpToolError(result.text)
+            return result.structured if result.structured is not None else result.text
+
+        step_options = StepOptions(
+            self.steps_api,
+            retries=options.retries,
+            backoff=options.backoff,
+            timeout=None,  # the MCP client keeps the time, and cancels on the server
+            idempotent=rerun,
+            reconcile=reconcile,
+        )
+        return self.step("STEP", step_name, call, type=Any, compensate=None, options=step_options)
+
     # -- versions ---------------------------------------------------------------------------
 
     def version(self, name: str, minimum: int, maximum: int) -> int:
@@ -482,6 +565,11 @@ class Execution:
             )
         body = request.to_json()
         with self.engine_call():
+            original = modelcall.recorded_answer(self.task, key, body, diverged=self.model_diverged)
+        if original is not None:  # a fork replaying the model, and the request is unchanged
+            return self._replayed(key, rec, parent, body, original)
+        self.model_diverged = True
+        with self.engine_call():
             stop = self.task.guard(steps_taken=0, next_is_model=True)
             refusal = modelcall.strict_budget_refusal(self.task, request, body)
         if stop is None and refusal:
@@ -531,6 +619,28 @@ class Execution:
         )
         return response
 
+    def _replayed(
+        self, key: str, rec: Step | None, parent: Frame, body: dict[str, Any], original: Step
+    ) -> LlmResponse:
+        row = modelcall.replayed_row(
+            rec.seq if rec is not None else self.take_seq(),
+            key,
+            body,
+            original,
+            attempt=parent.attempt,
+        )
+        with self.engine_call():
+            self.task.ensure_lease()
+            self.task.store.record_replayed(self.task.claim, row, original, hand_over=False)
+        log.info("run=%s seq=%d MODEL %s replayed (request unchanged)", self.task.rid, row.seq, key)
+        return LlmResponse(
+            original.response or [],
+            original.stop_reason,
+            Usage(),
+            original.model or self.default_model,
+            original.request_id,
+        )
+
     # -- approvals ----------------------------------------------------------------------------
 
     def approval(
@@ -555,6 +665,11 @@ class Execution:
         payload = {"stepKey": key, "input": encode(list(args))}
         digest = _hash(payload)
         rec = self.recorded.get(key)
+        if rec is not None and rec.origin is not None and rec.input_hash != digest:
+            # A fork copied this decision, but its edits changed what would be approved: the
+            # decision was not about this payload, so the approver is asked again.
+            self._guard(StepKind.APPROVAL)
+            return self._suspend(builder, key, payload, digest, copied=rec)
         if rec is not None and rec.status is StepStatus.DONE:
             value = decode(rec.response, type)
             self.compensations.completed(key, value, None)
@@ -591,8 +706,15 @@ class Execution:
         self._guard(StepKind.APPROVAL)
         return self._suspend(builder, key, payload, digest)
 
-    def _suspend(self, builder: ApprovalBuilder, key: str, payload: Any, digest: str) -> NoReturn:
-        seq = self.take_seq()
+    def _suspend(
+        self,
+        builder: ApprovalBuilder,
+        key: str,
+        payload: Any,
+        digest: str,
+        copied: Step | None = None,
+    ) -> NoReturn:
+        seq = copied.seq if copied is not None else self.take_seq()
         row = NewStep(
             seq=seq,
             step_key=key,
@@ -609,6 +731,7 @@ class Execution:
                 payload=payload,
                 timeout_seconds=builder.timeout_seconds,
                 timeout_policy=builder.policy,
+                discard_copied=copied is not None,
             )
         log.info("run=%s seq=%d APPROVAL %s waiting for %s", self.task.rid, seq, key, builder.role)
         notify_approval(self.task, self.agent, approval_id, key, builder, payload, digest)

@@ -1,7 +1,9 @@
 """The offline demo model, used when no ANTHROPIC_API_KEY is set, so the demo needs no key.
 
-It is deterministic: the first turn asks for the agent's first tool (with arguments read off
-the question), the next turn summarises what the tool returned. It takes ``latency_ms`` per
+It is deterministic: the first turn asks for the agent's first tool, or the one whose name
+best matches the question ("status" -> ``git__git_status``), with arguments read off the
+question (a ``*path`` argument gets the first absolute path in it); the next turn summarises
+what the tool returned. It takes ``latency_ms`` per
 call, like a real model, so there is time to kill a worker in the middle of a step.
 """
 
@@ -44,15 +46,29 @@ def _arguments(question: str, schema: dict[str, Any]) -> dict[str, Any]:
     # Required parameters get a plausible value: the first number in the question for
     # numbers, the question itself for strings.
     numbers = re.findall(r"\d+", question)
+    paths = re.findall(r"(?<![\w.])(/[\w.\-/]+)", question)
     for name in schema.get("required", []):
         kind = props.get(name, {}).get("type")
         if kind in ("integer", "number"):
             args[name] = int(numbers[0]) if numbers else 1
+        elif kind == "string" and name.endswith("path") and paths:
+            args[name] = paths[0].rstrip(".?!,")
         elif kind == "string":
             args[name] = question
         elif kind == "boolean":
             args[name] = True
     return args
+
+
+def _pick(question: str, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The tool whose name shares the most words with the question; the first on a tie."""
+    words = {w for w in re.findall(r"[a-z]+", question.lower()) if len(w) > 3}
+
+    def score(tool: dict[str, Any]) -> int:
+        return len(words & set(re.split(r"[_\-]+", tool["name"].lower())))
+
+    best = max(tools, key=score)
+    return best if score(best) > score(tools[0]) else tools[0]
 
 
 def _summary(results: list[dict[str, Any]]) -> str:
@@ -94,7 +110,7 @@ class DemoModel:
             else []
         )
         if request.tools and not results:
-            tool = request.tools[0]
+            tool = _pick(_question(request), request.tools)
             digest = hashlib.sha256(
                 json.dumps(request.messages, sort_keys=True).encode()
             ).hexdigest()[:24]

@@ -10,12 +10,17 @@ fault records the runs whose in-flight step it may have interrupted (the runs it
 held when it died or stopped, every live run for a PostgreSQL restart, none for a Redis
 restart or a duplicated message). A repeated model call is one whose response was never
 checkpointed; each such call must be paid for by one of those faults.
+
+Durable-function runs (``tests/chaos/durable_agents.py``) are checked by :func:`check_durable`
+over their step rows, the ``chaos_effect`` rows their steps and compensations wrote, their
+approval, the audit trail and the decisions the campaign made through REST.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import re
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,6 +31,7 @@ from typing import Any
 
 from db.records import Run, RunStatus, Step, StepKind, StepStatus
 from runtime.replay import model_step_key, replay, tool_step_key
+from tests.chaos import durable_agents
 
 # Times compared across clocks (PostgreSQL's now() and this process's time.time(), one host)
 CLOCK_SLACK_SECONDS = 0.25
@@ -84,6 +90,62 @@ class Fault:
     """When the fault ended (SIGCONT, server back), for faults that last."""
 
 
+@dataclass(frozen=True)
+class EffectRow:
+    """A row of ``chaos_effect``: the effect of one execution of a durable step's body or of a
+    compensation, keyed by that step's key."""
+
+    id: int
+    run_id: uuid.UUID
+    key: str
+    kind: str
+    at: datetime
+
+
+@dataclass(frozen=True)
+class ApprovalRow:
+    id: uuid.UUID
+    run_id: uuid.UUID
+    step_key: str
+    status: str
+    decided_by: str | None = None
+
+
+@dataclass(frozen=True)
+class AuditRow:
+    """A row of ``audit_event`` (the API records approve/reject there, with the decision)."""
+
+    run_id: uuid.UUID
+    approval_id: uuid.UUID | None
+    action: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the campaign decided for one approval through REST."""
+
+    approval_id: uuid.UUID
+    run_id: uuid.UUID
+    verb: str
+    """``approve`` or ``reject``: the first POST that was answered 200."""
+    again: tuple[tuple[str, int], ...] = ()
+    """Each POST sent after that one: (verb, HTTP status it finally got). The same verb must
+    get 200 (idempotent, nothing recorded again), the other one 409."""
+
+
+@dataclass(frozen=True)
+class DurableSpec:
+    """What the chaos durable function does (defaults: tests/chaos/durable_agents.py)."""
+
+    agent: str = durable_agents.AGENT
+    effects: Mapping[str, bool] = field(default_factory=lambda: dict(durable_agents.EFFECTS))
+    """Step name -> idempotent, for each step whose body writes one effect row."""
+    compensations: Mapping[str, tuple[str, bool]] = field(
+        default_factory=lambda: dict(durable_agents.COMPENSATIONS)
+    )
+    """Compensated step name -> (the effect kind of its compensation, idempotent)."""
+
+
 @dataclass
 class Evidence:
     runs: list[Run]
@@ -98,6 +160,11 @@ class Evidence:
     lease_losses: Mapping[uuid.UUID, int] = field(default_factory=dict)
     """Lease losses found in the workers' logs, per run (reported, and for runs no fault
     hit they allow a repeat each: a live worker can lose a lease it could not renew)."""
+    durable: DurableSpec = field(default_factory=DurableSpec)
+    effects: list[EffectRow] = field(default_factory=list)
+    approvals: list[ApprovalRow] = field(default_factory=list)
+    audits: list[AuditRow] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -121,6 +188,10 @@ CALL_MATCH = "steps-match-the-api-log"
 FENCING = "no-fenced-out-write"
 TOKENS = "token-counters"
 CLAIMS = "one-claim-per-step"
+EFFECTS = "effects-exactly-once"
+COMPENSATION = "compensation-at-most-once-after-a-failure"
+APPROVALS = "approval-decided-once"
+BILLED = "billed-tokens-recorded"
 
 
 def check(ev: Evidence) -> list[Violation]:
@@ -144,7 +215,11 @@ def check(ev: Evidence) -> list[Violation]:
                 )
             )
 
+    durable_runs = [r for r in ev.runs if r.agent == ev.durable.agent]
+    out += check_durable(ev, durable_runs)
     for run in ev.runs:
+        if run.agent == ev.durable.agent:
+            continue
         steps = sorted(ev.steps.get(run.id, []), key=lambda s: s.seq)
         calls = calls_by_input.get(json.dumps(run.input, sort_keys=True), [])
         out += _check_terminal(ev, run, steps)
@@ -527,9 +602,8 @@ def subset_sums(values: Sequence[int]) -> set[int]:
     return sums
 
 
-def _check_tokens(run: Run, steps: list[Step], calls: list[ModelCall]) -> list[Violation]:
-    """The run's counters are the sums of its steps'; unrecorded tokens are calls that were
-    billed but never became a step (some of them: a killed worker records nothing)."""
+def _check_counters(run: Run, steps: list[Step]) -> list[Violation]:
+    """The run's counters are the sums of its steps'."""
     out = []
     fields = (
         ("tokens_used", run.tokens_used, sum(s.usage.total for s in steps)),
@@ -550,6 +624,13 @@ def _check_tokens(run: Run, steps: list[Step], calls: list[ModelCall]) -> list[V
     for name, on_run, summed in fields:
         if on_run != summed:
             out.append(Violation(TOKENS, run.id, f"run.{name}={on_run}, its steps sum to {summed}"))
+    return out
+
+
+def _check_tokens(run: Run, steps: list[Step], calls: list[ModelCall]) -> list[Violation]:
+    """The run's counters are the sums of its steps'; unrecorded tokens are calls that were
+    billed but never became a step (some of them: a killed worker records nothing)."""
+    out = _check_counters(run, steps)
     recorded = {s.request_id for s in steps if s.kind is StepKind.MODEL}
     unmatched = [c.usage_total for c in calls if c.status == 200 and c.request_id not in recorded]
     if len(unmatched) <= 16:
@@ -565,6 +646,398 @@ def _check_tokens(run: Run, steps: list[Step], calls: list[ModelCall]) -> list[V
                 f"run's billed-but-unrecorded calls {unmatched}",
             )
         )
+    return out
+
+
+# -- durable functions --------------------------------------------------------------------------
+
+COMPENSATE_PREFIX = "compensate:"
+FAILED_ENDS = (RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.TIMED_OUT)
+TAG_RE = re.compile(r"\[chaos (\w+)\]")
+
+
+def step_name(key: str) -> str:
+    """``prepare:0/note:0`` -> ``note``; ``compensate:charge:0`` -> ``compensate:charge``."""
+    return key.rsplit("/", 1)[-1].rsplit(":", 1)[0]
+
+
+def compensated_key(step: Step) -> str | None:
+    if step.kind is not StepKind.COMPENSATION:
+        return None
+    return step.step_key.removeprefix(COMPENSATE_PREFIX)
+
+
+def call_tag(call: ModelCall) -> str | None:
+    found = TAG_RE.search(str(call.run_input))
+    return found.group(1) if found else None
+
+
+def run_tag(run: Run) -> str | None:
+    return str(run.input.get("tag")) if isinstance(run.input, dict) else None
+
+
+def check_durable(ev: Evidence, runs: list[Run]) -> list[Violation]:
+    """Over the durable function's runs: effects exactly once, compensations at most once and
+    only after a failure, each approval decided once, every billed token recorded; plus the
+    step log's own shape (keys, seq, nesting, fences, counters)."""
+    out: list[Violation] = []
+    ids = {r.id for r in runs}
+    effects: dict[uuid.UUID, dict[str, list[EffectRow]]] = defaultdict(lambda: defaultdict(list))
+    for e in ev.effects:
+        effects[e.run_id][e.key].append(e)
+        if e.run_id not in ids:
+            out.append(
+                Violation(EFFECTS, e.run_id, f"chaos_effect {e.id} ({e.kind} {e.key!r}) belongs "
+                          "to no run of the durable function")
+            )  # fmt: skip
+    calls: dict[str, list[ModelCall]] = defaultdict(list)
+    for c in ev.calls:
+        tag = call_tag(c)
+        if tag is not None:
+            calls[tag].append(c)
+    approvals: dict[uuid.UUID, list[ApprovalRow]] = defaultdict(list)
+    for a in ev.approvals:
+        approvals[a.run_id].append(a)
+    known = {a.id for a in ev.approvals}
+    for d in ev.decisions:
+        if d.approval_id not in known:
+            out.append(
+                Violation(APPROVALS, d.run_id, f"the campaign decided approval {d.approval_id}, "
+                          "which is not in the database")
+            )  # fmt: skip
+    for run in runs:
+        steps = sorted(ev.steps.get(run.id, []), key=lambda s: s.seq)
+        mine = effects.get(run.id, {})
+        out += _durable_shape(ev, run, steps)
+        out += _durable_terminal(ev, run, steps)
+        out += _durable_effects(ev, run, steps, mine)
+        out += _durable_compensations(ev, run, steps, mine)
+        out += _durable_approval(ev, run, steps, approvals.get(run.id, []), mine)
+        out += _check_counters(run, steps)
+        out += _durable_billed(ev, run, steps, calls.get(run_tag(run) or "", []))
+    return out
+
+
+def _non_idempotent(spec: DurableSpec, step: Step) -> bool:
+    target = compensated_key(step)
+    if target is not None:
+        comp = spec.compensations.get(step_name(target))
+        return comp is not None and not comp[1]
+    return spec.effects.get(step_name(step.step_key)) is False
+
+
+def _durable_shape(ev: Evidence, run: Run, steps: list[Step]) -> list[Violation]:
+    """Unique keys, seq 1..n, nesting (a child's parent is recorded, a completed step has
+    nothing in doubt inside it) and fences: one claim per top-level step (epochs strictly
+    increase along them), a child written under its parent's claim or an earlier one, no row
+    newer than the run, known workers."""
+    out = []
+    dup = [k for k, n in Counter(s.step_key for s in steps).items() if n > 1]
+    if dup:
+        out.append(Violation(UNIQUE_KEYS, run.id, f"step keys recorded more than once: {dup}"))
+    seqs = [s.seq for s in steps]
+    if seqs != list(range(1, len(steps) + 1)):
+        out.append(Violation(SEQ, run.id, f"seq is {seqs}, expected 1..{len(steps)}"))
+    by_key = {s.step_key: s for s in steps}
+    for s in steps:
+        if "/" in s.step_key and s.kind is not StepKind.COMPENSATION:
+            parent = by_key.get(s.step_key.rsplit("/", 1)[0])
+            if parent is None:
+                out.append(Violation(UNIQUE_KEYS, run.id, f"{s.step_key} has no parent row"))
+            elif parent.status is StepStatus.DONE and s.status is not StepStatus.DONE:
+                out.append(
+                    Violation(FENCING, run.id, f"{s.step_key} is {s.status} inside "
+                              f"{parent.step_key}, which is DONE")
+                )  # fmt: skip
+            elif s.lease_epoch > parent.lease_epoch:
+                out.append(
+                    Violation(FENCING, run.id, f"{s.step_key} (epoch {s.lease_epoch}) was written "
+                              f"under a newer claim than its parent (epoch {parent.lease_epoch})")
+                )  # fmt: skip
+        if s.lease_epoch > run.lease_epoch:
+            out.append(
+                Violation(FENCING, run.id, f"seq={s.seq} carries lease epoch {s.lease_epoch}, "
+                          f"beyond the run's {run.lease_epoch}")
+            )  # fmt: skip
+        if s.worker not in ev.known_workers:
+            out.append(Violation(FENCING, run.id, f"seq={s.seq} written by {s.worker!r}"))
+    top = [s for s in steps if "/" not in s.step_key or s.kind is StepKind.COMPENSATION]
+    for prev, s in itertools.pairwise(top):
+        if s.lease_epoch <= prev.lease_epoch:
+            out.append(
+                Violation(FENCING, run.id, f"{s.step_key} (seq={s.seq}) was written under lease "
+                          f"epoch {s.lease_epoch}, not newer than {prev.step_key}'s "
+                          f"{prev.lease_epoch}: two steps under one claim, or a stale write")
+            )  # fmt: skip
+    return out
+
+
+def _durable_terminal(ev: Evidence, run: Run, steps: list[Step]) -> list[Violation]:
+    """SUCCEEDED with every step done; FAILED only after a rejection (or a step's error);
+    NEEDS_ATTENTION only on an interrupted step that is not idempotent."""
+    started = [s for s in steps if s.status is StepStatus.STARTED]
+    rejected = any(s.status is StepStatus.REJECTED for s in steps)
+    errors = [s for s in steps if s.status is StepStatus.ERROR]
+    why = ""
+    if run.status is RunStatus.SUCCEEDED:
+        undone = [f"{s.step_key}={s.status}" for s in steps if s.status is not StepStatus.DONE]
+        if undone or not steps:
+            why = f"SUCCEEDED with steps not done: {undone}"
+        elif any(s.kind is StepKind.COMPENSATION for s in steps):
+            why = "SUCCEEDED, yet compensations ran"
+    elif run.status is RunStatus.FAILED:
+        if not (rejected or errors):
+            why = "FAILED with no rejected approval and no failed step"
+        elif started:
+            why = f"FAILED with steps left in doubt: {[s.step_key for s in started]}"
+    elif run.status is RunStatus.NEEDS_ATTENTION:
+        if not started or not all(_non_idempotent(ev.durable, s) for s in started):
+            why = (
+                "NEEDS_ATTENTION, but not on an interrupted step that is not idempotent "
+                f"(STARTED: {[s.step_key for s in started]})"
+            )
+    else:
+        why = f"status {run.status}"
+    if not why:
+        return []
+    return [Violation(TERMINAL_OK, run.id, f"{why}; error={run.error!r}, steps={len(steps)}")]
+
+
+def _durable_effects(
+    ev: Evidence, run: Run, steps: list[Step], effects: Mapping[str, list[EffectRow]]
+) -> list[Violation]:
+    """A completed effect step left exactly one effect row, an interrupted one at most one,
+    any other none; every row belongs to a step recorded STARTED or DONE, of its kind, and
+    was written before that step's record."""
+    out = []
+    by_key = {s.step_key: s for s in steps}
+    for key, rows in effects.items():
+        if len(rows) > 1:
+            invariant = COMPENSATION if key.startswith(COMPENSATE_PREFIX) else EFFECTS
+            out.append(
+                Violation(invariant, run.id, f"{key!r} has {len(rows)} effects "
+                          f"({[(r.id, r.kind) for r in rows]}): executed more than once")
+            )  # fmt: skip
+        s = by_key.get(key)
+        if s is None or s.status not in (StepStatus.DONE, StepStatus.STARTED):
+            out.append(
+                Violation(EFFECTS, run.id, f"effect {rows[0].id} ({rows[0].kind} {key!r}) "
+                          f"belongs to no step recorded STARTED or DONE "
+                          f"({s.status if s else 'no row'})")
+            )  # fmt: skip
+            continue
+        target = compensated_key(s)
+        comp = ev.durable.compensations.get(step_name(target)) if target else None
+        kind = comp[0] if comp else step_name(key)
+        if any(r.kind != kind for r in rows):
+            out.append(Violation(EFFECTS, run.id, f"{key!r} is a {kind} step, its effect is "
+                                 f"{[r.kind for r in rows]}"))  # fmt: skip
+        if s.status is StepStatus.DONE and s.finished_at and rows[0].at > s.finished_at:
+            out.append(
+                Violation(EFFECTS, run.id, f"effect {rows[0].id} of {key!r} was written at "
+                          f"{rows[0].at}, after its step was recorded ({s.finished_at})")
+            )  # fmt: skip
+    for s in steps:
+        compensation = s.kind is StepKind.COMPENSATION
+        if not compensation and step_name(s.step_key) not in ev.durable.effects:
+            continue
+        rows = effects.get(s.step_key, [])
+        if s.status is StepStatus.DONE and len(rows) != 1:
+            out.append(
+                Violation(EFFECTS, run.id, f"{s.step_key} is DONE with {len(rows)} effects, "
+                          "expected exactly 1")
+            )  # fmt: skip
+        result = _response_json(s)
+        if (
+            s.status is StepStatus.DONE
+            and len(rows) == 1
+            and isinstance(result, dict)
+            and result.get("effect") != rows[0].id
+        ):
+            out.append(
+                    Violation(EFFECTS, run.id, f"{s.step_key} recorded effect "
+                              f"{result.get('effect')}, the row for its key is {rows[0].id}")
+                )  # fmt: skip
+    return out
+
+
+def _durable_compensations(
+    ev: Evidence, run: Run, steps: list[Step], effects: Mapping[str, list[EffectRow]]
+) -> list[Violation]:
+    """Compensations only in a run that failed, after the failure, of completed compensable
+    steps, each at most once; a run that ended FAILED compensated every completed step."""
+    out = []
+    by_key = {s.step_key: s for s in steps}
+    comps = [s for s in steps if s.kind is StepKind.COMPENSATION]
+    comp_rows = [k for k in effects if k.startswith(COMPENSATE_PREFIX)]
+    failed_states = (StepStatus.REJECTED, StepStatus.ERROR)
+    failures = [
+        s.seq for s in steps if s.status in failed_states and s.kind is not StepKind.COMPENSATION
+    ]
+    if comps or comp_rows:
+        failed = run.status in FAILED_ENDS or (
+            run.status is RunStatus.NEEDS_ATTENTION
+            and any(c.status is StepStatus.STARTED for c in comps)
+        )
+        if not failed or not failures:
+            out.append(
+                Violation(COMPENSATION, run.id, f"compensated ({[c.step_key for c in comps]}, "
+                          f"effects {comp_rows}) in a run that is {run.status} "
+                          f"{'after no failure' if not failures else ''}")
+            )  # fmt: skip
+    first_failure = min(failures, default=None)
+    for c in comps:
+        if first_failure is not None and c.seq < first_failure:
+            out.append(
+                Violation(COMPENSATION, run.id, f"{c.step_key} (seq={c.seq}) ran before the "
+                          f"failure (seq={first_failure})")
+            )  # fmt: skip
+        target = by_key.get(compensated_key(c) or "")
+        if target is None or target.status is not StepStatus.DONE:
+            out.append(
+                Violation(COMPENSATION, run.id, f"{c.step_key} undoes a step that did not "
+                          f"complete ({target.status if target else 'no row'})")
+            )  # fmt: skip
+        elif step_name(target.step_key) not in ev.durable.compensations:
+            out.append(Violation(COMPENSATION, run.id, f"{c.step_key}: nothing to undo"))
+    if run.status is RunStatus.FAILED:
+        for s in steps:
+            if (
+                s.status is StepStatus.DONE
+                and s.kind is not StepKind.COMPENSATION
+                and step_name(s.step_key) in ev.durable.compensations
+            ):
+                c = by_key.get(COMPENSATE_PREFIX + s.step_key)
+                if c is None or c.status is not StepStatus.DONE:
+                    out.append(
+                        Violation(COMPENSATION, run.id, f"the run FAILED but {s.step_key} was "
+                                  f"not compensated ({c.status if c else 'no row'})")
+                    )  # fmt: skip
+    return out
+
+
+def _durable_approval(
+    ev: Evidence,
+    run: Run,
+    steps: list[Step],
+    approvals: list[ApprovalRow],
+    effects: Mapping[str, list[EffectRow]],
+) -> list[Violation]:
+    """One approval per approval step, decided (APPROVED or REJECTED) as the campaign decided
+    it, with exactly one decision in the audit trail; a repeated POST changed nothing; the
+    approved action ran at most once, a rejected one never."""
+    out = []
+    step = next((s for s in steps if s.kind is StepKind.APPROVAL), None)
+    if run.status is RunStatus.SUCCEEDED and step is None:
+        out.append(Violation(APPROVALS, run.id, "SUCCEEDED without its approval step"))
+    if step is None and approvals:
+        out.append(Violation(APPROVALS, run.id, f"{len(approvals)} approval(s), no approval step"))
+    if step is not None and len(approvals) != 1:
+        out.append(Violation(APPROVALS, run.id, f"{len(approvals)} approvals for {step.step_key}"))
+    audits: dict[uuid.UUID | None, list[AuditRow]] = defaultdict(list)
+    for e in ev.audits:
+        if e.run_id == run.id and e.action in ("approve", "reject"):
+            audits[e.approval_id].append(e)
+    decisions = {d.approval_id: d for d in ev.decisions}
+    for a in approvals:
+        verb = {"APPROVED": "approve", "REJECTED": "reject"}.get(a.status)
+        if verb is None:
+            out.append(Violation(APPROVALS, run.id, f"approval {a.id} ended {a.status}, undecided"))
+            continue
+        trail = [e.action for e in audits.get(a.id, [])]
+        if trail != [verb]:
+            out.append(
+                Violation(APPROVALS, run.id, f"approval {a.id} is {a.status}; its audit trail "
+                          f"records {trail or 'no decision'} (expected exactly one {verb!r})")
+            )  # fmt: skip
+        d = decisions.get(a.id)
+        if d is None or d.verb != verb:
+            out.append(
+                Violation(APPROVALS, run.id, f"approval {a.id} is {a.status}; the campaign "
+                          f"decided {d.verb if d else 'nothing'}")
+            )  # fmt: skip
+        for again, status in d.again if d else ():
+            want = 200 if again == verb else 409
+            if status != want:
+                out.append(
+                    Violation(APPROVALS, run.id, f"{again} of approval {a.id} (already {verb}d) "
+                              f"was answered {status}, expected {want}")
+                )  # fmt: skip
+        if step is None:
+            continue
+        if a.step_key != step.step_key:
+            out.append(
+                Violation(APPROVALS, run.id, f"approval for {a.step_key}, not {step.step_key}")
+            )
+        ran = len(effects.get(step.step_key, []))
+        if verb == "reject" and (step.status is not StepStatus.REJECTED or ran):
+            out.append(
+                Violation(APPROVALS, run.id, f"rejected, yet {step.step_key} is {step.status} "
+                          f"with {ran} effect(s)")
+            )  # fmt: skip
+        if verb == "approve" and step.status not in (StepStatus.DONE, StepStatus.STARTED):
+            out.append(
+                Violation(APPROVALS, run.id, f"approved, yet {step.step_key} is {step.status}")
+            )
+    for d in ev.decisions:
+        if d.run_id == run.id and not any(a.id == d.approval_id for a in approvals):
+            out.append(Violation(APPROVALS, run.id, f"decided approval {d.approval_id} is gone"))
+    return out
+
+
+def bounded_subset_sums(values: Sequence[int], most: int) -> set[int]:
+    """Sums of at most ``most`` of ``values``."""
+    by_size: list[set[int]] = [{0}]
+    for v in values:
+        for k in range(min(most, len(by_size)), 0, -1):
+            if k == len(by_size):
+                by_size.append(set())
+            by_size[k] |= {s + v for s in by_size[k - 1]}
+    return set().union(*by_size)
+
+
+def _durable_billed(
+    ev: Evidence, run: Run, steps: list[Step], calls: list[ModelCall]
+) -> list[Violation]:
+    """Each recorded model call is a call the API answered for this run; calls beyond the
+    recorded ones are repeats, one per fault at most; and every billed token is in a step row
+    or in ``unrecorded_tokens``, except those of the calls a fault could have cut (at most one
+    per fault)."""
+    out = []
+    answered = [c for c in calls if c.status == 200]
+    by_request = {c.request_id: c for c in answered}
+    recorded = [s for s in steps if s.request_id]
+    for s in recorded:
+        call = by_request.get(s.request_id or "")
+        if call is None:
+            out.append(
+                Violation(CALL_MATCH, run.id, f"{s.step_key} has request id {s.request_id!r}, "
+                          "which the fake API never answered for this run")
+            )  # fmt: skip
+        elif call.content != s.response:
+            out.append(
+                Violation(CALL_MATCH, run.id, f"{s.step_key} recorded a response that is not "
+                          f"{call.request_id}'s")
+            )  # fmt: skip
+    faults = _faults_on(ev, run.id)
+    allowed = len(faults) + (ev.lease_losses.get(run.id, 0) if not faults else 0)
+    repeats = len(answered) - len(recorded)
+    if repeats > allowed:
+        out.append(
+            Violation(MODEL_REPEATS, run.id, f"{len(answered)} model calls for {len(recorded)} "
+                      f"recorded: {repeats} repeated, but only {allowed} fault(s) or lost "
+                      f"lease(s) could have cut one")
+        )  # fmt: skip
+    billed = sum(c.usage_total for c in answered)
+    in_rows = sum(s.usage.total for s in steps)
+    missing = billed - in_rows - run.unrecorded_tokens
+    if missing not in bounded_subset_sums([c.usage_total for c in answered], allowed):
+        out.append(
+            Violation(BILLED, run.id, f"billed {billed} tokens in {len(answered)} calls; step "
+                      f"rows record {in_rows} and unrecorded_tokens={run.unrecorded_tokens}: "
+                      f"{missing} unaccounted for, not the tokens of at most {allowed} call(s) "
+                      "a fault could have cut")
+        )  # fmt: skip
     return out
 
 
@@ -622,6 +1095,20 @@ def report(ev: Evidence, start: float) -> str:
         f"comments={len(ev.comments)} unrecorded_tokens="
         f"{sum(r.unrecorded_tokens for r in ev.runs)}"
     )
+    durable = [r for r in ev.runs if r.agent == ev.durable.agent]
+    if durable:
+        ids = {r.id for r in durable}
+        d_steps = sum(len(ev.steps.get(i, [])) for i in ids)
+        hits = Counter(f.kind for f in ev.faults for i in f.repeat_runs | f.disturbed if i in ids)
+        comps = Counter(e.kind for e in ev.effects if e.key.startswith(COMPENSATE_PREFIX))
+        verbs = Counter(d.verb for d in ev.decisions)
+        again = Counter(f"{v}->{code}" for d in ev.decisions for v, code in d.again)
+        lines.append(
+            f"durable runs={len(durable)} {dict(Counter(str(r.status) for r in durable))} "
+            f"steps={d_steps} effects={len(ev.effects)} compensations={dict(comps)} "
+            f"decisions={dict(verbs)} repeated_posts={dict(again)}"
+        )
+        lines.append(f"  fault hits on durable runs: {dict(sorted(hits.items())) or 'none'}")
     if ev.lease_losses:
         lines.append(
             "leases found taken over by their holder's heartbeat (post-commit false alarms "

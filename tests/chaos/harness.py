@@ -12,6 +12,9 @@
   bills a distinct number of tokens, so the checker can map calls, steps and token counters.
 * :class:`Campaign` submits runs through the REST API, injects the faults of the profile,
   respawns what died, waits for every run to end and gathers the :class:`Evidence`.
+* Durable-function runs (``tests/chaos/durable_agents.py``) flow among them: side-effect steps,
+  nested steps, two model calls, an approval that a campaign thread decides through REST
+  (approve or reject, sometimes twice) while the faults go on, compensations on rejection.
 """
 
 from __future__ import annotations
@@ -50,7 +53,17 @@ from db.store import RunStore
 from runtime.config import Settings
 from runtime.faults import POINTS
 from tasks.celery_app import DRIVE_RUN, make_celery
-from tests.chaos.checker import Comment, Evidence, Fault, ModelCall
+from tests.chaos import durable_agents
+from tests.chaos.checker import (
+    ApprovalRow,
+    AuditRow,
+    Comment,
+    Decision,
+    EffectRow,
+    Evidence,
+    Fault,
+    ModelCall,
+)
 from tests.fakes.messages_api import FakeMessagesApi, Reply, message, tool_uses
 
 QUEUE = "dar-chaos"
@@ -89,6 +102,14 @@ class Profile:
     """Pause between two harness-driven faults, seconds."""
     settle_timeout: float
     test_timeout: float
+    durable_runs: int = 0
+    """Runs of the chaos durable function, submitted among the others."""
+    durable_spread: int = 1
+    """A durable run is submitted once ``spread`` agent-loop runs per durable run were."""
+    reject_share: float = 0.4
+    """Share of the durable runs' approvals the campaign rejects (seeded per run)."""
+    decide_delay: tuple[float, float] = (0.2, 2.0)
+    """Seconds between an approval appearing and the campaign deciding it."""
 
 
 SHORT_PLAN = (
@@ -116,6 +137,8 @@ SHORT = Profile(
     gap=(0.3, 1.2),
     settle_timeout=60.0,
     test_timeout=200.0,
+    durable_runs=3,
+    durable_spread=1,
 )
 
 LONG = Profile(
@@ -131,6 +154,8 @@ LONG = Profile(
     gap=(0.5, 3.0),
     settle_timeout=180.0,
     test_timeout=1800.0,
+    durable_runs=24,
+    durable_spread=3,
 )
 
 
@@ -189,6 +214,8 @@ class Scenario:
             "cache_read_input_tokens": 0,
         }
         marker = f"chaos reply {n} for {tag} turn {turn}"
+        if found and "durable step" in str(messages[0].get("content")):
+            return message([{"type": "text", "text": f"{marker}: advice."}], usage=usage)
         if not found or turn > self.tool_turns(tag):
             return message([{"type": "text", "text": f"{marker}: done."}], usage=usage)
         calls: list[tuple[str, str, dict[str, Any]]] = []
@@ -307,6 +334,8 @@ class ChaosStack(DevStack):
         try:
             upgrade(engine)
             TicketStore(engine).seed()
+            with engine.begin() as conn:
+                conn.execute(text(durable_agents.EFFECT_DDL))
         finally:
             engine.dispose()
 
@@ -468,6 +497,10 @@ def build_stack(
             "DAR_MODEL_TIMEOUT_SECONDS": "30",
             "DAR_FAULTS_SEED": str(seed),
             "DAR_LOG_LEVEL": "INFO",
+            # A process that dies of a signal it did not get from us (a segfault) leaves the
+            # Python stack of every thread in its log.
+            "PYTHONFAULTHANDLER": "1",
+            "DAR_AGENT_MODULES": "tests.chaos.durable_agents",
             "ANTHROPIC_API_KEY": "test",
             "ANTHROPIC_BASE_URL": fake.url,
         }
@@ -516,6 +549,10 @@ LIVE_LEASES = (
     f"AND locked_until > now() + interval '{LEASE_SECONDS - 1.5} seconds'"
 )
 LIVE = text("SELECT id FROM run WHERE status IN ('QUEUED', 'RUNNING')")
+NOT_ENDED = text("SELECT id FROM run WHERE status IN ('QUEUED', 'RUNNING', 'WAITING')")
+EFFECTS = text("SELECT id, run_id, key, kind, at FROM chaos_effect")
+APPROVALS = text("SELECT id, run_id, step_key, status, decided_by FROM approval")
+AUDITS = text("SELECT run_id, approval_id, action FROM audit_event")
 TOKENS = text("SELECT id, dispatch_token, locked_by FROM run WHERE status IN ('QUEUED', 'RUNNING')")
 COMMENTS = text("SELECT id, ticket_id, body, idempotency_key, created_at FROM acme_comment")
 FAULT_LINE = re.compile(
@@ -568,6 +605,7 @@ class Campaign:
         self._lock_snapshots: deque[tuple[float, dict[uuid.UUID, str]]] = deque(maxlen=64)
         self._monitor_rng = random.Random(f"{seed}:monitor")
         self.runs: dict[str, uuid.UUID] = {}
+        self.decisions: list[Decision] = []
         self.tokens_seen: dict[uuid.UUID, list[uuid.UUID]] = {}
         self.started = time.time()
         self.engine: Engine = make_engine(stack.database_url, pool_size=3, max_overflow=2)
@@ -585,7 +623,7 @@ class Campaign:
 
     def run(self) -> None:
         self.started = time.time()
-        for target in (self._monitor, self._submitter):
+        for target in (self._monitor, self._submitter, self._approver):
             t = threading.Thread(target=self._guarded(target), name=target.__name__, daemon=True)
             t.start()
             self._threads.append(t)
@@ -678,7 +716,7 @@ class Campaign:
         return row is not None
 
     def _all_ended(self) -> bool:
-        return not self.live_runs()
+        return not self._query_ids(NOT_ENDED)
 
     def describe_live_runs(self) -> str:
         lines = []
@@ -798,10 +836,12 @@ class Campaign:
             self._expected_dead.discard(name)
 
     def _submitter(self) -> None:
-        n = 0
+        n = d = 0
         while not self._stop.is_set():
             done = self._faults_done.is_set()
-            if n >= self.profile.max_runs or (done and n >= self.profile.min_runs):
+            durable_left = d < self.profile.durable_runs
+            enough = done and n >= self.profile.min_runs and not durable_left
+            if n >= self.profile.max_runs or enough:
                 return
             if self._submit_paused.is_set():
                 time.sleep(0.05)
@@ -814,13 +854,21 @@ class Campaign:
             if live >= self.profile.in_flight:
                 time.sleep(0.1)
                 continue
+            if durable_left and d * self.profile.durable_spread <= n:
+                tag = f"d{d:03d}"
+                self.runs[tag] = self._submit(tag, durable=True)
+                d += 1
+                continue
             tag = f"r{n:03d}"
             self.runs[tag] = self._submit(tag)
             n += 1
 
-    def _submit(self, tag: str) -> uuid.UUID:
+    def _submit(self, tag: str, *, durable: bool = False) -> uuid.UUID:
         """POST /api/runs with an Idempotency-Key, retried through outages."""
-        body = json.dumps({"input": Scenario.input_for(tag), "tokenBudget": 1_000_000}).encode()
+        run: dict[str, Any] = {"input": Scenario.input_for(tag), "tokenBudget": 1_000_000}
+        if durable:
+            run = {"agent": durable_agents.AGENT, "input": {"tag": tag}, "tokenBudget": 1_000_000}
+        body = json.dumps(run).encode()
         deadline = time.monotonic() + 60
         last = ""
         while time.monotonic() < deadline and not self._stop.is_set():
@@ -836,6 +884,81 @@ class Campaign:
                 last = repr(e)
             time.sleep(0.3)
         raise AssertionError(f"could not submit run {tag} within 60s: {last}")
+
+    # -- approvals, decided through REST while the faults go on --------------------------------
+
+    def _api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """One request to the API: (status, JSON body); (0, error) when it did not answer."""
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.stack.api_url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=15) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()[:300]
+        except OSError as e:
+            return 0, repr(e)
+
+    def _post_decision(self, approval: dict[str, Any], verb: str) -> int:
+        """POST approve|reject with the payload hash shown, retried through outages (a 5xx
+        or no answer: the decision may have been committed or not); the final status."""
+        path = f"/api/approvals/{approval['id']}/{verb}"
+        body = {"payloadHash": approval["payloadHash"], "comment": f"chaos {verb}"}
+        deadline = time.monotonic() + 60
+        status, answer = 0, None
+        while time.monotonic() < deadline and not self._stop.is_set():
+            status, answer = self._api("POST", path, body)
+            if status and status < 500:
+                return status
+            time.sleep(0.3)
+        self.errors.append(f"{verb} of approval {approval['id']} never answered: {answer!r}")
+        return status
+
+    def _approver(self) -> None:
+        """Decide each approval the durable runs ask for, a seeded moment after it appears:
+        approve or reject (seeded per run), then sometimes the same decision again (must be
+        answered 200 and change nothing) and sometimes the other one (must be refused, 409)."""
+        seen: set[str] = set()
+        due: list[tuple[float, dict[str, Any], random.Random]] = []
+        while not self._stop.is_set():
+            status, answer = self._api("GET", f"/api/approvals?role={durable_agents.ROLE}")
+            if status == 200 and isinstance(answer, dict):
+                tags = {run_id: tag for tag, run_id in self.runs.items()}
+                for item in answer["items"]:
+                    tag = tags.get(uuid.UUID(item["runId"]))
+                    if item["id"] in seen or tag is None:
+                        continue
+                    seen.add(item["id"])
+                    rng = random.Random(f"{self.seed}:{tag}:decide")
+                    delay = rng.uniform(*self.profile.decide_delay)
+                    due.append((time.monotonic() + delay, item, rng))
+            for entry in sorted(due, key=lambda e: e[0]):
+                at, item, rng = entry
+                if time.monotonic() < at:
+                    break
+                due.remove(entry)
+                self._decide(item, rng)
+            time.sleep(0.2)
+
+    def _decide(self, item: dict[str, Any], rng: random.Random) -> None:
+        verb = "reject" if rng.random() < self.profile.reject_share else "approve"
+        other = "approve" if verb == "reject" else "reject"
+        again = [v for v, p in ((verb, 0.5), (other, 0.5)) if rng.random() < p]
+        status = self._post_decision(item, verb)
+        if status != 200:
+            self.errors.append(f"{verb} of approval {item['id']} was answered {status}")
+            return
+        answers = tuple((v, self._post_decision(item, v)) for v in again)
+        self.decisions.append(
+            Decision(uuid.UUID(item["id"]), uuid.UUID(item["runId"]), verb, answers)
+        )
+        print(
+            f"chaos t={time.time() - self.started:6.1f}s decided {item['stepKey']} of "
+            f"{str(item['runId'])[:8]}: {verb}"
+            + "".join(f", {v} again -> {code}" for v, code in answers),
+            flush=True,
+        )
 
     # -- the faults ---------------------------------------------------------------------------
 
@@ -1057,6 +1180,14 @@ class Campaign:
                 Comment(r.id, r.ticket_id, r.body, r.idempotency_key, r.created_at)
                 for r in conn.execute(COMMENTS)
             ]
+            effects = [
+                EffectRow(r.id, r.run_id, r.key, r.kind, r.at) for r in conn.execute(EFFECTS)
+            ]
+            approvals = [
+                ApprovalRow(r.id, r.run_id, r.step_key, r.status, r.decided_by)
+                for r in conn.execute(APPROVALS)
+            ]
+            audits = [AuditRow(r.run_id, r.approval_id, r.action) for r in conn.execute(AUDITS)]
         steps = {r.id: self.store.steps(r.id) for r in runs}
         losses: dict[uuid.UUID, int] = {}
         for _, run_id, _, _ in self.genuine_lease_losses(runs, steps):
@@ -1069,6 +1200,10 @@ class Campaign:
             faults=list(self.faults),
             known_workers=frozenset(f"worker-{letter}" for letter in self.stack.specs),
             lease_losses=losses,
+            effects=effects,
+            approvals=approvals,
+            audits=audits,
+            decisions=list(self.decisions),
         )
 
     def run_history(self, run_id: uuid.UUID, limit: int = 80) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
+from db.records import RunStatus
 from tests.chaos import checker
 from tests.chaos.checker import check, report
 from tests.chaos.harness import (
@@ -103,7 +104,8 @@ def test_runs_survive_the_faults_with_every_invariant_intact(campaign: Campaign)
 
 
 # Corruptions of the campaign's real data, each of which the checker must report: the same
-# checker that just passed is not blind on this data set.
+# checker that just passed is not blind on this data set. (:run is an agent-loop run, :durable
+# a run of the durable function.)
 TAMPERING = (
     (
         checker.FENCING,
@@ -116,15 +118,47 @@ TAMPERING = (
     ),
     (checker.TOKENS, "UPDATE run SET tokens_used = tokens_used + 1 WHERE id = :run"),
     (checker.SEQ, "UPDATE run_step SET seq = seq + 100 WHERE run_id = :run AND seq = 1"),
+    # The durable run's first effect happens twice; a second decision enters the audit trail;
+    # tokens billed for it go missing from its counters.
+    (
+        checker.EFFECTS,
+        "INSERT INTO chaos_effect (run_id, key, kind, execution) "
+        "SELECT run_id, key, kind, gen_random_uuid() FROM chaos_effect "
+        "WHERE run_id = :durable AND key = 'reserve:0'",
+    ),
+    (
+        checker.APPROVALS,
+        "INSERT INTO audit_event (run_id, approval_id, tenant, actor, action) "
+        "SELECT run_id, id, '', 'tamperer', 'approve' FROM approval WHERE run_id = :durable",
+    ),
+    (
+        checker.BILLED,
+        "UPDATE run_step SET input_tokens = input_tokens - 7 "
+        "WHERE run_id = :durable AND step_key LIKE '%/llm:0'",
+    ),
+    (
+        checker.COMPENSATION,
+        "INSERT INTO chaos_effect (run_id, key, kind, execution) "
+        "VALUES (:durable, 'compensate:reserve:0', 'release', gen_random_uuid())",
+    ),
 )
 
 
 def _the_checker_sees_tampering(campaign: Campaign) -> None:
-    run = next(iter(campaign.runs.values()))
+    run = campaign.runs["r000"]
+    durable = sorted(
+        (campaign.store.get_run(run_id).status is not RunStatus.SUCCEEDED, tag, run_id)
+        for tag, run_id in campaign.runs.items()
+        if tag.startswith("d")
+    )
+    tampering = list(TAMPERING[:4])
+    if durable:
+        tampering += TAMPERING[4:] if not durable[0][0] else TAMPERING[4:7]  # a compensation
+        # is tampering only in a run that succeeded
     with campaign.engine.begin() as conn:
-        for _, sql in TAMPERING:
-            conn.execute(text(sql), {"run": run})
+        for _, sql in tampering:
+            conn.execute(text(sql), {"run": run, "durable": durable[0][2] if durable else None})
     found = {v.invariant for v in check(campaign.evidence())}
-    missed = [invariant for invariant, _ in TAMPERING if invariant not in found]
+    missed = [invariant for invariant, _ in tampering if invariant not in found]
     assert not missed, f"the checker missed tampering of kind(s) {missed} in the real data"
     print(f"chaos: tampering with the data afterwards is caught: {sorted(found)}", flush=True)

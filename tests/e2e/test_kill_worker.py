@@ -14,7 +14,7 @@ import pytest
 from api.devstack import DevStack
 from api.embedded import free_port
 from db.engine import make_engine
-from db.records import RunStatus, StepKind, StepStatus
+from db.records import RunStatus, StepKind, StepOrigin, StepStatus
 from db.store import RunStore
 from runtime.config import Settings
 
@@ -22,8 +22,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 
 @pytest.fixture
+def pool() -> str:
+    return "threads"
+
+
+@pytest.fixture
 def stack(
-    database_url: str, redis_url: str, settings: Settings, tmp_path: Path
+    database_url: str, redis_url: str, settings: Settings, tmp_path: Path, pool: str
 ) -> Iterator[DevStack]:
     log_path = tmp_path / "stack.log"
     with log_path.open("wb") as log:
@@ -32,6 +37,7 @@ def stack(
             port=free_port(),
             workers=2,
             concurrency=4,
+            pool=pool,
             env={
                 **{k: v for k, v in __import__("os").environ.items()},
                 "DATABASE_URL": database_url,
@@ -53,7 +59,13 @@ def stack(
             print(log_path.read_text(errors="replace")[-20000:])
 
 
-def test_sigkill_mid_step_resumes_on_the_other_worker(stack: DevStack) -> None:
+@pytest.mark.parametrize("pool", ["threads", "gevent"])
+def test_sigkill_mid_step_resumes_on_the_other_worker(stack: DevStack, pool: str) -> None:
+    """The same with either worker pool: a thread per step, or a greenlet per step (gevent,
+    for thousands of model calls in flight per process)."""
+    for name, proc in stack.processes.items():
+        if name.startswith("worker-"):
+            assert ["--pool", pool] == [a for a in proc.args if a in ("--pool", pool)][:2]
     engine = make_engine(stack.database_url, pool_size=2)
     store = RunStore(engine)
     try:
@@ -105,5 +117,63 @@ def test_sigkill_mid_step_resumes_on_the_other_worker(stack: DevStack) -> None:
             (2, "TOOL", "DONE"),
             (3, "MODEL", "DONE"),
         ]
+    finally:
+        engine.dispose()
+
+
+def test_sigkill_during_a_forked_run_resumes_it_without_repeating_copied_steps(
+    stack: DevStack,
+) -> None:
+    """A fork's copied steps are history: the worker killed mid-step is replaced, the step in
+    flight is redone under a new lease, and nothing before the fork point runs."""
+    engine = make_engine(stack.database_url, pool_size=2)
+    store = RunStore(engine)
+    try:
+        status, accepted = stack.request(
+            "POST", "/api/runs", {"input": "Which acme tickets are overdue?", "tokenBudget": 50000}
+        )
+        assert status == 201, accepted
+        original_id = uuid.UUID(accepted["id"])
+        deadline = time.monotonic() + 90
+        while not store.get_run(original_id).status.terminal:
+            assert time.monotonic() < deadline, "the original never finished"
+            time.sleep(0.1)
+        original = store.get_run(original_id)
+        assert original.status is RunStatus.SUCCEEDED, original.error
+
+        status, forked = stack.request("POST", f"/api/runs/{original_id}/fork", {"fromSeq": 3})
+        assert status == 201, forked
+        fork_id = uuid.UUID(forked["id"])
+        deadline = time.monotonic() + 60
+        while True:  # the fork's own model call (seq 3) is in flight
+            assert time.monotonic() < deadline, "the fork never reached its model call"
+            run = store.get_run(fork_id)
+            if len(store.steps(fork_id)) == 2 and run.locked_by and run.locked_until:
+                break
+            time.sleep(0.05)
+        victim = run.locked_by
+        epoch_at_kill = run.lease_epoch
+        stack.kill(victim)
+        survivor = next(n for n in stack.processes if n.startswith("worker-") and n != victim)
+        killed_at = time.monotonic()
+        while not (run := store.get_run(fork_id)).status.terminal:
+            assert time.monotonic() < killed_at + 60, "the fork was not resumed"
+            time.sleep(0.1)
+
+        assert run.status is RunStatus.SUCCEEDED, run.error
+        steps = store.steps(fork_id)
+        assert [(s.seq, s.kind, s.origin) for s in steps] == [
+            (1, StepKind.MODEL, StepOrigin.COPIED),
+            (2, StepKind.TOOL, StepOrigin.COPIED),
+            (3, StepKind.MODEL, None),
+        ]
+        assert steps[2].worker == survivor
+        assert steps[2].lease_epoch > epoch_at_kill
+        assert run.tokens_used == steps[2].usage.total, "the fork paid for its own step only"
+        source = store.steps(original_id)
+        assert [s.finished_at for s in steps[:2]] == [s.finished_at for s in source[:2]], (
+            "the copies are the original's records, not new executions"
+        )
+        assert store.get_run(original_id).tokens_used == original.tokens_used
     finally:
         engine.dispose()

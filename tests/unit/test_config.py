@@ -35,6 +35,8 @@ NUM_SETTINGS = {
     "DAR_RETRY_CAP_SECONDS": (0, "retry_cap_seconds"),
     "DAR_LONG_WAIT_SECONDS": (0, "long_wait_seconds"),
     "DAR_MAX_COUNTDOWN_SECONDS": (0, "max_countdown_seconds"),
+    "DAR_MCP_CONNECT_TIMEOUT_SECONDS": (1, "mcp_connect_timeout_seconds"),
+    "DAR_MCP_RETRY_SECONDS": (0.1, "mcp_retry_seconds"),
 }
 # Settings checked against each other: what the minimum of one needs from the others.
 # Settings whose minimum is only valid together with another setting (cross-checks).
@@ -287,3 +289,12 @@ def test_nan_seconds_give_a_config_error(name: str) -> None:
 def test_a_default_above_its_maximum_is_rejected(default_var: str, max_var: str) -> None:
     with pytest.raises(ConfigError, match=default_var):
         Settings.from_env({default_var: "200", max_var: "100"})
+
+
+def test_mcp_settings() -> None:
+    s = Settings.from_env({})
+    assert (s.mcp_servers_json, s.mcp_tools_json, s.mcp_startup_check) == (None, None, "strict")
+    s = Settings.from_env({"DAR_MCP_SERVERS": "{}", "DAR_MCP_STARTUP_CHECK": "warn"})
+    assert (s.mcp_servers_json, s.mcp_startup_check) == ("{}", "warn")
+    with pytest.raises(ConfigError, match="DAR_MCP_STARTUP_CHECK must be one of strict, warn"):
+        Settings.from_env({"DAR_MCP_STARTUP_CHECK": "maybe"})

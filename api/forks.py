@@ -1,0 +1,211 @@
+"""``/api/runs/{id}/fork`` and ``/api/runs/{a}/diff/{b}``: rerun a run from any step with
+edits, and compare two runs step by step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, Response, jsonify, request, url_for
+
+from api.auth import current_principal, requires
+from api.errors import ApiError
+from api.runs import audit, load_run, parse_run_id
+from api.schemas import fork_schema, validate
+from api.serialize import forked_from_json
+from api.state import state
+from api.validation import json_body, whole
+from db.errors import RunNotFound
+from db.records import Dispatch, Run, Step, StepKind
+from runtime.agents import Agent
+from runtime.fork import ForkRefused, ForkRequest, fork_run
+from tasks.dispatch import send_drive
+
+bp = Blueprint("forks", __name__)
+
+
+@bp.post("/runs/<run_id>/fork")
+@requires("submit")
+def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
+    """A new run whose history is the run's steps before ``fromSeq`` (copied, with the
+    edits), continuing from ``fromSeq``. In the run's tenant; needs ``submit``."""
+    s = state()
+    settings = s.runtime.settings
+    agents = s.runtime.agents
+    rid = parse_run_id(run_id)
+    body = json_body(request)
+    durable = any(not isinstance(agents.get(n), Agent) for n in agents.names())
+    validate(body, fork_schema(settings, any_json_input=durable))
+    load_run(rid)  # another tenant's run is no run
+    _check_rate()
+    edit = body.get("toolResult")
+    principal = current_principal()
+    edits = [k for k in ("input", "model", "toolResult") if body.get(k) is not None]
+    fork_request = ForkRequest(
+        from_seq=int(body["fromSeq"]),
+        model=body.get("model") or None,
+        tool_result=(int(edit["seq"]), edit["output"]) if edit else None,
+        token_budget=whole(body.get("tokenBudget")),
+        timeout_seconds=whole(body.get("timeoutSeconds")),
+        replay_model=bool(body.get("replayModel", False)),
+        submitted_by=principal.name if principal else None,
+        audit=audit(
+            "fork",
+            {
+                "fromSeq": int(body["fromSeq"]),
+                "edits": edits,
+                "replayModel": bool(body.get("replayModel", False)),
+            },
+        ),
+        **({"input": body["input"]} if "input" in body else {}),
+    )
+    try:
+        run = fork_run(s.runtime.store, agents, settings, rid, fork_request)
+    except ForkRefused as e:
+        raise ApiError(
+            409 if e.conflict else 400,
+            str(e),
+            code="fork_refused" if e.conflict else "invalid_field",
+            field=e.field,
+        ) from None
+    except RunNotFound as e:
+        raise ApiError(404, str(e), code="not_found") from None
+    send_drive(s.celery, s.runtime.store, Dispatch(run.id, run.dispatch_token))
+    return (
+        jsonify(
+            {"id": str(run.id), "status": str(run.status), "forkedFrom": forked_from_json(run)}
+        ),
+        201,
+        {"Location": url_for("runs.get_run", run_id=str(run.id))},
+    )
+
+
+def _check_rate() -> None:
+    """A fork is a submit: the same per-token limit (DAR_SUBMIT_RATE_PER_MINUTE)."""
+    s = state()
+    limit = s.runtime.settings.submit_rate_per_minute
+    principal = current_principal()
+    if principal is None or not limit:
+        return
+    recent, oldest_age = s.runtime.store.recent_submits(principal.name, 60)
+    if recent >= limit:
+        raise ApiError(
+            429,
+            f"token {principal.name!r} submitted {recent} runs in the last minute; the limit "
+            f"is {limit} (DAR_SUBMIT_RATE_PER_MINUTE)",
+            code="rate_limited",
+            headers={"Retry-After": str(max(1, int(60 - oldest_age) + 1))},
+        )
+
+
+@bp.get("/runs/<run_id>/diff/<other_id>")
+@requires("read")
+def diff(run_id: str, other_id: str) -> Response:
+    """Where two runs (a fork and its original, typically) differ, step by step."""
+    a = load_run(parse_run_id(run_id))
+    b = load_run(parse_run_id(other_id))
+    store = state().runtime.store
+    return jsonify(diff_json(a, store.steps(a.id), b, store.steps(b.id)))
+
+
+# -- the diff ---------------------------------------------------------------------------------
+
+COMPARED = (
+    "kind",
+    "stepKey",
+    "status",
+    "toolName",
+    "input",
+    "output",
+    "error",
+    "tokens",
+    "costUsd",
+)
+"""The fields of a step that make two runs differ there. Tokens and cost are what the step's
+model call used, by whichever run executed it: a copied or replayed step equals its original;
+what each run was billed is shown apart (``billedTokens``, ``billedCostUsd``)."""
+
+
+def _tool_inputs(steps: list[Step]) -> dict[str, Any]:
+    """The arguments the model gave each tool call, by tool_use id."""
+    out: dict[str, Any] = {}
+    for s in steps:
+        if s.kind is StepKind.MODEL and isinstance(s.response, list):
+            for block in s.response:
+                if isinstance(block, dict) and block.get("type") == "tool_use":
+                    out[str(block.get("id"))] = block.get("input")
+    return out
+
+
+def _side(step: Step, tool_inputs: dict[str, Any]) -> dict[str, Any]:
+    if step.kind in (StepKind.MODEL, StepKind.LLM):
+        step_input: Any = {"promptHash": step.prompt_hash} if step.prompt_hash else None
+    elif step.kind is StepKind.TOOL:
+        step_input = tool_inputs.get(step.tool_use_id or "")
+    else:
+        step_input = {"inputHash": step.input_hash} if step.input_hash else None
+    billed = step.usage.total
+    tokens = billed + (step.original_tokens or 0)
+    cost = step.cost_usd + (step.original_cost_usd or 0)
+    return {
+        "seq": step.seq,
+        "kind": str(step.kind),
+        "stepKey": step.step_key,
+        "status": str(step.status),
+        "toolName": step.tool_name,
+        "input": step_input,
+        "output": step.response,
+        "error": step.error,
+        "tokens": tokens,
+        "costUsd": float(cost),
+        "billedTokens": billed,
+        "billedCostUsd": float(step.cost_usd),
+        "origin": str(step.origin) if step.origin else None,
+    }
+
+
+def _summary(run: Run) -> dict[str, Any]:
+    return {
+        "id": str(run.id),
+        "agent": run.agent,
+        "status": str(run.status),
+        "input": run.input,
+        "model": run.model,
+        "result": run.result,
+        "error": run.error,
+        "tokensUsed": run.tokens_used,
+        "costUsd": float(run.cost_usd),
+        "forkedFrom": forked_from_json(run),
+    }
+
+
+def diff_json(a: Run, steps_a: list[Step], b: Run, steps_b: list[Step]) -> dict[str, Any]:
+    """Both runs, the run-level fields that differ, the first seq where their steps differ
+    (``None``: the same steps), and every seq side by side."""
+    inputs_a, inputs_b = _tool_inputs(steps_a), _tool_inputs(steps_b)
+    by_seq_a = {s.seq: _side(s, inputs_a) for s in steps_a}
+    by_seq_b = {s.seq: _side(s, inputs_b) for s in steps_b}
+    rows: list[dict[str, Any]] = []
+    first: int | None = None
+    for seq in sorted(by_seq_a.keys() | by_seq_b.keys()):
+        left, right = by_seq_a.get(seq), by_seq_b.get(seq)
+        if left is None or right is None:
+            differences = ["missing in a" if left is None else "missing in b"]
+        else:
+            differences = [f for f in COMPARED if left[f] != right[f]]
+        if differences and first is None:
+            first = seq
+        rows.append(
+            {"seq": seq, "same": not differences, "differences": differences, "a": left, "b": right}
+        )
+    summary_a, summary_b = _summary(a), _summary(b)
+    return {
+        "a": summary_a,
+        "b": summary_b,
+        "runDifferences": [
+            f
+            for f in ("agent", "input", "model", "status", "result")
+            if summary_a[f] != summary_b[f]
+        ],
+        "firstDifferentSeq": first,
+        "steps": rows,
+    }

@@ -1,0 +1,245 @@
+"""``POST /api/runs/{id}/fork``, ``GET /api/runs/{a}/diff/{b}``, ``dar fork`` and ``dar diff``
+against the real app, PostgreSQL and Redis: roles and tenants, bad input named, copied steps
+shown as copied with the original's cost apart."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from flask.testing import FlaskClient
+from sqlalchemy import text
+from werkzeug.serving import make_server
+
+from api import create_app
+from api.auth import hash_token
+from api.cli import main
+from db.records import Dispatch, Run, RunStatus
+from runtime.bootstrap import Runtime
+from runtime.llm.scripted import ScriptedLlm
+from runtime.tools import tool
+from tasks.celery_app import make_celery
+from tests.support import drive_to_end, register_agent, submit
+
+TOKENS = {
+    "alice": ("read+submit", "shop"),
+    "reader": ("read", "shop"),
+    "mallory": ("read+submit", "other"),
+    "root": ("admin", "ops"),
+}
+
+
+def auth(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer token-of-{name}"}
+
+
+@tool
+def weather(city: str) -> str:
+    """The weather in a city."""
+    return f"sunny in {city}"
+
+
+@pytest.fixture
+def client(runtime: Runtime) -> FlaskClient:
+    runtime.settings = replace(
+        runtime.settings,
+        api_tokens=",".join(
+            f"{n}:{roles}:{hash_token(f'token-of-{n}')}:{tenant}"
+            for n, (roles, tenant) in TOKENS.items()
+        ),
+    )
+    register_agent(runtime.agents, weather)
+    app = create_app(runtime=runtime, celery=make_celery(runtime.settings, register=False))
+    return app.test_client()
+
+
+def three_steps(runtime: Runtime, llm: ScriptedLlm, tenant: str = "shop") -> Run:
+    llm.then_tool_use("toolu_a", "weather", {"city": "Oslo"}, 200, 20).then_text("Sunny.", 300)
+    run, dispatch = submit(runtime.store, "weather in Oslo?", tenant=tenant)
+    drive_to_end(runtime.driver(), dispatch)
+    return runtime.store.get_run(run.id)
+
+
+def drive(runtime: Runtime, run_id: str) -> Run:
+    run = runtime.store.get_run(uuid.UUID(run_id))
+    drive_to_end(runtime.driver(), Dispatch(run.id, run.dispatch_token))
+    return runtime.store.get_run(run.id)
+
+
+def test_fork_shows_copied_steps_and_the_original_cost_apart(
+    client: FlaskClient, runtime: Runtime, llm: ScriptedLlm
+) -> None:
+    original = three_steps(runtime, llm)
+    llm.then_text("Rainy, actually.", 40, 4)
+    response = client.post(
+        f"/api/runs/{original.id}/fork",
+        json={"fromSeq": 3, "toolResult": {"seq": 2, "output": "rain in Oslo"}},
+        headers=auth("alice"),
+    )
+    assert response.status_code == 201, response.get_json()
+    body = response.get_json()
+    assert body["forkedFrom"] == {"runId": str(original.id), "seq": 3, "replayModel": False}
+    assert response.headers["Location"].endswith(f"/api/runs/{body['id']}")
+    done = drive(runtime, body["id"])
+    assert done.status is RunStatus.SUCCEEDED
+    assert done.tenant == "shop"
+    assert done.submitted_by == "alice"
+
+    run = client.get(f"/api/runs/{done.id}", headers=auth("alice")).get_json()
+    assert run["forkedFrom"]["runId"] == str(original.id)
+    assert run["tokensUsed"] == 44, "only its own model call"
+    timeline = client.get(f"/api/runs/{done.id}/timeline", headers=auth("alice")).get_json()
+    assert [(t["seq"], t["origin"], t["inputTokens"], t["originalTokens"]) for t in timeline] == [
+        (1, "copied", 0, 220),
+        (2, "edited", 0, 0),
+        (3, None, 40, None),
+    ]
+    assert timeline[0]["originalCostUsd"] == float(runtime.store.steps(original.id)[0].cost_usd)
+    assert timeline[0]["costUsd"] == 0
+    source = client.get(f"/api/runs/{original.id}", headers=auth("alice")).get_json()
+    (event,) = source["audit"]
+    assert event["action"] == "fork"
+    assert event["actor"] == "alice"
+    assert event["detail"] == {
+        "fork": str(done.id),
+        "fromSeq": 3,
+        "edits": ["toolResult"],
+        "replayModel": False,
+    }
+
+    diff = client.get(f"/api/runs/{original.id}/diff/{done.id}", headers=auth("reader"))
+    assert diff.status_code == 200
+    d = diff.get_json()
+    assert d["firstDifferentSeq"] == 2
+    assert d["runDifferences"] == ["result"]
+    assert [(r["seq"], r["same"], r["differences"]) for r in d["steps"]] == [
+        (1, True, []),
+        (2, False, ["output"]),
+        (3, False, ["input", "output", "tokens"]),  # (the scripted model is free)
+    ]
+    assert d["steps"][0]["b"]["billedTokens"] == 0
+    assert d["steps"][0]["b"]["tokens"] == d["steps"][0]["a"]["tokens"] == 220
+    assert d["steps"][1]["a"]["input"] == {"city": "Oslo"}
+
+
+def test_fork_needs_submit_and_the_runs_tenant(
+    client: FlaskClient, runtime: Runtime, llm: ScriptedLlm
+) -> None:
+    original = three_steps(runtime, llm)
+    url = f"/api/runs/{original.id}/fork"
+    assert client.post(url, json={"fromSeq": 1}).status_code == 401
+    refused = client.post(url, json={"fromSeq": 1}, headers=auth("reader"))
+    assert refused.status_code == 403
+    assert "lacks the role 'submit'" in refused.get_json()["error"]["message"]
+    hidden = client.post(url, json={"fromSeq": 1}, headers=auth("mallory"))
+    assert hidden.status_code == 404, "another tenant's run is no run"
+    diff = client.get(f"/api/runs/{original.id}/diff/{original.id}", headers=auth("mallory"))
+    assert diff.status_code == 404
+    admin = client.post(url, json={"fromSeq": 4}, headers=auth("root"))
+    assert admin.status_code == 201
+    assert runtime.store.get_run(uuid.UUID(admin.get_json()["id"])).tenant == "shop"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field", "message"),
+    [
+        ({}, 400, "fromSeq", "fromSeq: is required"),
+        ({"fromSeq": 0}, 400, "fromSeq", "must be the seq of the first step"),
+        ({"fromSeq": 9}, 400, "fromSeq", "fromSeq must be from 1 to 4 (got 9)"),
+        ({"fromSeq": 3, "toolResult": {"seq": 2}}, 400, "toolResult", 'must be {"seq": k'),
+        ({"fromSeq": 2, "toolResult": {"seq": 2, "output": "x"}}, 400, "toolResult", "seq 2"),
+        ({"fromSeq": 3, "input": ""}, 400, "input", "input"),
+        ({"fromSeq": 3, "tokenBudget": 0}, 400, "tokenBudget", "whole number"),
+        ({"fromSeq": 3, "replayModel": "yes"}, 400, "replayModel", "true or false"),
+        ({"fromSeq": 3, "from": 2}, 400, "from", "unknown field 'from'"),
+    ],
+)
+def test_bad_fork_requests_name_the_field(
+    client: FlaskClient,
+    runtime: Runtime,
+    llm: ScriptedLlm,
+    body: dict[str, Any],
+    status: int,
+    field: str,
+    message: str,
+) -> None:
+    original = three_steps(runtime, llm)
+    response = client.post(f"/api/runs/{original.id}/fork", json=body, headers=auth("alice"))
+    assert response.status_code == status, response.get_json()
+    error = response.get_json()["error"]
+    assert error["field"] == field
+    assert message in error["message"]
+
+
+def test_a_fork_after_a_step_in_flight_is_a_conflict(
+    client: FlaskClient, runtime: Runtime, llm: ScriptedLlm
+) -> None:
+    llm.then_tool_use("toolu_a", "weather", {"city": "Oslo"})
+    run, dispatch = submit(runtime.store, tenant="shop")
+    runtime.driver().drive(dispatch.run_id, dispatch.token)  # seq 1: the model asked
+    with runtime.engine.begin() as conn:  # seq 2: the tool is running
+        conn.execute(
+            text(
+                "INSERT INTO run_step (run_id, seq, step_key, kind, status, tool_name, "
+                "tool_use_id, lease_epoch) VALUES (:id, 2, 'tool:toolu_a', 'TOOL', 'STARTED', "
+                "'weather', 'toolu_a', 1)"
+            ),
+            {"id": run.id},
+        )
+    url = f"/api/runs/{run.id}/fork"
+    conflict = client.post(url, json={"fromSeq": 3}, headers=auth("alice"))
+    assert conflict.status_code == 409
+    assert conflict.get_json()["error"]["field"] == "fromSeq"
+    assert "is STARTED, not completed" in conflict.get_json()["error"]["message"]
+    assert client.post(url, json={"fromSeq": 2}, headers=auth("alice")).status_code == 201
+    missing = client.post(f"/api/runs/{uuid.uuid4()}/fork", json={"fromSeq": 1})
+    assert missing.status_code in (401, 404)
+
+
+# -- the CLI --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def api(runtime: Runtime) -> Iterator[str]:
+    register_agent(runtime.agents, weather)
+    app = create_app(runtime=runtime, celery=make_celery(runtime.settings, register=False))
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+        server.server_close()
+
+
+def test_dar_fork_and_dar_diff(
+    api: str, runtime: Runtime, llm: ScriptedLlm, capsys: pytest.CaptureFixture[str]
+) -> None:
+    original = three_steps(runtime, llm, tenant="")
+    code = main(["fork", str(original.id)[:8], "--from-seq", "3", "--replay-model", "--api", api])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    fork_id = out.strip()
+    done = drive(runtime, fork_id)
+    assert done.status is RunStatus.SUCCEEDED
+    assert done.tokens_used == 0, "replayed: the request was unchanged"
+
+    assert main(["diff", str(original.id)[:8], fork_id[:8], "--api", api]) == 0
+    out = capsys.readouterr().out
+    assert f"b: {fork_id} SUCCEEDED" in out
+    assert f"forked from {original.id} at seq 3" in out
+    assert "the steps are the same" in out
+    assert "MODEL model:2 DONE (replayed) tokens=305" in out
+
+    assert main(["timeline", fork_id, "--api", api]) == 0
+    assert "DONE (copied)" in capsys.readouterr().out
+
+    code = main(["fork", fork_id, "--from-seq", "9", "--api", api])
+    assert code == 1
+    assert "fromSeq: run" in capsys.readouterr().err
