@@ -147,6 +147,10 @@ def _model_step(
     refusal = modelcall.strict_budget_refusal(task, request, body)
     if refusal:
         return task.finish(RunStatus.FAILED, error=refusal)
+    wait = modelcall.admit(task, request, body)
+    if wait is not None:  # flow control: a durable timer, holding nothing
+        attempts = task.claim.run.model_attempts
+        return task.schedule(wait.delay_seconds, wait.reason, model_attempts=attempts)
     try:
         answer = modelcall.send(task, request, body)
     except RetryLater as e:

@@ -29,6 +29,7 @@ from runtime.config import Settings
 from runtime.durable.api import DurableAgent
 from runtime.durable.execution import Execution
 from runtime.faults import crash_point
+from runtime.flow import FlowControl
 from runtime.heartbeat import Heartbeat
 from runtime.llm.base import LlmClient
 from runtime.logctx import log_context
@@ -64,6 +65,7 @@ class Driver:
         worker: str | None = None,
         metrics: Metrics | None = None,
         mcp: McpClients | None = None,
+        flow: FlowControl | None = None,
     ) -> None:
         self.store = store
         self.agents = agents
@@ -73,6 +75,7 @@ class Driver:
         self.worker = worker or settings.worker_name
         self.metrics = metrics
         self.mcp = mcp
+        self.flow = flow
         self.heartbeat = heartbeat or Heartbeat(
             store,
             self.worker,
@@ -116,6 +119,7 @@ class Driver:
             metrics=self.metrics,
             worker=self.worker,
             mcp=self.mcp,
+            flow=self.flow,
         )
         with (
             log_context(run_id=str(run.id), worker=self.worker, step_seq="-"),

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from db.errors import LeaseLost
 from db.records import NewStep, Step, StepKind, StepStatus, Usage
 from runtime.faults import crash_point
+from runtime.flow import Refusal
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.retry import prior_attempts, reset_prior_attempts
 from runtime.task import Task
@@ -77,13 +78,62 @@ def strict_budget_refusal(task: Task, request: LlmRequest, body: dict[str, Any])
     return None
 
 
+@dataclass(frozen=True)
+class Wait:
+    """Admission refused: wait ``delay_seconds`` on a durable timer, then ask again."""
+
+    delay_seconds: float
+    reason: str
+    """For the run's ``wait_reason``: ``rate limit: input tokens/min for claude-...``."""
+
+
+def admit(task: Task, request: LlmRequest, body: dict[str, Any]) -> Wait | None:
+    """Ask flow control (DAR_MODEL_LIMITS) to admit this call with its estimated input tokens
+    and its ``max_tokens``. ``None``: go ahead (the admission is held on the task and
+    settled by :func:`send`); a :class:`Wait`: end the task on a durable timer instead."""
+    flow = task.services.flow
+    if flow is None:
+        return None
+    run = task.claim.run
+    decision = flow.admit(
+        request.model,
+        estimate_tokens(body),
+        request.max_tokens,
+        waiter=str(run.id),
+        priority=getattr(run, "priority", 0),
+    )
+    if isinstance(decision, Refusal):
+        return Wait(decision.delay_seconds, decision.reason)
+    task.admission = decision
+    return None
+
+
+def _settle(task: Task, response: LlmResponse | None) -> None:
+    grant, task.admission = task.admission, None
+    flow = task.services.flow
+    if grant is None or flow is None:
+        return
+    if response is None:  # the API refused or failed: nothing billed, the request counted
+        flow.settle(grant, 0, 0, billed=False)
+        return
+    u = response.usage
+    flow.settle(
+        grant,
+        u.input_tokens + u.cache_creation_input_tokens,  # cache reads do not count
+        u.output_tokens,
+        headers=response.rate_limits,
+    )
+
+
 def send(task: Task, request: LlmRequest, body: dict[str, Any] | None = None) -> Answer:
     """Call the model (the client's retries inside, capped across timers). Raises the
-    client's :class:`~runtime.llm.base.LlmError` (or ``RetryLater``) unchanged."""
+    client's :class:`~runtime.llm.base.LlmError` (or ``RetryLater``) unchanged. Settles the
+    task's flow-control admission (:func:`admit`), if any, with the actual usage."""
     body = body if body is not None else request.to_json()
     crash_point("before_model_call")
     started = time.monotonic()
     token = prior_attempts(task.claim.run.model_attempts)
+    response: LlmResponse | None = None
     try:
         response = task.services.llm.send(request)
     except Exception:
@@ -91,6 +141,7 @@ def send(task: Task, request: LlmRequest, body: dict[str, Any] | None = None) ->
         raise
     finally:
         reset_prior_attempts(token)
+        _settle(task, response)
     latency_ms = int((time.monotonic() - started) * 1000)
     crash_point("after_model_response")
     model = response.model or request.model

@@ -576,6 +576,11 @@ class Execution:
             stop = Stop(RunStatus.FAILED, refusal)
         if stop is not None:
             raise Pause(stop.reason, stop=stop)
+        with self.engine_call():
+            wait = modelcall.admit(self.task, request, body)
+        if wait is not None:  # flow control: a durable timer, holding nothing
+            attempts = self.task.claim.run.model_attempts
+            raise Pause(wait.reason, delay_seconds=wait.delay_seconds, model_attempts=attempts)
         try:
             answer = modelcall.send(self.task, request, body)
         except RetryLater as e:

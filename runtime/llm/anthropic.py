@@ -21,6 +21,7 @@ import math
 import os
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, cast
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_SECONDS = 600.0
 DEFAULT_CONNECT_TIMEOUT_SECONDS = 10.0
 
+RATELIMIT = "anthropic-ratelimit-"
+"""Response headers kept for flow control (the API's limits, remaining and reset)."""
 SDK_LOGGERS = ("anthropic", "httpx2", "httpcore2")
 
 
@@ -188,6 +191,7 @@ class AnthropicClient:
                 tools=cast(Any, body.get("tools", anthropic.omit)),
             ) as raw:
                 request_id = raw.headers.get("request-id")
+                limits = _rate_limit_headers(raw.headers)
                 payload = _read_body(raw.iter_bytes(), deadline, self.timeout_seconds)
         except anthropic.APIStatusError as e:
             raise _status_error(e) from e
@@ -204,7 +208,11 @@ class AnthropicClient:
             if "authentication" not in str(e):
                 raise
             raise LlmError(f"no Anthropic credentials: {e}", status=-1, retryable=False) from e
-        return _response(payload, request_id, request)
+        return replace(_response(payload, request_id, request), rate_limits=limits)
+
+
+def _rate_limit_headers(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple((k.lower(), v) for k, v in headers.items() if k.lower().startswith(RATELIMIT))
 
 
 def _response(payload: bytes, request_id: str | None, request: LlmRequest) -> LlmResponse:
