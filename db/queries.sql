@@ -663,3 +663,25 @@ WHERE (CAST(:status AS text) IS NULL OR status = :status)
        OR (due_at < now() AND status <> 'closed') = CAST(:overdue AS boolean))
 ORDER BY due_at, id
 LIMIT :limit;
+
+-- lock_submitter --
+-- Serialises one submitter's quota check and the write it admits (a transaction-level
+-- advisory lock, released at commit): 30 concurrent submits cannot all see room for one.
+SELECT pg_advisory_xact_lock(hashtextextended('dar-submit:' || :submitted_by, 0));
+
+-- submitter_usage --
+-- One submitter's quota usage: runs it submitted or resumed in the last :window_seconds (and
+-- the age of the oldest of those), and its runs in flight (QUEUED or RUNNING).
+WITH recent AS (
+    SELECT created_at AS at FROM run
+    WHERE submitted_by = :submitted_by
+      AND created_at > now() - make_interval(secs => :window_seconds)
+    UNION ALL
+    SELECT at FROM audit_event
+    WHERE actor = :submitted_by AND action = 'resume'
+      AND at > now() - make_interval(secs => :window_seconds)
+)
+SELECT (SELECT count(*) FROM recent) AS n,
+       (SELECT EXTRACT(EPOCH FROM (now() - min(at))) FROM recent) AS oldest_age,
+       (SELECT count(*) FROM run
+        WHERE submitted_by = :submitted_by AND status IN ('QUEUED', 'RUNNING')) AS active;
