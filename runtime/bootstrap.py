@@ -101,7 +101,11 @@ class Runtime:
         cls, settings: Settings, *, llm: LlmClient | None = None, pool_size: int = 10
     ) -> Runtime:
         parse_model_limits(settings.model_limits_json)  # a bad DAR_MODEL_LIMITS fails at start
-        engine = make_engine(settings.require_database_url(), pool_size=pool_size)
+        # Up to 2 * pool_size - 1 connections, plus the heartbeat's one: a worker process
+        # stays within 2 * pool_size (20 by default) whatever its concurrency.
+        engine = make_engine(
+            settings.require_database_url(), pool_size=pool_size, max_overflow=pool_size - 1
+        )
         tickets = TicketStore(engine)
         return cls(
             settings=settings,
@@ -124,7 +128,7 @@ class Runtime:
             engine = make_engine(
                 self.settings.require_database_url(),
                 pool_size=1,
-                max_overflow=1,
+                max_overflow=0,
                 application_name="dar-heartbeat",
             )
             self._lease_store = RunStore(engine)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, TypeVar
+
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from db.errors import LeaseLost
 from db.records import NewStep, Step, StepKind, StepStatus, Usage
@@ -27,6 +30,7 @@ from runtime.llm.retry import prior_attempts, reset_prior_attempts
 from runtime.task import Task
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -152,15 +156,61 @@ def send(task: Task, request: LlmRequest, body: dict[str, Any] | None = None) ->
     return Answer(request, body, response, cost, latency_ms)
 
 
-def record_billed(task: Task, answer: Answer, write: Callable[[], T]) -> T:
-    """Run ``write`` (the fenced record of a billed call); when the fence refuses it, count
-    the call against the run anyway: the money was spent whoever holds the run now."""
-    try:
-        task.ensure_lease()
-        result = write()
-    except LeaseLost:
-        task.store.record_unrecorded_usage(task.run_id, answer.response.usage, answer.cost)
-        raise
+def _transient(e: Exception) -> bool:
+    """The database went away (a restart, a dropped connection): worth trying again."""
+    return isinstance(e, OperationalError) or (
+        isinstance(e, DBAPIError) and e.connection_invalidated
+    )
+
+
+def record_billed(
+    task: Task,
+    answer: Answer,
+    write: Callable[[], T],
+    *,
+    key: str,
+    committed: Callable[[], T],
+) -> T:
+    """Run ``write``, the fenced record of the billed call whose step key is ``key``.
+
+    - The fence refuses it (the run was taken over): the call is counted against the run
+      anyway (the money was spent whoever holds the run now) and ``LeaseLost`` goes on.
+    - The database is away (PostgreSQL restarting, a dropped connection): an answer that
+      arrived is not thrown away; the write is tried again, with backoff, for as long as the
+      lease lasts. Before each new try the step row is looked up: when an earlier try did
+      commit (the connection dropped after the commit), ``committed()`` is returned instead.
+    """
+    give_up = time.monotonic() + task.settings.lease_seconds
+    delay = 0.1
+    retried = False
+    while True:
+        try:
+            task.ensure_lease()
+            if retried:
+                row = task.store.step_by_key(task.run_id, key)
+                if row is not None and row.lease_epoch == task.claim.epoch:
+                    task.store.step_logs.forget(task.run_id)
+                    result = committed()
+                    break
+            result = write()
+            break
+        except LeaseLost:
+            task.store.record_unrecorded_usage(task.run_id, answer.response.usage, answer.cost)
+            raise
+        except Exception as e:
+            if not _transient(e) or time.monotonic() + delay > give_up:
+                raise
+            log.warning(
+                "run=%s the database is away while recording %s (%s); trying again in %.1fs",
+                task.rid,
+                key,
+                type(e).__name__,
+                delay,
+                extra={"run_id": str(task.run_id), "event": "checkpoint.retry"},
+            )
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+            retried = True
     u, r = task.spent, answer.response.usage
     task.spent = Usage(
         u.input_tokens + r.input_tokens,

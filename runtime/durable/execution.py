@@ -610,7 +610,11 @@ class Execution:
         )
         with self.engine_call():
             modelcall.record_billed(
-                self.task, answer, lambda: self.task.store.record_child(self.task.claim, row)
+                self.task,
+                answer,
+                lambda: self.task.store.record_child(self.task.claim, row),
+                key=key,
+                committed=lambda: None,
             )
         log.info(
             "run=%s seq=%d MODEL %s stop=%s in=%d out=%d latency=%dms",
