@@ -30,11 +30,14 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-
-import redis
+from typing import TYPE_CHECKING
 
 from runtime.config import ConfigError
 from runtime.metrics import Metrics
+
+if TYPE_CHECKING:  # redis is imported when a bucket is used: importing it pulls in ssl,
+    # which must not happen in a gunicorn master before its gevent workers patch it
+    import redis
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +375,7 @@ class FlowControl:
                     WAITER_GRACE_SECONDS,
                 ],
             )
-        except redis.RedisError as e:
+        except _redis_error() as e:
             self._fail_open("admit", e)
             return None
         if int(ok):
@@ -418,7 +421,7 @@ class FlowControl:
             learned = learned_limits(headers)
             if learned:
                 self._learn(keys=keys[:1], args=learned)
-        except redis.RedisError as e:
+        except _redis_error() as e:
             self._fail_open("settle", e)
 
     def in_flight(self, model: str) -> int:
@@ -436,3 +439,9 @@ class FlowControl:
             return None
         raw = self.client.hget(self._keys(limit)[0], f"lvl:{dim}")
         return None if raw is None else float(raw)
+
+
+def _redis_error() -> type[Exception]:
+    import redis
+
+    return redis.RedisError
