@@ -77,11 +77,11 @@ def _parse_cursor(raw: str) -> tuple[datetime, uuid.UUID]:
     return _EPOCH + timedelta(microseconds=int(micros)), uuid.UUID(hex=rid)
 
 
-def _quota(settings: Settings) -> SubmitQuota:
+def submit_quota(settings: Settings) -> SubmitQuota:
     return SubmitQuota(settings.submit_rate_per_minute, settings.token_max_active_runs)
 
 
-def _rate_limited(e: QuotaExceeded) -> ApiError:
+def rate_limited(e: QuotaExceeded) -> ApiError:
     return ApiError(
         429, str(e), code="rate_limited", headers={"Retry-After": str(math.ceil(e.retry_after))}
     )
@@ -115,10 +115,10 @@ def submit() -> tuple[Response, int, dict[str, str]]:
                 submitted_by=principal.name if principal else None,
                 tenant=principal.tenant if principal else "",
             ),
-            quota=_quota(settings) if principal is not None else None,
+            quota=submit_quota(settings) if principal is not None else None,
         )
     except QuotaExceeded as e:
-        raise _rate_limited(e) from None
+        raise rate_limited(e) from None
     except IdempotencyConflict as e:
         raise ApiError(422, str(e), code="idempotency_key_reused") from None
     if created:
@@ -302,10 +302,10 @@ def resume(run_id: str) -> tuple[Response, int]:
             timeout_seconds=timeout,
             default_timeout_seconds=fresh_timeout,
             audit=audit("resume", detail or None),
-            quota=_quota(settings) if principal is not None else None,
+            quota=submit_quota(settings) if principal is not None else None,
         )
     except QuotaExceeded as e:
-        raise _rate_limited(e) from None
+        raise rate_limited(e) from None
     except InvalidTransition as e:
         raise ApiError(409, str(e), code="not_resumable") from None
     send_drive(s.celery, s.runtime.store, dispatch)

@@ -537,14 +537,6 @@ WITH doomed AS (
 DELETE FROM run r USING doomed WHERE r.id = doomed.id
 RETURNING r.id;
 
--- recent_submits --
--- Submits by one token in the last :window_seconds, and when the oldest of them was made.
-SELECT count(*) AS n,
-       EXTRACT(EPOCH FROM (now() - min(created_at))) AS oldest_age
-FROM run
-WHERE submitted_by = :submitted_by
-  AND created_at > now() - make_interval(secs => :window_seconds);
-
 -- make_due_now --
 -- For test kits and operators: a parked run (a timer, or a message presumed lost) becomes
 -- due now and its lapsed or absent lease claimable; the reaper's next sweep sends it.

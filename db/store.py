@@ -916,15 +916,6 @@ class RunStore:
             ).one()
         return int(row.n), float(row.oldest_age or 0), int(row.active)
 
-    def recent_submits(self, submitted_by: str, window_seconds: float) -> tuple[int, float]:
-        """``(count, age in seconds of the oldest)`` of this submitter's recent runs."""
-        with self._statement() as conn:
-            row = conn.execute(
-                Q["recent_submits"],
-                {"submitted_by": submitted_by, "window_seconds": window_seconds},
-            ).one()
-        return int(row.n), float(row.oldest_age or 0)
-
     def make_due_now(self, run_id: uuid.UUID) -> None:
         """Fast-forward a run's timer and lease (test kits; an operator's "wake it now")."""
         with self._statement() as conn:
@@ -950,7 +941,13 @@ class RunStore:
 
     # -- forks ----------------------------------------------------------------------------
 
-    def fork_run(self, new: NewFork, check: Callable[[Run, list[Step]], Sequence[StepEdit]]) -> Run:
+    def fork_run(
+        self,
+        new: NewFork,
+        check: Callable[[Run, list[Step]], Sequence[StepEdit]],
+        *,
+        quota: SubmitQuota | None = None,
+    ) -> Run:
         """Create a fork of ``new.source`` in one transaction: the source is held (shared)
         while ``check`` judges it and its steps and returns the edits to make (raising
         refuses the fork); its steps before ``new.from_seq`` and their decided approvals are
@@ -958,6 +955,9 @@ class RunStore:
         source."""
         fork_id = uuid.uuid4()
         with self.engine.begin() as conn:
+            if quota is not None and new.submitted_by is not None:  # a fork is a submit
+                conn.execute(Q["lock_submitter"], {"submitted_by": new.submitted_by})
+                _check_quota(conn, new.submitted_by, quota)
             row = conn.execute(Q["lock_run_for_fork"], {"id": new.source}).mappings().first()
             if row is None:
                 raise RunNotFound(f"no run with id {new.source}")

@@ -103,3 +103,19 @@ def _fail(runtime: Runtime, run_id: uuid.UUID) -> None:
             ),
             {"id": run_id},
         )
+
+
+def test_a_fork_counts_as_a_submit(runtime: Runtime, settings: Settings) -> None:
+    from tests.support import drive_to_end
+
+    c = _client(runtime, settings, submit_rate_per_minute=1)
+    created = c.post("/api/runs", json={"input": "x"}, headers=HEADERS)
+    assert created.status_code == 201
+    run = runtime.store.get_run(uuid.UUID(created.get_json()["id"]))
+    runtime.llm.then_text("done")  # type: ignore[attr-defined]
+    from db.records import Dispatch
+
+    drive_to_end(runtime.driver(), Dispatch(run.id, run.dispatch_token))
+    fork = c.post(f"/api/runs/{run.id}/fork", json={"fromSeq": 1}, headers=HEADERS)
+    assert fork.status_code == 429, fork.get_json()
+    assert "DAR_SUBMIT_RATE_PER_MINUTE" in fork.get_json()["error"]["message"]
