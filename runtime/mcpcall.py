@@ -132,7 +132,7 @@ def prepare(task: Task, server: McpServer, tool: OfferedTool, arguments: dict[st
                 "started; it was not called"
             )
 
-        def call() -> Any:
+        def call() -> CallResult:
             return mcp.call(
                 server,
                 tool.tool,
