@@ -18,6 +18,7 @@ from runtime.agents import Agent, AgentConfigError, AgentRegistry
 from runtime.config import Settings
 from runtime.driver import Driver
 from runtime.heartbeat import Heartbeat
+from runtime.live import LiveChannel
 from runtime.llm.base import LlmClient
 from runtime.llm.demo import DemoModel
 from runtime.mcp.client import McpClients
@@ -94,6 +95,18 @@ class Runtime:
     mcp: McpClients | None = None
     """This process's MCP sessions; opened lazily, on the first call that needs one."""
     _lease_store: RunStore | None = None
+    _live: LiveChannel | None = None
+
+    @property
+    def live(self) -> LiveChannel | None:
+        """The live stream's Redis side (``None`` without ``REDIS_URL``); made on first use."""
+        if self._live is None and self.settings.redis_url:
+            self._live = LiveChannel(
+                self.settings.redis_url,
+                maxlen=self.settings.live_maxlen,
+                cancel_poll_seconds=self.settings.cancel_poll_seconds,
+            )
+        return self._live
 
     @classmethod
     def build(
@@ -147,6 +160,7 @@ class Runtime:
             heartbeat=heartbeat,
             worker=worker,
             mcp=self.mcp,
+            live=self.live,
         )
 
     def submit(
@@ -183,3 +197,5 @@ class Runtime:
         self.engine.dispose()
         if self._lease_store is not None:
             self._lease_store.engine.dispose()
+        if self._live is not None:
+            self._live.close()

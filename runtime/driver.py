@@ -30,6 +30,7 @@ from runtime.durable.api import DurableAgent
 from runtime.durable.execution import Execution
 from runtime.faults import crash_point
 from runtime.heartbeat import Heartbeat
+from runtime.live import LiveChannel
 from runtime.llm.base import LlmClient
 from runtime.logctx import log_context
 from runtime.mcp.client import McpClients
@@ -64,6 +65,7 @@ class Driver:
         worker: str | None = None,
         metrics: Metrics | None = None,
         mcp: McpClients | None = None,
+        live: LiveChannel | None = None,
     ) -> None:
         self.store = store
         self.agents = agents
@@ -73,6 +75,7 @@ class Driver:
         self.worker = worker or settings.worker_name
         self.metrics = metrics
         self.mcp = mcp
+        self.live = live
         self.heartbeat = heartbeat or Heartbeat(
             store,
             self.worker,
@@ -116,6 +119,7 @@ class Driver:
             metrics=self.metrics,
             worker=self.worker,
             mcp=self.mcp,
+            live=self.live,
         )
         with (
             log_context(run_id=str(run.id), worker=self.worker, step_seq="-"),

@@ -24,6 +24,7 @@ from db.store import RunStore
 from runtime.config import Settings
 from runtime.guard import Stop, guard
 from runtime.heartbeat import HeldLease
+from runtime.live import LiveChannel
 from runtime.llm.base import LlmClient
 from runtime.mcp.client import McpClients
 from runtime.metrics import Metrics
@@ -64,6 +65,8 @@ class Services:
     worker: str
     mcp: McpClients | None = None
     """This process's MCP sessions (``None``: no agent here uses MCP servers)."""
+    live: LiveChannel | None = None
+    """The live stream's Redis side: text deltas out, cancel flags in (``None``: off)."""
 
 
 def short(run_id: uuid.UUID) -> str:

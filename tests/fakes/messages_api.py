@@ -85,6 +85,7 @@ class Reply:
     headers: tuple[tuple[str, str], ...] = ()
     drip_chunk: int = 0  # > 0: send the body this many bytes at a time ...
     drip_interval: float = 0.0  # ... sleeping this long between chunks
+    cut_after: int = 0  # streaming: reset the connection after this many events
 
 
 def message(
@@ -164,6 +165,19 @@ def slow(reply: Reply, *, chunk: int = 8, interval: float = 0.2) -> Reply:
         headers=reply.headers,
         drip_chunk=chunk,
         drip_interval=interval,
+    )
+
+
+def cut(reply: Reply, after_events: int) -> Reply:
+    """``reply`` streamed, but the connection is reset after ``after_events`` events."""
+    return Reply(
+        reply.kind,
+        status=reply.status,
+        body=reply.body,
+        headers=reply.headers,
+        drip_chunk=reply.drip_chunk,
+        drip_interval=reply.drip_interval,
+        cut_after=after_events,
     )
 
 
@@ -451,8 +465,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         fake = self.server.fake
         try:
-            for event in stream_events(body, reply.drip_chunk or 4):
+            for i, event in enumerate(stream_events(body, reply.drip_chunk or 4)):
                 if fake._closing.is_set():
+                    return
+                if reply.cut_after and i == reply.cut_after:
+                    self._reset()
                     return
                 data = dumps(event)
                 self.wfile.write(b"event: " + str(event["type"]).encode() + b"\ndata: " + data)

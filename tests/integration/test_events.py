@@ -1,0 +1,223 @@
+"""The live event stream, GET /api/runs/{id}/events: durable events from PostgreSQL, text
+deltas from Redis, through the real SDK streaming from the fake Messages API."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import redis
+from flask import Flask
+from flask.testing import FlaskClient
+
+import api
+from db.records import RunStatus
+from runtime.bootstrap import Runtime
+from runtime.client import Event, parse_sse
+from runtime.config import Settings
+from runtime.live import stream_key
+from tests.fakes.messages_api import FakeMessagesApi, cut, slow, text
+from tests.support import drive_to_end, register_agent, submit
+
+MODEL = "claude-test-model"
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeMessagesApi]:
+    with FakeMessagesApi() as api_:
+        yield api_
+
+
+@pytest.fixture
+def claude(settings: Settings, fake: FakeMessagesApi) -> Iterator[Runtime]:
+    s = replace(
+        settings,
+        anthropic_api_key="test-key",
+        anthropic_base_url=fake.url,
+        model_timeout_seconds=10,
+        retry_base_seconds=0.01,
+        retry_cap_seconds=0.05,
+        events_poll_seconds=0.05,
+        cancel_poll_seconds=0.05,
+    )
+    rt = Runtime.build(s, pool_size=5)
+    register_agent(rt.agents)
+    try:
+        yield rt
+    finally:
+        rt.close()
+
+
+@pytest.fixture
+def client(claude: Runtime) -> FlaskClient:
+    app: Flask = api.create_app(runtime=claude)
+    app.config["TESTING"] = True
+    return app.test_client()
+
+
+def events(client: FlaskClient, run_id: uuid.UUID, after: str | None = None) -> list[Event]:
+    headers = {"Last-Event-ID": after} if after else {}
+    resp = client.get(f"/api/runs/{run_id}/events", headers=headers)
+    assert resp.status_code == 200, resp.get_data(as_text=True)
+    assert resp.mimetype == "text/event-stream"
+    return list(parse_sse(resp.get_data(as_text=True).splitlines()))
+
+
+def shown_text(evs: list[Event], key: str) -> str:
+    """What a client shows for step ``key``: its deltas, minus retracted attempts."""
+    by_attempt: dict[int, str] = {}
+    for e in evs:
+        if e.data.get("key") != key:
+            continue
+        if e.name == "text.delta":
+            by_attempt[e.data["attempt"]] = by_attempt.get(e.data["attempt"], "") + e.data["text"]
+        elif e.name == "text.retract":
+            by_attempt.pop(e.data["attempt"], None)
+    assert len(by_attempt) <= 1, by_attempt
+    return "".join(by_attempt.values())
+
+
+def test_a_streamed_run_as_events(
+    claude: Runtime, client: FlaskClient, fake: FakeMessagesApi
+) -> None:
+    answer = "The overdue tickets are 7 and 9, both assigned to Kim."
+    fake.then(text(answer))
+    run, dispatch = submit(claude.store, model=MODEL)
+    drive_to_end(claude.driver(), dispatch)
+
+    evs = events(client, run.id)
+    names = [e.name for e in evs]
+    assert names[0] == "run.status"
+    assert evs[0].data == {"status": "QUEUED"}
+    assert names[-1] == "run.finished"
+    assert evs[-1].data["status"] == "SUCCEEDED"
+    assert "text.delta" in names
+    finished = [e for e in evs if e.name == "step.finished"]
+    assert finished[-1].data["text"] == answer
+    assert finished[-1].data["tokens"]["input"] == 10
+    assert shown_text(evs, finished[-1].data["key"]) == answer
+    # A model step is checkpointed once, after the call: its deltas come first, then its
+    # durable step.started and step.finished, from the same row.
+    last_delta = len(names) - 1 - names[::-1].index("text.delta")
+    key = finished[-1].data["key"]
+    assert all(e.data["key"] == key for e in evs if e.name == "text.delta")
+    assert names[last_delta + 1 : last_delta + 3] == ["step.started", "step.finished"]
+    ids = [e.id for e in evs]
+    assert len(set(ids)) == len(ids)
+    # The checkpoint is what the non-streaming API would have returned.
+    step = claude.store.steps(run.id)[-1]
+    assert step.response == [{"type": "text", "text": answer}]
+
+
+def test_reconnecting_at_any_event_id_resumes_exactly(
+    claude: Runtime, client: FlaskClient, fake: FakeMessagesApi
+) -> None:
+    fake.then(text("first answer, long enough to stream in several deltas"))
+    run, dispatch = submit(claude.store, model=MODEL)
+    drive_to_end(claude.driver(), dispatch)
+    full = events(client, run.id)
+    assert len(full) > 8
+    rng = random.Random(15)
+    for i in [*rng.sample(range(len(full)), 8), 0, len(full) - 1]:
+        rest = events(client, run.id, after=full[i].id)
+        assert [(e.id, e.name, e.data) for e in rest] == [
+            (e.id, e.name, e.data) for e in full[i + 1 :]
+        ], f"resuming after event {i} ({full[i].id})"
+    # ?after= is the same as the header.
+    resp = client.get(f"/api/runs/{run.id}/events?after={full[3].id}")
+    assert [e.id for e in parse_sse(resp.get_data(as_text=True).splitlines())] == [
+        e.id for e in full[4:]
+    ]
+
+
+def test_a_retried_attempt_is_retracted_before_the_new_one(
+    claude: Runtime, client: FlaskClient, fake: FakeMessagesApi
+) -> None:
+    answer = "a complete answer after one broken stream"
+    fake.then(cut(text(answer), 5), text(answer))
+    run, dispatch = submit(claude.store, model=MODEL)
+    drive_to_end(claude.driver(), dispatch)
+    assert claude.store.get_run(run.id).status is RunStatus.SUCCEEDED
+    evs = events(client, run.id)
+    names = [(e.name, e.data.get("attempt")) for e in evs if e.name.startswith("text.")]
+    retract = names.index(("text.retract", 1))
+    assert ("text.delta", 1) in names[:retract]
+    assert all(n == ("text.delta", 2) for n in names[retract + 1 :])
+    key = next(e.data["key"] for e in evs if e.name == "text.retract")
+    assert shown_text(evs, key) == answer
+
+
+def test_durable_events_survive_losing_the_deltas(
+    claude: Runtime, client: FlaskClient, fake: FakeMessagesApi, redis_client: redis.Redis
+) -> None:
+    fake.then(text("still complete"))
+    run, dispatch = submit(claude.store, model=MODEL)
+    drive_to_end(claude.driver(), dispatch)
+    redis_client.delete(stream_key(run.id))
+    evs = events(client, run.id)
+    assert not [e for e in evs if e.name.startswith("text.")]
+    assert [e for e in evs if e.name == "step.finished"][-1].data["text"] == "still complete"
+
+
+def test_bad_requests(claude: Runtime, client: FlaskClient, fake: FakeMessagesApi) -> None:
+    resp = client.get(f"/api/runs/{uuid.uuid4()}/events")
+    assert resp.status_code == 404
+    fake.then(text("x"))
+    run, dispatch = submit(claude.store, model=MODEL)
+    other, _ = submit(claude.store, model=MODEL)
+    drive_to_end(claude.driver(), dispatch)
+    full = events(client, run.id)
+    for bad in ("nonsense", "12", f"{run.id.hex[:8]}.x", f"{run.id.hex[:8]}.999999"):
+        resp = client.get(f"/api/runs/{run.id}/events", headers={"Last-Event-ID": bad})
+        assert resp.status_code == 400, bad
+        assert resp.json is not None
+        assert resp.json["error"]["code"] == "invalid_event_id"
+    resp = client.get(f"/api/runs/{other.id}/events", headers={"Last-Event-ID": full[1].id})
+    assert resp.status_code == 400
+    assert "not an event of run" in (resp.json or {})["error"]["message"]
+
+
+def test_cancel_aborts_the_model_call_within_a_second(
+    claude: Runtime, client: FlaskClient, fake: FakeMessagesApi
+) -> None:
+    fake.then(
+        slow(
+            text("slow " * 200, usage={"input_tokens": 40, "output_tokens": 300}),
+            chunk=5,
+            interval=0.3,
+        )
+    )
+    run, dispatch = submit(claude.store, model=MODEL)
+    results: list[Any] = []
+    worker = threading.Thread(
+        target=lambda: results.append(drive_to_end(claude.driver(), dispatch)), daemon=True
+    )
+    worker.start()
+    deadline = time.monotonic() + 10
+    live = redis.Redis.from_url(claude.settings.require_redis_url())
+    while not live.xlen(stream_key(run.id)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert live.xlen(stream_key(run.id)), "the model never started streaming"
+    asked = time.monotonic()
+    assert client.post(f"/api/runs/{run.id}/cancel").status_code == 202
+    worker.join(timeout=10)
+    ended = time.monotonic()
+    assert fake.aborts, "the fake never saw the stream cut"
+    cut_latency = fake.aborts[0][1] - asked
+    took = (ended - asked) * 1000
+    print(f"cancel -> stream cut {cut_latency * 1000:.0f} ms; -> run ended {took:.0f} ms")
+    assert cut_latency < 1.0
+    done = claude.store.get_run(run.id)
+    assert done.status is RunStatus.CANCELLED, done.error
+    # What the stream reported as billed (message_start: 40 in, 1 out) is on the run.
+    assert done.unrecorded_tokens == 41
+    evs = events(client, run.id)
+    assert evs[-1].name == "run.finished"
+    assert evs[-1].data["status"] == "CANCELLED"
+    live.close()
