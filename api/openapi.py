@@ -28,6 +28,9 @@ from runtime.config import Settings
 
 JsonObj = dict[str, Any]
 
+# An event id of GET /api/runs/{id}/events (api/events.py).
+EVENT_ID_PATTERN = r"^[0-9a-f]{8}\.[0-9]{1,18}(\.[0-9]{1,18}-[0-9]{1,18})?$"
+
 
 def _ref(name: str) -> JsonObj:
     return {"$ref": f"#/components/schemas/{name}"}
@@ -283,14 +286,14 @@ def openapi_document(
                             "in": "query",
                             "required": False,
                             "description": "An event id: resume after it (as Last-Event-ID)",
-                            "schema": {"type": "string", "maxLength": 80},
+                            "schema": {"type": "string", "pattern": EVENT_ID_PATTERN},
                         },
                         {
                             "name": "Last-Event-ID",
                             "in": "header",
                             "required": False,
                             "description": "The id of the last event received",
-                            "schema": {"type": "string", "maxLength": 80},
+                            "schema": {"type": "string", "pattern": EVENT_ID_PATTERN},
                         },
                     ],
                     "responses": {
