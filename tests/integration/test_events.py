@@ -3,6 +3,7 @@ deltas from Redis, through the real SDK streaming from the fake Messages API."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -15,14 +16,18 @@ import pytest
 import redis
 from flask import Flask
 from flask.testing import FlaskClient
+from werkzeug.serving import make_server
 
 import api
+from api import cli
+from api.embedded import EmbeddedRedis
 from db.records import RunStatus
 from runtime.bootstrap import Runtime
-from runtime.client import Event, parse_sse
+from runtime.client import Event, follow, parse_sse
 from runtime.config import Settings
 from runtime.live import stream_key
-from tests.fakes.messages_api import FakeMessagesApi, cut, slow, text
+from runtime.tools import Tool, ToolContext, tool
+from tests.fakes.messages_api import FakeMessagesApi, cut, slow, text, tool_uses
 from tests.support import drive_to_end, register_agent, submit
 
 MODEL = "claude-test-model"
@@ -221,3 +226,104 @@ def test_cancel_aborts_the_model_call_within_a_second(
     assert evs[-1].name == "run.finished"
     assert evs[-1].data["status"] == "CANCELLED"
     live.close()
+
+
+@contextlib.contextmanager
+def serve(app: Flask) -> Iterator[str]:
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+        server.server_close()
+
+
+def _drive_in_background(rt: Runtime, dispatch: Any) -> threading.Thread:
+    worker = threading.Thread(target=lambda: drive_to_end(rt.driver(), dispatch), daemon=True)
+    worker.start()
+    return worker
+
+
+def test_dar_follow_prints_the_model_typing_and_exits_with_the_status(
+    claude: Runtime, fake: FakeMessagesApi, capsys: pytest.CaptureFixture[str]
+) -> None:
+    answer = "Tickets 7 and 9 are overdue."
+    fake.then(slow(text(answer), chunk=3, interval=0.05))
+    run, dispatch = submit(claude.store, model=MODEL)
+    with serve(api.create_app(runtime=claude)) as url:
+        worker = _drive_in_background(claude, dispatch)
+        code = cli.main(["follow", "--api", url, run.id.hex[:8]])
+        worker.join(timeout=10)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert answer in out  # the deltas, printed as they came
+    assert f"dar: run {run.id} SUCCEEDED" in out
+
+
+def test_redis_restarted_while_a_client_listens(settings: Settings, fake: FakeMessagesApi) -> None:
+    broker = EmbeddedRedis()
+    broker.start()
+    s = replace(
+        settings,
+        redis_url=broker.url,
+        anthropic_api_key="test-key",
+        anthropic_base_url=fake.url,
+        model_timeout_seconds=20,
+        retry_base_seconds=0.01,
+        retry_cap_seconds=0.05,
+        events_poll_seconds=0.1,
+    )
+    rt = Runtime.build(s, pool_size=5)
+    tool = register_agent(rt.agents, _lookup())
+    assert tool is not None
+    first = "Let me look that up in the ticket system, one moment please."
+    second = "Both tickets are overdue; the restart of Redis did not lose this text."
+    fake.then(
+        slow(tool_uses([("toolu_1", "lookup", {"q": "x"})], preamble=first), chunk=3, interval=0.1)
+    )
+    fake.then(slow(text(second), chunk=3, interval=0.05))
+    try:
+        run, dispatch = submit(rt.store, model=MODEL)
+        received: list[Event] = []
+        with serve(api.create_app(runtime=rt)) as url:
+            worker = _drive_in_background(rt, dispatch)
+            restarted = False
+            for ev in follow(url, str(run.id), reconnect_seconds=0.2, timeout_seconds=10):
+                received.append(ev)
+                if ev.name == "text.delta" and not restarted:
+                    broker.stop()  # mid-stream: the deltas of this step are lost
+                    broker.start()
+                    restarted = True
+            worker.join(timeout=20)
+        assert rt.store.get_run(run.id).status is RunStatus.SUCCEEDED
+        ids = [e.id for e in received]
+        assert len(ids) == len(set(ids)), "no duplicates"
+        # Every durable event arrived, in order, and the steps' full text with them.
+        replay = [e for e in _events_over_http(rt, run.id) if "." in e.id]
+        durable = [e.id for e in replay if e.id.count(".") == 1]
+        assert [i for i in ids if i.count(".") == 1] == durable
+        texts = [e.data.get("text") for e in received if e.name == "step.finished"]
+        assert first in texts
+        assert second in texts
+    finally:
+        rt.close()
+        broker.stop()
+
+
+def _events_over_http(rt: Runtime, run_id: uuid.UUID) -> list[Event]:
+    app = api.create_app(runtime=rt)
+    resp = app.test_client().get(f"/api/runs/{run_id}/events")
+    return list(parse_sse(resp.get_data(as_text=True).splitlines()))
+
+
+def _lookup() -> Tool:
+    @tool(idempotent=True)
+    def lookup(q: str, ctx: ToolContext) -> dict[str, str]:
+        """Look q up."""
+        return {"q": q}
+
+    result: Tool = lookup
+    return result
