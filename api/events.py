@@ -26,14 +26,15 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
-from flask import Blueprint, Response, request
+from flask import Blueprint, Response, current_app, request
 from sqlalchemy import RowMapping
 
 from api.auth import requires
 from api.errors import ApiError
+from api.eventhub import EventHub, Waiter
 from api.runs import load_run, parse_run_id
 from api.state import state
 from db.records import RunStatus, StepKind
@@ -162,8 +163,10 @@ class EventStream:
         after: Cursor,
         settings: Settings,
         *,
+        hub: EventHub,
         finished: bool = False,
     ) -> None:
+        self.hub = hub
         self.store = store
         self.live = live
         self.run_id = run_id
@@ -176,20 +179,13 @@ class EventStream:
         self.finished = finished
         """The run has ended: close once every durable event has been sent."""
 
-    def _read_live(self, wait: float) -> None:
+    def _read_live(self) -> None:
         if self.live is None:
-            if wait:
-                time.sleep(wait)
             return
         try:
-            if wait:
-                found = self.live.wait(self.run_id, self.live_after, wait)
-            else:
-                found = self.live.entries(self.run_id, self.live_after)
+            found = self.live.entries(self.run_id, self.live_after)
         except redis.RedisError as e:
             log.debug("live stream of run %s: Redis unavailable (%s)", self.run_id, e)
-            if wait:
-                time.sleep(wait)
             return
         if found:
             self.live_after = found[-1].rid
@@ -215,34 +211,57 @@ class EventStream:
 
     def __iter__(self) -> Iterator[str]:
         s = self.settings
-        started = last_event = last_write = last_read = time.monotonic()
+        started = last_event = last_write = time.monotonic()
         yield f"retry: {int(s.events_poll_seconds * 1000)}\n\n"
-        self._read_live(0)
-        read_durable = True
-        while True:
-            for order, event_id, name, data in self._batch(read_durable):
-                if order <= self.last:
-                    continue  # a delta of an attempt a later durable event superseded
-                self.last = order
-                if order[1] == 0:
-                    self.durable = order[0]
-                yield _sse(event_id, name, data)
-                last_event = last_write = time.monotonic()
-                self.finished = self.finished or name == "run.finished"
-            if read_durable and self.finished:
-                return  # this batch read everything PostgreSQL holds after the end
-            now = time.monotonic()
-            if read_durable:
-                last_read = now
-            if now - started >= s.events_max_seconds or now - last_event >= s.events_idle_seconds:
-                return
-            if now - last_write >= s.events_heartbeat_seconds:
-                yield ": keepalive\n\n"
-                last_write = now
-            wait = max(0.01, s.events_poll_seconds - (now - last_read))
-            wait = min(wait, s.events_heartbeat_seconds)
-            self._read_live(wait)
-            read_durable = time.monotonic() - last_read >= s.events_poll_seconds
+        waiter = Waiter(self.run_id, self.durable)
+        self.hub.subscribe(waiter)
+        try:
+            while True:
+                # Flags first, reads after: a change the hub sees meanwhile wakes us again.
+                waiter.wake.clear()
+                read_durable, waiter.durable_changed = waiter.durable_changed, False
+                read_live, waiter.live_changed = waiter.live_changed, False
+                if read_live:
+                    self._read_live()
+                for order, event_id, name, data in self._batch(read_durable):
+                    if order <= self.last:
+                        continue  # a delta of an attempt a later durable event superseded
+                    self.last = order
+                    if order[1] == 0:
+                        self.durable = order[0]
+                    yield _sse(event_id, name, data)
+                    last_event = last_write = time.monotonic()
+                    self.finished = self.finished or name == "run.finished"
+                waiter.durable, waiter.live_after = self.durable, self.live_after
+                if read_durable and self.finished:
+                    return  # this batch read everything PostgreSQL holds after the end
+                now = time.monotonic()
+                if now - started >= s.events_max_seconds:
+                    return
+                if now - last_event >= s.events_idle_seconds:
+                    return
+                if now - last_write >= s.events_heartbeat_seconds:
+                    yield ": keepalive\n\n"
+                    last_write = now
+                waiter.wake.wait(
+                    min(
+                        s.events_heartbeat_seconds - (now - last_write),
+                        s.events_idle_seconds - (now - last_event),
+                        s.events_max_seconds - (now - started),
+                    )
+                )
+        finally:
+            self.hub.unsubscribe(waiter)
+
+
+def event_hub() -> EventHub:
+    """This process's hub (made on first use)."""
+    hub = current_app.extensions.get("dar_event_hub")
+    if hub is None:
+        rt = state().runtime
+        hub = EventHub(rt.store, rt.live, rt.settings.events_poll_seconds)
+        current_app.extensions["dar_event_hub"] = hub
+    return cast(EventHub, hub)
 
 
 @bp.get("/runs/<run_id>/events")
@@ -261,6 +280,7 @@ def events(run_id: str) -> Response:
         run.id,
         after,
         s.runtime.settings,
+        hub=event_hub(),
         finished=run.status.terminal,
     )
     return Response(

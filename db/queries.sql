@@ -685,3 +685,8 @@ LIMIT :limit;
 -- run_event_seq --
 -- The number of the run's last durable event (NULL: no such run).
 SELECT event_seq FROM run WHERE id = :id;
+
+-- run_event_seqs --
+-- The last durable event number of each of these runs (the web process's event hub asks
+-- once per tick for every run an open stream follows).
+SELECT id, event_seq FROM run WHERE id = ANY(:ids);

@@ -1025,6 +1025,14 @@ class RunStore:
             value = conn.execute(Q["run_event_seq"], {"id": run_id}).scalar()
         return None if value is None else int(value)
 
+    def run_event_seqs(self, run_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, int]:
+        """The last durable event number of each run that exists, in one statement."""
+        if not run_ids:
+            return {}
+        with self._statement() as conn:
+            rows = conn.execute(Q["run_event_seqs"], {"ids": list(run_ids)}).all()
+        return {r.id: int(r.event_seq) for r in rows}
+
     def mark_undispatched(self, dispatch: Dispatch) -> None:
         with self._statement() as conn:
             conn.execute(Q["mark_undispatched"], {"id": dispatch.run_id, "token": dispatch.token})

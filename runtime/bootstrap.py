@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 
@@ -18,13 +18,15 @@ from runtime.agents import Agent, AgentConfigError, AgentRegistry
 from runtime.config import Settings
 from runtime.driver import Driver
 from runtime.heartbeat import Heartbeat
-from runtime.live import LiveChannel
 from runtime.llm.base import LlmClient
 from runtime.llm.demo import DemoModel
 from runtime.mcp.client import McpClients
 from runtime.mcp.servers import parse_servers, parse_tool_overrides
 from runtime.metrics import Metrics
 from runtime.pricing import PriceTable
+
+if TYPE_CHECKING:  # runtime.live imports redis (and ssl): not before gevent patches it
+    from runtime.live import LiveChannel
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,8 @@ class Runtime:
     def live(self) -> LiveChannel | None:
         """The live stream's Redis side (``None`` without ``REDIS_URL``); made on first use."""
         if self._live is None and self.settings.redis_url:
+            from runtime.live import LiveChannel
+
             self._live = LiveChannel(
                 self.settings.redis_url,
                 maxlen=self.settings.live_maxlen,

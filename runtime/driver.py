@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import TYPE_CHECKING
 
 from db.records import Claim, Dispatch, RunStatus, Step, StepStatus
 from db.store import RunStore
@@ -30,7 +31,6 @@ from runtime.durable.api import DurableAgent
 from runtime.durable.execution import Execution
 from runtime.faults import crash_point
 from runtime.heartbeat import Heartbeat
-from runtime.live import LiveChannel
 from runtime.llm.base import LlmClient
 from runtime.logctx import log_context
 from runtime.mcp.client import McpClients
@@ -38,6 +38,9 @@ from runtime.metrics import Metrics
 from runtime.modelcall import estimate_tokens, prompt_hash
 from runtime.pricing import PriceTable
 from runtime.task import Outcome, Services, StepResult, Task, short
+
+if TYPE_CHECKING:  # runtime.live imports redis (and ssl): not before gevent patches it
+    from runtime.live import LiveChannel
 
 log = logging.getLogger(__name__)
 

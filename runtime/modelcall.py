@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 from db.errors import LeaseLost
 from db.records import NewStep, Step, StepKind, StepStatus, Usage
 from runtime.faults import crash_point
-from runtime.live import RedisLiveCall
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.live import ModelCallCancelled, live_call
 from runtime.llm.retry import prior_attempts, reset_prior_attempts
@@ -122,6 +121,8 @@ def _live(task: Task, key: str | None) -> Iterator[None]:
     if channel is None or key is None:
         yield
         return
+    from runtime.live import RedisLiveCall  # imports redis: only where a channel exists
+
     store, run_id = task.store, task.run_id
     with channel.watch(run_id) as watched:
         call = RedisLiveCall(

@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from db.errors import LeaseLost
 from db.records import Claim, Dispatch, NewStep, RunStatus, Step, Usage
@@ -24,12 +24,14 @@ from db.store import RunStore
 from runtime.config import Settings
 from runtime.guard import Stop, guard
 from runtime.heartbeat import HeldLease
-from runtime.live import LiveChannel
 from runtime.llm.base import LlmClient
 from runtime.mcp.client import McpClients
 from runtime.metrics import Metrics
 from runtime.pricing import PriceTable
 from runtime.tracing import run_span
+
+if TYPE_CHECKING:  # runtime.live imports redis (and ssl): not before gevent patches it
+    from runtime.live import LiveChannel
 
 log = logging.getLogger(__name__)
 

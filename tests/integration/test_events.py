@@ -327,3 +327,45 @@ def _lookup() -> Tool:
 
     result: Tool = lookup
     return result
+
+
+def test_a_tool_in_flight_sees_the_cancel_through_its_context(
+    claude: Runtime, client: FlaskClient, fake: FakeMessagesApi
+) -> None:
+    seen: list[float] = []
+    started = threading.Event()
+
+    @tool(idempotent=True)
+    def wait_for_cancel(q: str, ctx: ToolContext) -> str:
+        """Wait until cancelled (at most 10 s)."""
+        started.set()
+        if ctx.cancelled.wait(10):
+            seen.append(time.monotonic())
+            raise RuntimeError("stopped: the run was cancelled")
+        return "never cancelled"
+
+    register_agent(claude.agents, wait_for_cancel, name="waiter")
+    fake.then(tool_uses([("toolu_w", "wait_for_cancel", {"q": "x"})]))
+    run, dispatch = submit(claude.store, agent="waiter", model=MODEL)
+    worker = _drive_in_background(claude, dispatch)
+    assert started.wait(10)
+    asked = time.monotonic()
+    assert client.post(f"/api/runs/{run.id}/cancel").status_code == 202
+    worker.join(timeout=15)
+    assert seen, "the tool never saw ctx.cancelled"
+    assert seen[0] - asked < 1.0
+    assert claude.store.get_run(run.id).status is RunStatus.CANCELLED
+
+
+def test_the_demo_model_types_into_the_stream(settings: Settings) -> None:
+    rt = Runtime.build(replace(settings, demo_latency_ms=200), pool_size=2)
+    try:
+        run, dispatch = submit(rt.store, agent="acme-tickets")
+        drive_to_end(rt.driver(), dispatch)
+        evs = _events_over_http(rt, run.id)
+        finished = [e for e in evs if e.name == "step.finished" and e.data.get("text")]
+        assert finished
+        for step in finished:
+            assert shown_text(evs, step.data["key"]) == step.data["text"]
+    finally:
+        rt.close()
