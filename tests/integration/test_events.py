@@ -20,6 +20,7 @@ from werkzeug.serving import make_server
 
 import api
 from api import cli
+from api.auth import hash_token
 from api.embedded import EmbeddedRedis
 from db.records import RunStatus
 from runtime.bootstrap import Runtime
@@ -369,3 +370,23 @@ def test_the_demo_model_types_into_the_stream(settings: Settings) -> None:
             assert shown_text(evs, step.data["key"]) == step.data["text"]
     finally:
         rt.close()
+
+
+def test_the_stream_is_authorised_like_every_api_route(claude: Runtime) -> None:
+    claude.settings = replace(
+        claude.settings,
+        api_tokens=f"reader:read:{hash_token('r-token')}:team-a,"
+        f"other:read:{hash_token('o-token')}:team-b,"
+        f"nobody:submit:{hash_token('s-token')}:team-a",
+    )
+    client = api.create_app(runtime=claude).test_client()
+    run, _ = submit(claude.store, model=MODEL, tenant="team-a")
+    url = f"/api/runs/{run.id}/events"
+    assert client.get(url).status_code == 401
+    assert client.get(url, headers={"Authorization": "Bearer s-token"}).status_code == 403
+    assert client.get(url, headers={"Authorization": "Bearer o-token"}).status_code == 404
+    claude.store.cancel(run.id)  # ends the run, so the stream ends
+    resp = client.get(url, headers={"Authorization": "Bearer r-token"})
+    assert resp.status_code == 200
+    names = [e.name for e in parse_sse(resp.get_data(as_text=True).splitlines())]
+    assert names == ["run.status", "run.finished"]
