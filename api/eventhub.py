@@ -49,20 +49,24 @@ class EventHub:
         self.poll_seconds = poll_seconds
         self._lock = threading.Lock()
         self._waiters: dict[uuid.UUID, set[Waiter]] = {}
-        self._started = False
+        # Each loop runs while some stream is open, and ends (clearing its flag under the
+        # lock) when none is: an idle web process has no hub threads.
+        self._pg_running = False
+        self._redis_running = False
 
     def subscribe(self, waiter: Waiter) -> None:
         with self._lock:
             self._waiters.setdefault(waiter.run_id, set()).add(waiter)
-            if not self._started:
-                self._started = True
+            if not self._pg_running:
+                self._pg_running = True
                 threading.Thread(
                     target=self._poll_durable, name="dar-events-pg", daemon=True
                 ).start()
-                if self.live is not None:
-                    threading.Thread(
-                        target=self._poll_live, name="dar-events-redis", daemon=True
-                    ).start()
+            if self.live is not None and not self._redis_running:
+                self._redis_running = True
+                threading.Thread(
+                    target=self._poll_live, name="dar-events-redis", daemon=True
+                ).start()
 
     def unsubscribe(self, waiter: Waiter) -> None:
         with self._lock:
@@ -77,14 +81,20 @@ class EventHub:
         with self._lock:
             return sum(len(w) for w in self._waiters.values())
 
-    def _snapshot(self) -> dict[uuid.UUID, list[Waiter]]:
+    def _snapshot(self, loop: str) -> dict[uuid.UUID, list[Waiter]] | None:
+        """The streams to serve, or ``None`` (the loop ends) when there are none."""
         with self._lock:
+            if not self._waiters:
+                setattr(self, loop, False)
+                return None
             return {run: list(ws) for run, ws in self._waiters.items()}
 
     def _poll_durable(self) -> None:
         while True:
             started = time.monotonic()
-            watched = self._snapshot()
+            watched = self._snapshot("_pg_running")
+            if watched is None:
+                return
             if watched:
                 try:
                     seqs = self.store.run_event_seqs(list(watched))
@@ -102,10 +112,9 @@ class EventHub:
     def _poll_live(self) -> None:
         assert self.live is not None
         while True:
-            watched = self._snapshot()
-            if not watched:
-                time.sleep(0.05)
-                continue
+            watched = self._snapshot("_redis_running")
+            if watched is None:
+                return
             streams: dict[str, str] = {}
             for run_id, waiters in watched.items():
                 streams[stream_key(run_id)] = min((w.live_after for w in waiters), key=_rid)

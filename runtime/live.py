@@ -219,7 +219,9 @@ class LiveChannel:
                 runs = list(self._watched)
             try:
                 flags = self.redis.mget([cancel_key(r) for r in runs])
-            except redis.RedisError:
+            except Exception:  # Redis down, or the client closed under us (close())
+                if self._closed:
+                    return
                 flags = [None] * len(runs)
                 time.sleep(1.0)
             for run_id, flag in zip(runs, flags, strict=True):
