@@ -315,6 +315,8 @@ def _timeline_table(steps: list[dict[str, Any]]) -> str:
 
 
 def _runs(args: argparse.Namespace) -> int:
+    if args.waiting:
+        return _waiting(args)
     query = f"?limit={args.limit}" + (f"&status={args.status}" if args.status else "")
     page = api_call(args.api, "GET", f"/api/runs{query}")
     print(
@@ -331,6 +333,31 @@ def _runs(args: argparse.Namespace) -> int:
                     (r["error"] or "")[:60],
                 ]
                 for r in page["items"]
+            ],
+        )
+    )
+    return 0
+
+
+def _waiting(args: argparse.Namespace) -> int:
+    """Runs parked on a timer (a rate limit, a retry backoff), with what they wait for."""
+    rows = []
+    for status in ("QUEUED", "RUNNING"):
+        page = api_call(args.api, "GET", f"/api/runs?limit={args.limit}&status={status}")
+        rows += [r for r in page["items"] if r.get("waitReason")]
+    print(
+        _table(
+            ["ID", "STATUS", "AGENT", "MODEL", "WAITING FOR", "UNTIL"],
+            [
+                [
+                    r["id"],
+                    r["status"],
+                    r["agent"],
+                    r.get("model") or "",
+                    r["waitReason"][:70],
+                    (r.get("runAt") or "")[:19],
+                ]
+                for r in rows[: args.limit]
             ],
         )
     )
@@ -695,6 +722,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = api_command("runs", _runs, "list runs, newest first")
     p.add_argument("--status", type=_status, help="only runs in this status (e.g. FAILED)")
     p.add_argument("--limit", type=int, default=20, help="how many runs")
+    p.add_argument(
+        "--waiting",
+        action="store_true",
+        help="only runs parked on a timer (rate limit, retry), with their wait reason",
+    )
 
     p = api_command("submit", _submit, "submit a run; prints its id")
     p.add_argument("input", help="the question or task (JSON with --json)")

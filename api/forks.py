@@ -9,12 +9,12 @@ from flask import Blueprint, Response, jsonify, request, url_for
 
 from api.auth import current_principal, requires
 from api.errors import ApiError
-from api.runs import audit, load_run, parse_run_id
+from api.runs import audit, load_run, parse_run_id, rate_limited, submit_quota
 from api.schemas import fork_schema, validate
 from api.serialize import forked_from_json
 from api.state import state
 from api.validation import json_body, whole
-from db.errors import RunNotFound
+from db.errors import QuotaExceeded, RunNotFound
 from db.records import Dispatch, Run, Step, StepKind
 from runtime.agents import Agent
 from runtime.fork import ForkRefused, ForkRequest, fork_run
@@ -36,7 +36,6 @@ def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
     durable = any(not isinstance(agents.get(n), Agent) for n in agents.names())
     validate(body, fork_schema(settings, any_json_input=durable))
     load_run(rid)  # another tenant's run is no run
-    _check_rate()
     edit = body.get("toolResult")
     principal = current_principal()
     edits = [k for k in ("input", "model", "toolResult") if body.get(k) is not None]
@@ -56,6 +55,7 @@ def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
                 "replayModel": bool(body.get("replayModel", False)),
             },
         ),
+        quota=submit_quota(settings) if principal is not None else None,
         **({"input": body["input"]} if "input" in body else {}),
     )
     try:
@@ -67,6 +67,8 @@ def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
             code="fork_refused" if e.conflict else "invalid_field",
             field=e.field,
         ) from None
+    except QuotaExceeded as e:
+        raise rate_limited(e) from None
     except RunNotFound as e:
         raise ApiError(404, str(e), code="not_found") from None
     send_drive(s.celery, s.runtime.store, Dispatch(run.id, run.dispatch_token))
@@ -77,24 +79,6 @@ def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
         201,
         {"Location": url_for("runs.get_run", run_id=str(run.id))},
     )
-
-
-def _check_rate() -> None:
-    """A fork is a submit: the same per-token limit (DAR_SUBMIT_RATE_PER_MINUTE)."""
-    s = state()
-    limit = s.runtime.settings.submit_rate_per_minute
-    principal = current_principal()
-    if principal is None or not limit:
-        return
-    recent, oldest_age = s.runtime.store.recent_submits(principal.name, 60)
-    if recent >= limit:
-        raise ApiError(
-            429,
-            f"token {principal.name!r} submitted {recent} runs in the last minute; the limit "
-            f"is {limit} (DAR_SUBMIT_RATE_PER_MINUTE)",
-            code="rate_limited",
-            headers={"Retry-After": str(max(1, int(60 - oldest_age) + 1))},
-        )
 
 
 @bp.get("/runs/<run_id>/diff/<other_id>")

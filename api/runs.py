@@ -25,8 +25,10 @@ from api.schemas import (
 from api.serialize import audit_json, run_json, timeline_json
 from api.state import state
 from api.validation import json_body, optional_json_body, parse_submission, whole
-from db.errors import IdempotencyConflict, InvalidTransition, RunNotFound
+from db.errors import IdempotencyConflict, InvalidTransition, QuotaExceeded, RunNotFound
 from db.records import Dispatch, NewAudit, NewRun, Run, RunStatus
+from db.store import SubmitQuota
+from runtime.config import Settings
 from tasks.dispatch import send_drive
 
 bp = Blueprint("runs", __name__)
@@ -75,6 +77,16 @@ def _parse_cursor(raw: str) -> tuple[datetime, uuid.UUID]:
     return _EPOCH + timedelta(microseconds=int(micros)), uuid.UUID(hex=rid)
 
 
+def submit_quota(settings: Settings) -> SubmitQuota:
+    return SubmitQuota(settings.submit_rate_per_minute, settings.token_max_active_runs)
+
+
+def rate_limited(e: QuotaExceeded) -> ApiError:
+    return ApiError(
+        429, str(e), code="rate_limited", headers={"Retry-After": str(math.ceil(e.retry_after))}
+    )
+
+
 @bp.post("/runs")
 @requires("submit")
 def submit() -> tuple[Response, int, dict[str, str]]:
@@ -83,17 +95,6 @@ def submit() -> tuple[Response, int, dict[str, str]]:
     body = json_body(request)
     sub = parse_submission(body, settings, s.runtime.agents)
     principal = current_principal()
-    if principal is not None and settings.submit_rate_per_minute:
-        recent, oldest_age = s.runtime.store.recent_submits(principal.name, 60)
-        if recent >= settings.submit_rate_per_minute:
-            wait = max(1, int(60 - oldest_age) + 1)
-            raise ApiError(
-                429,
-                f"token {principal.name!r} submitted {recent} runs in the last minute; the "
-                f"limit is {settings.submit_rate_per_minute} (DAR_SUBMIT_RATE_PER_MINUTE)",
-                code="rate_limited",
-                headers={"Retry-After": str(wait)},
-            )
     key = request.headers.get("Idempotency-Key")
     if key is not None and not (0 < len(key) <= 200):
         raise invalid("Idempotency-Key", "must be 1 to 200 characters")
@@ -113,8 +114,11 @@ def submit() -> tuple[Response, int, dict[str, str]]:
                 request_hash=sub.request_hash,
                 submitted_by=principal.name if principal else None,
                 tenant=principal.tenant if principal else "",
-            )
+            ),
+            quota=submit_quota(settings) if principal is not None else None,
         )
+    except QuotaExceeded as e:
+        raise rate_limited(e) from None
     except IdempotencyConflict as e:
         raise ApiError(422, str(e), code="idempotency_key_reused") from None
     if created:
@@ -298,7 +302,10 @@ def resume(run_id: str) -> tuple[Response, int]:
             timeout_seconds=timeout,
             default_timeout_seconds=fresh_timeout,
             audit=audit("resume", detail or None),
+            quota=submit_quota(settings) if principal is not None else None,
         )
+    except QuotaExceeded as e:
+        raise rate_limited(e) from None
     except InvalidTransition as e:
         raise ApiError(409, str(e), code="not_resumable") from None
     send_drive(s.celery, s.runtime.store, dispatch)

@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 
-from bench import report
+from bench import plots, report
 from bench.dbos_bench import available as dbos_available
 from bench.env import prepare
 from bench.suite import EXTRA, SECTIONS, Plan, run
@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             "sections": res.sections,
         }
     )
+    for picture in plots.write(res.sections):
+        print(f"bench: wrote {picture}")
     print(f"\n{len(rows)} figures in {info['total_s']:.0f}s; wrote {path}")
     return 0
 

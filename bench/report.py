@@ -233,8 +233,8 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
             rp["last_steps_ms_p50"],
             "steps 2-11 (next run)",
             rp["first_steps_ms_p50"],
-            "<= 1.5 x",
-            rp["ratio"] <= 1.5,
+            "<= 1.2 x",
+            rp["ratio"] <= 1.2,
             ratio=rp["ratio"],
         )
         ph = rp.get("inproc_phases_p50") or {}

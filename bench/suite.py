@@ -44,12 +44,17 @@ class Plan:
     tools: int = 10
     """Each run: ``tools`` model turns calling ``noop``, then a final turn: 2*tools+1 steps."""
     # (d)
-    long_tools: int = 100
+    long_tools: int = 500
+    """A run of 2 * long_tools + 1 steps: step ~1,000 against steps 1-10."""
     long_runs: int = 3
     # (c)
     inflight_levels: tuple[tuple[int, int], ...] = ((50, 10), (100, 10), (500, 5))
     inflight_concurrency: int = 256
-    gevent_levels: tuple[tuple[int, int, int], ...] = ((500, 5, 1000), (2000, 3, 10000))
+    gevent_levels: tuple[tuple[int, int, int], ...] = (
+        (200, 5, 1000),
+        (500, 5, 1000),
+        (2000, 3, 10000),
+    )
     """(runs, steps each, model latency ms) on a gevent pool of ``gevent_concurrency``."""
     gevent_concurrency: int = 1200
     inflight_workers: int = 2
@@ -82,7 +87,7 @@ class Plan:
                 dbos_latency_steps=100,
                 long_runs=1,
                 inflight_levels=((500, 4),),
-                gevent_levels=((500, 4, 1000), (2000, 2, 10000)),
+                gevent_levels=((200, 4, 1000), (2000, 2, 10000)),
                 recovery_configs=(("default (DAR_LEASE_SECONDS=15)", ()),),
             )
         if repeats:

@@ -25,6 +25,16 @@ class IdempotencyConflict(DarError):
     """This Idempotency-Key was used before with a different request body."""
 
 
+class QuotaExceeded(DarError):
+    """A submitter's quota (submits per minute, runs in flight) is used up."""
+
+    def __init__(self, message: str, *, retry_after: float, limit: str) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.limit = limit
+        """``DAR_SUBMIT_RATE_PER_MINUTE`` or ``DAR_TOKEN_MAX_ACTIVE_RUNS``."""
+
+
 class MigrationsPending(DarError):
     """The database schema is not at the current migration."""
 

@@ -537,14 +537,6 @@ WITH doomed AS (
 DELETE FROM run r USING doomed WHERE r.id = doomed.id
 RETURNING r.id;
 
--- recent_submits --
--- Submits by one token in the last :window_seconds, and when the oldest of them was made.
-SELECT count(*) AS n,
-       EXTRACT(EPOCH FROM (now() - min(created_at))) AS oldest_age
-FROM run
-WHERE submitted_by = :submitted_by
-  AND created_at > now() - make_interval(secs => :window_seconds);
-
 -- make_due_now --
 -- For test kits and operators: a parked run (a timer, or a message presumed lost) becomes
 -- due now and its lapsed or absent lease claimable; the reaper's next sweep sends it.
@@ -690,3 +682,25 @@ SELECT event_seq FROM run WHERE id = :id;
 -- The last durable event number of each of these runs (the web process's event hub asks
 -- once per tick for every run an open stream follows).
 SELECT id, event_seq FROM run WHERE id = ANY(:ids);
+
+-- lock_submitter --
+-- Serialises one submitter's quota check and the write it admits (a transaction-level
+-- advisory lock, released at commit): 30 concurrent submits cannot all see room for one.
+SELECT pg_advisory_xact_lock(hashtextextended('dar-submit:' || :submitted_by, 0));
+
+-- submitter_usage --
+-- One submitter's quota usage: runs it submitted or resumed in the last :window_seconds (and
+-- the age of the oldest of those), and its runs in flight (QUEUED or RUNNING).
+WITH recent AS (
+    SELECT created_at AS at FROM run
+    WHERE submitted_by = :submitted_by
+      AND created_at > now() - make_interval(secs => :window_seconds)
+    UNION ALL
+    SELECT at FROM audit_event
+    WHERE actor = :submitted_by AND action = 'resume'
+      AND at > now() - make_interval(secs => :window_seconds)
+)
+SELECT (SELECT count(*) FROM recent) AS n,
+       (SELECT EXTRACT(EPOCH FROM (now() - min(at))) FROM recent) AS oldest_age,
+       (SELECT count(*) FROM run
+        WHERE submitted_by = :submitted_by AND status IN ('QUEUED', 'RUNNING')) AS active;

@@ -10,14 +10,20 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import Connection, Engine, RowMapping
 
-from db.errors import IdempotencyConflict, InvalidTransition, LeaseLost, RunNotFound
+from db.errors import (
+    IdempotencyConflict,
+    InvalidTransition,
+    LeaseLost,
+    QuotaExceeded,
+    RunNotFound,
+)
 from db.queries import QUERIES as Q
 from db.records import (
     Approval,
@@ -231,10 +237,12 @@ class RunStore:
 
     # -- submitting ---------------------------------------------------------------------
 
-    def create_run(self, new: NewRun) -> tuple[Run, bool]:
+    def create_run(self, new: NewRun, quota: SubmitQuota | None = None) -> tuple[Run, bool]:
         """Insert a QUEUED run. Returns ``(run, created)``; with an idempotency key seen
         before, the existing run and ``False`` (or :class:`IdempotencyConflict` when the
-        earlier request differed)."""
+        earlier request differed). With ``quota`` and a submitter, the submitter's quota is
+        checked atomically with the insert (:class:`QuotaExceeded`); a retry of an accepted
+        idempotent submit gets its run, whatever the quota says."""
         params = {
             "id": uuid.uuid4(),
             "agent": new.agent,
@@ -251,6 +259,20 @@ class RunStore:
             "tenant": new.tenant,
         }
         with self.engine.begin() as conn:
+            if quota is not None and new.submitted_by is not None:
+                conn.execute(Q["lock_submitter"], {"submitted_by": new.submitted_by})
+                seen = (
+                    conn.execute(
+                        Q["get_run_by_idempotency_key"],
+                        {"idempotency_key": new.idempotency_key, "tenant": new.tenant},
+                    )
+                    .mappings()
+                    .first()
+                    if new.idempotency_key is not None
+                    else None
+                )
+                if seen is None:
+                    _check_quota(conn, new.submitted_by, quota)
             row = conn.execute(Q["create_run"], params).mappings().first()
             if row is not None:
                 return _run(row), True
@@ -723,6 +745,7 @@ class RunStore:
         timeout_seconds: int | None = None,
         default_timeout_seconds: int | None = None,
         audit: NewAudit | None = None,
+        quota: SubmitQuota | None = None,
     ) -> Dispatch:
         """Retry a FAILED or TIMED_OUT run from its first step without a result; a deadline
         already past (by the database's clock) is replaced by ``default_timeout_seconds``
@@ -730,6 +753,9 @@ class RunStore:
         :class:`InvalidTransition` when the run is in another state or compensations ran."""
         token = uuid.uuid4()
         with self.engine.begin() as conn:
+            if quota is not None and audit is not None:  # a resume is a submit
+                conn.execute(Q["lock_submitter"], {"submitted_by": audit.actor})
+                _check_quota(conn, audit.actor, quota)
             if conn.execute(Q["count_compensations"], {"id": run_id}).scalar_one():
                 raise InvalidTransition(
                     f"run {run_id} was compensated (its completed steps were undone); "
@@ -882,14 +908,13 @@ class RunStore:
             ).all()
         return len(rows)
 
-    def recent_submits(self, submitted_by: str, window_seconds: float) -> tuple[int, float]:
-        """``(count, age in seconds of the oldest)`` of this submitter's recent runs."""
+    def submitter_usage(self, submitted_by: str) -> tuple[int, float, int]:
+        """``(submits and resumes in the last minute, age of the oldest, runs in flight)``."""
         with self._statement() as conn:
             row = conn.execute(
-                Q["recent_submits"],
-                {"submitted_by": submitted_by, "window_seconds": window_seconds},
+                Q["submitter_usage"], {"submitted_by": submitted_by, "window_seconds": 60}
             ).one()
-        return int(row.n), float(row.oldest_age or 0)
+        return int(row.n), float(row.oldest_age or 0), int(row.active)
 
     def make_due_now(self, run_id: uuid.UUID) -> None:
         """Fast-forward a run's timer and lease (test kits; an operator's "wake it now")."""
@@ -916,7 +941,13 @@ class RunStore:
 
     # -- forks ----------------------------------------------------------------------------
 
-    def fork_run(self, new: NewFork, check: Callable[[Run, list[Step]], Sequence[StepEdit]]) -> Run:
+    def fork_run(
+        self,
+        new: NewFork,
+        check: Callable[[Run, list[Step]], Sequence[StepEdit]],
+        *,
+        quota: SubmitQuota | None = None,
+    ) -> Run:
         """Create a fork of ``new.source`` in one transaction: the source is held (shared)
         while ``check`` judges it and its steps and returns the edits to make (raising
         refuses the fork); its steps before ``new.from_seq`` and their decided approvals are
@@ -924,6 +955,9 @@ class RunStore:
         source."""
         fork_id = uuid.uuid4()
         with self.engine.begin() as conn:
+            if quota is not None and new.submitted_by is not None:  # a fork is a submit
+                conn.execute(Q["lock_submitter"], {"submitted_by": new.submitted_by})
+                _check_quota(conn, new.submitted_by, quota)
             row = conn.execute(Q["lock_run_for_fork"], {"id": new.source}).mappings().first()
             if row is None:
                 raise RunNotFound(f"no run with id {new.source}")
@@ -1036,3 +1070,36 @@ class RunStore:
     def mark_undispatched(self, dispatch: Dispatch) -> None:
         with self._statement() as conn:
             conn.execute(Q["mark_undispatched"], {"id": dispatch.run_id, "token": dispatch.token})
+
+
+@dataclass(frozen=True)
+class SubmitQuota:
+    """One submitter's limits (``0``: none): submits (and resumes) per minute, runs in
+    flight."""
+
+    per_minute: int = 0
+    max_active: int = 0
+
+
+def _check_quota(conn: Connection, submitter: str, quota: SubmitQuota) -> None:
+    """Under the submitter's advisory lock (:sql:`lock_submitter`): raise
+    :class:`QuotaExceeded` when one more run would break ``quota``."""
+    if not quota.per_minute and not quota.max_active:
+        return
+    row = conn.execute(
+        Q["submitter_usage"], {"submitted_by": submitter, "window_seconds": 60}
+    ).one()
+    if quota.per_minute and row.n >= quota.per_minute:
+        raise QuotaExceeded(
+            f"token {submitter!r} submitted or resumed {row.n} runs in the last minute; the "
+            f"limit is {quota.per_minute} (DAR_SUBMIT_RATE_PER_MINUTE)",
+            retry_after=max(1, int(60 - float(row.oldest_age or 0)) + 1),
+            limit="DAR_SUBMIT_RATE_PER_MINUTE",
+        )
+    if quota.max_active and row.active >= quota.max_active:
+        raise QuotaExceeded(
+            f"token {submitter!r} has {row.active} runs in flight (QUEUED or RUNNING); the "
+            f"limit is {quota.max_active} (DAR_TOKEN_MAX_ACTIVE_RUNS)",
+            retry_after=5,
+            limit="DAR_TOKEN_MAX_ACTIVE_RUNS",
+        )

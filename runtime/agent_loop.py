@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from db.records import ModelCheckpoint, NewStep, RunStatus, StepKind, StepStatus
+from db.records import Dispatch, ModelCheckpoint, NewStep, RunStatus, StepKind, StepStatus
 from runtime import effects, mcpcall, modelcall
 from runtime.agents import Agent
 from runtime.llm.base import LlmError, LlmRequest
@@ -148,6 +148,10 @@ def _model_step(
     refusal = modelcall.strict_budget_refusal(task, request, body)
     if refusal:
         return task.finish(RunStatus.FAILED, error=refusal)
+    wait = modelcall.admit(task, request, body)
+    if wait is not None:  # flow control: a durable timer, holding nothing
+        attempts = task.claim.run.model_attempts
+        return task.schedule(wait.delay_seconds, wait.reason, model_attempts=attempts)
     try:
         answer = modelcall.send(task, request, body, key=key)
     except RetryLater as e:
@@ -188,7 +192,12 @@ def _model_step(
         request_id=response.request_id,
     )
     dispatch = modelcall.record_billed(
-        task, answer, lambda: task.store.checkpoint_model(task.claim, checkpoint)
+        task,
+        answer,
+        lambda: task.store.checkpoint_model(task.claim, checkpoint),
+        key=checkpoint.step_key,
+        # committed by a try whose answer was lost: the run carries the token it set
+        committed=lambda: Dispatch(task.run_id, task.store.get_run(task.run_id).dispatch_token),
     )
     log.info(
         "run=%s seq=%d MODEL stop=%s in=%d out=%d latency=%dms",

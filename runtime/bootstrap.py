@@ -17,6 +17,7 @@ from runtime.acme import acme_agent
 from runtime.agents import Agent, AgentConfigError, AgentRegistry
 from runtime.config import Settings
 from runtime.driver import Driver
+from runtime.flow import LEASE_MARGIN_SECONDS, FlowControl, parse_model_limits
 from runtime.heartbeat import Heartbeat
 from runtime.llm.base import LlmClient
 from runtime.llm.demo import DemoModel
@@ -116,7 +117,12 @@ class Runtime:
     def build(
         cls, settings: Settings, *, llm: LlmClient | None = None, pool_size: int = 10
     ) -> Runtime:
-        engine = make_engine(settings.require_database_url(), pool_size=pool_size)
+        parse_model_limits(settings.model_limits_json)  # a bad DAR_MODEL_LIMITS fails at start
+        # Up to 2 * pool_size - 1 connections, plus the heartbeat's one: a worker process
+        # stays within 2 * pool_size (20 by default) whatever its concurrency.
+        engine = make_engine(
+            settings.require_database_url(), pool_size=pool_size, max_overflow=pool_size - 1
+        )
         tickets = TicketStore(engine)
         return cls(
             settings=settings,
@@ -139,7 +145,7 @@ class Runtime:
             engine = make_engine(
                 self.settings.require_database_url(),
                 pool_size=1,
-                max_overflow=1,
+                max_overflow=0,
                 application_name="dar-heartbeat",
             )
             self._lease_store = RunStore(engine)
@@ -154,6 +160,7 @@ class Runtime:
     ) -> Driver:
         if metrics is not None:
             metrics.watch(self.pricing)
+        flow = self.flow_control(metrics)
         return Driver(
             metrics=metrics,
             store=self.store,
@@ -165,6 +172,32 @@ class Runtime:
             worker=worker,
             mcp=self.mcp,
             live=self.live,
+            flow=flow,
+        )
+
+    def flow_control(self, metrics: Metrics | None = None) -> FlowControl | None:
+        """Admission against DAR_MODEL_LIMITS in Redis; ``None`` when no limit is set."""
+        limits = parse_model_limits(self.settings.model_limits_json)
+        if not limits:
+            return None
+        import redis
+
+        client = redis.Redis.from_url(
+            self.settings.require_redis_url(), socket_timeout=2.0, socket_connect_timeout=2.0
+        )
+        if metrics is not None:
+            for lim in limits:
+                for name, value in (
+                    ("requests", lim.requests_per_minute),
+                    ("input", lim.input_tokens_per_minute),
+                    ("output", lim.output_tokens_per_minute),
+                ):
+                    metrics.flow_limit.labels(lim.match, name).set(value)
+        return FlowControl(
+            client,
+            limits,
+            lease_seconds=self.settings.model_timeout_seconds + LEASE_MARGIN_SECONDS,
+            metrics=metrics,
         )
 
     def submit(

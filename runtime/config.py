@@ -94,6 +94,8 @@ class Settings:
     metrics_addr: str = "127.0.0.1"
     api_tokens: str | None = field(default=None, repr=False)
     submit_rate_per_minute: int = 0
+    model_limits_json: str | None = None
+    token_max_active_runs: int = 0
     max_page_size: int = 200
     retention_days: float = 30.0
     retention_interval_seconds: float = 3600.0
@@ -170,6 +172,8 @@ class Settings:
             metrics_addr=_get(e, "DAR_METRICS_ADDR", "127.0.0.1"),
             api_tokens=e.get("DAR_API_TOKENS") or None,
             submit_rate_per_minute=_int(e, "DAR_SUBMIT_RATE_PER_MINUTE", 0),
+            model_limits_json=e.get("DAR_MODEL_LIMITS") or None,
+            token_max_active_runs=_int(e, "DAR_TOKEN_MAX_ACTIVE_RUNS", 0),
             max_page_size=_int(e, "DAR_MAX_PAGE_SIZE", 200, minimum=1),
             retention_days=_num(e, "DAR_RETENTION_DAYS", 30.0),
             retention_interval_seconds=_num(e, "DAR_RETENTION_INTERVAL_SECONDS", 3600, minimum=1),

@@ -30,6 +30,7 @@ from runtime.config import Settings
 from runtime.durable.api import DurableAgent
 from runtime.durable.execution import Execution
 from runtime.faults import crash_point
+from runtime.flow import FlowControl
 from runtime.heartbeat import Heartbeat
 from runtime.llm.base import LlmClient
 from runtime.logctx import log_context
@@ -69,6 +70,7 @@ class Driver:
         metrics: Metrics | None = None,
         mcp: McpClients | None = None,
         live: LiveChannel | None = None,
+        flow: FlowControl | None = None,
     ) -> None:
         self.store = store
         self.agents = agents
@@ -79,6 +81,7 @@ class Driver:
         self.metrics = metrics
         self.mcp = mcp
         self.live = live
+        self.flow = flow
         self.heartbeat = heartbeat or Heartbeat(
             store,
             self.worker,
@@ -123,6 +126,7 @@ class Driver:
             worker=self.worker,
             mcp=self.mcp,
             live=self.live,
+            flow=self.flow,
         )
         with (
             log_context(run_id=str(run.id), worker=self.worker, step_seq="-"),

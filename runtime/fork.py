@@ -27,7 +27,7 @@ from typing import Any
 
 from db.errors import DarError
 from db.records import NewAudit, NewFork, Run, Step, StepEdit, StepKind, StepStatus
-from db.store import RunStore
+from db.store import RunStore, SubmitQuota
 from runtime.agents import Agent, AgentRegistry, UnknownAgent
 from runtime.config import Settings
 from runtime.tools import render_output
@@ -67,6 +67,8 @@ class ForkRequest:
     replay_model: bool = False
     submitted_by: str | None = None
     audit: NewAudit | None = None
+    quota: SubmitQuota | None = None
+    """The submitter's quota (a fork is a submit), checked atomically with the insert."""
 
     @property
     def edits_input(self) -> bool:
@@ -116,7 +118,7 @@ def fork_run(
         submitted_by=request.submitted_by,
         audit=request.audit,
     )
-    return store.fork_run(new, check)
+    return store.fork_run(new, check, quota=request.quota)
 
 
 def _check_input(value: Any, loop: bool, settings: Settings) -> None:

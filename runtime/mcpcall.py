@@ -131,7 +131,8 @@ def prepare(task: Task, server: McpServer, tool: OfferedTool, arguments: dict[st
                 f"tool {tool.name!r} of {server.where} changed its input schema since this run "
                 "started; it was not called"
             )
-        try:
+
+        def call() -> CallResult:
             return mcp.call(
                 server,
                 tool.tool,
@@ -140,19 +141,15 @@ def prepare(task: Task, server: McpServer, tool: OfferedTool, arguments: dict[st
                 run_id=ctx.run_id,
                 timeout_seconds=timeout,
             )
+
+        try:
+            return call()
         except McpInDoubt as e:
             if not rerun or e.timed_out:
                 raise
             # Idempotent, and its server went away: once more, on a fresh session.
             log.info("run=%s %s; calling it again (idempotent)", task.rid, e)
-            return mcp.call(
-                server,
-                tool.tool,
-                arguments,
-                key=ctx.idempotency_key,
-                run_id=ctx.run_id,
-                timeout_seconds=timeout,
-            )
+            return call()
 
     how = "re-runs after a crash" if rerun else "not re-run after a crash"
     return McpCall(
@@ -166,10 +163,6 @@ def prepare(task: Task, server: McpServer, tool: OfferedTool, arguments: dict[st
 
 def error_text(e: Exception) -> str:
     """An MCP failure as the model reads it in its tool result."""
-    if isinstance(e, ToolInputError):
-        return f"error: {e}"
-    if isinstance(e, McpInDoubt) and e.timed_out:
-        return f"error: {e}"
-    if isinstance(e, McpError):
+    if isinstance(e, ToolInputError | McpError):  # their messages say what happened
         return f"error: {e}"
     return f"error: {type(e).__name__}: {e}"

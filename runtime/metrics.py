@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from decimal import Decimal
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -56,6 +56,39 @@ class Metrics:
             "Costs computed for a model DAR_PRICES does not price (charged at the highest "
             "known rate), by model.",
             ["model"],
+            registry=registry,
+        )
+        self.flow_admitted = Counter(
+            "dar_flow_admitted",
+            "Model calls admitted by flow control (DAR_MODEL_LIMITS), by model.",
+            ["model"],
+            registry=registry,
+        )
+        self.flow_refused = Counter(
+            "dar_flow_waits",
+            "Model calls refused admission and put on a durable timer, by model and the limit "
+            "that refused (requests, input, output, concurrent).",
+            ["model", "limit"],
+            registry=registry,
+        )
+        self.flow_granted = Counter(
+            "dar_flow_granted_tokens",
+            "Tokens granted at admission (estimated input, max_tokens output), by model and "
+            "direction; its rate per minute compares with dar_flow_limit_per_minute.",
+            ["model", "direction"],
+            registry=registry,
+        )
+        self.flow_limit = Gauge(
+            "dar_flow_limit_per_minute",
+            "The configured limit per minute, by model entry and limit (requests, input, output).",
+            ["model", "limit"],
+            registry=registry,
+        )
+        self.flow_fail_open = Counter(
+            "dar_flow_fail_open",
+            "Flow-control decisions skipped because Redis was unreachable (calls went ahead "
+            "unadmitted), by action (admit, settle).",
+            ["action"],
             registry=registry,
         )
 

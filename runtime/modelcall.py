@@ -13,21 +13,26 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, TypeVar
 
+from sqlalchemy.exc import DBAPIError, OperationalError
+
 from db.errors import LeaseLost
 from db.records import NewStep, Step, StepKind, StepStatus, Usage
 from runtime.faults import crash_point
+from runtime.flow import Refusal
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.live import ModelCallCancelled, live_call
 from runtime.llm.retry import prior_attempts, reset_prior_attempts
 from runtime.task import Task
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,11 +84,59 @@ def strict_budget_refusal(task: Task, request: LlmRequest, body: dict[str, Any])
     return None
 
 
+@dataclass(frozen=True)
+class Wait:
+    """Admission refused: wait ``delay_seconds`` on a durable timer, then ask again."""
+
+    delay_seconds: float
+    reason: str
+    """For the run's ``wait_reason``: ``rate limit: input tokens/min for claude-...``."""
+
+
+def admit(task: Task, request: LlmRequest, body: dict[str, Any]) -> Wait | None:
+    """Ask flow control (DAR_MODEL_LIMITS) to admit this call with its estimated input tokens
+    and its ``max_tokens``. ``None``: go ahead (the admission is held on the task and
+    settled by :func:`send`); a :class:`Wait`: end the task on a durable timer instead."""
+    flow = task.services.flow
+    if flow is None:
+        return None
+    run = task.claim.run
+    decision = flow.admit(
+        request.model,
+        estimate_tokens(body),
+        request.max_tokens,
+        waiter=str(run.id),
+        priority=getattr(run, "priority", 0),
+    )
+    if isinstance(decision, Refusal):
+        return Wait(decision.delay_seconds, decision.reason)
+    task.admission = decision
+    return None
+
+
+def _settle(task: Task, response: LlmResponse | None) -> None:
+    grant, task.admission = task.admission, None
+    flow = task.services.flow
+    if grant is None or flow is None:
+        return
+    if response is None:  # the API refused or failed: nothing billed, the request counted
+        flow.settle(grant, 0, 0, billed=False)
+        return
+    u = response.usage
+    flow.settle(
+        grant,
+        u.input_tokens + u.cache_creation_input_tokens,  # cache reads do not count
+        u.output_tokens,
+        headers=response.rate_limits,
+    )
+
+
 def send(
     task: Task, request: LlmRequest, body: dict[str, Any] | None = None, *, key: str | None = None
 ) -> Answer:
     """Call the model (the client's retries inside, capped across timers). Raises the
-    client's :class:`~runtime.llm.base.LlmError` (or ``RetryLater``) unchanged.
+    client's :class:`~runtime.llm.base.LlmError` (or ``RetryLater``) unchanged. Settles the
+    task's flow-control admission (:func:`admit`), if any, with the actual usage.
 
     With the step's ``key`` and a live channel, a streaming client's text goes to the run's
     live stream and a cancel aborts the call: :class:`ModelCallCancelled` is raised after
@@ -92,6 +145,7 @@ def send(
     crash_point("before_model_call")
     started = time.monotonic()
     token = prior_attempts(task.claim.run.model_attempts)
+    response: LlmResponse | None = None
     try:
         with _live(task, key):
             response = task.services.llm.send(request)
@@ -105,6 +159,7 @@ def send(
         raise
     finally:
         reset_prior_attempts(token)
+        _settle(task, response)
     latency_ms = int((time.monotonic() - started) * 1000)
     crash_point("after_model_response")
     model = response.model or request.model
@@ -132,15 +187,61 @@ def _live(task: Task, key: str | None) -> Iterator[None]:
             yield
 
 
-def record_billed(task: Task, answer: Answer, write: Callable[[], T]) -> T:
-    """Run ``write`` (the fenced record of a billed call); when the fence refuses it, count
-    the call against the run anyway: the money was spent whoever holds the run now."""
-    try:
-        task.ensure_lease()
-        result = write()
-    except LeaseLost:
-        task.store.record_unrecorded_usage(task.run_id, answer.response.usage, answer.cost)
-        raise
+def _transient(e: Exception) -> bool:
+    """The database went away (a restart, a dropped connection): worth trying again."""
+    return isinstance(e, OperationalError) or (
+        isinstance(e, DBAPIError) and e.connection_invalidated
+    )
+
+
+def record_billed(
+    task: Task,
+    answer: Answer,
+    write: Callable[[], T],
+    *,
+    key: str,
+    committed: Callable[[], T],
+) -> T:
+    """Run ``write``, the fenced record of the billed call whose step key is ``key``.
+
+    - The fence refuses it (the run was taken over): the call is counted against the run
+      anyway (the money was spent whoever holds the run now) and ``LeaseLost`` goes on.
+    - The database is away (PostgreSQL restarting, a dropped connection): an answer that
+      arrived is not thrown away; the write is tried again, with backoff, for as long as the
+      lease lasts. Before each new try the step row is looked up: when an earlier try did
+      commit (the connection dropped after the commit), ``committed()`` is returned instead.
+    """
+    give_up = time.monotonic() + task.settings.lease_seconds
+    delay = 0.1
+    retried = False
+    while True:
+        try:
+            task.ensure_lease()
+            if retried:
+                row = task.store.step_by_key(task.run_id, key)
+                if row is not None and row.lease_epoch == task.claim.epoch:
+                    task.store.step_logs.forget(task.run_id)
+                    result = committed()
+                    break
+            result = write()
+            break
+        except LeaseLost:
+            task.store.record_unrecorded_usage(task.run_id, answer.response.usage, answer.cost)
+            raise
+        except Exception as e:
+            if not _transient(e) or time.monotonic() + delay > give_up:
+                raise
+            log.warning(
+                "run=%s the database is away while recording %s (%s); trying again in %.1fs",
+                task.rid,
+                key,
+                type(e).__name__,
+                delay,
+                extra={"run_id": str(task.run_id), "event": "checkpoint.retry"},
+            )
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+            retried = True
     u, r = task.spent, answer.response.usage
     task.spent = Usage(
         u.input_tokens + r.input_tokens,

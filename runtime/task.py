@@ -22,6 +22,7 @@ from db.errors import LeaseLost
 from db.records import Claim, Dispatch, NewStep, RunStatus, Step, Usage
 from db.store import RunStore
 from runtime.config import Settings
+from runtime.flow import FlowControl, Grant
 from runtime.guard import Stop, guard
 from runtime.heartbeat import HeldLease
 from runtime.llm.base import LlmClient
@@ -69,6 +70,8 @@ class Services:
     """This process's MCP sessions (``None``: no agent here uses MCP servers)."""
     live: LiveChannel | None = None
     """The live stream's Redis side: text deltas out, cancel flags in (``None``: off)."""
+    flow: FlowControl | None = None
+    """Fleet-wide admission of model calls (``None``: DAR_MODEL_LIMITS is not set)."""
 
 
 def short(run_id: uuid.UUID) -> str:
@@ -84,6 +87,8 @@ class Task:
     spent: Usage = field(default_factory=Usage)
     """Tokens recorded by this task so far (model calls inside a step), for the guard."""
     spent_cost: Decimal = field(default_factory=Decimal)
+    admission: Grant | None = None
+    """Flow-control admission held by the model call about to be made (settled after it)."""
 
     @property
     def store(self) -> RunStore:

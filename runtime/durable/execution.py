@@ -577,6 +577,11 @@ class Execution:
             stop = Stop(RunStatus.FAILED, refusal)
         if stop is not None:
             raise Pause(stop.reason, stop=stop)
+        with self.engine_call():
+            wait = modelcall.admit(self.task, request, body)
+        if wait is not None:  # flow control: a durable timer, holding nothing
+            attempts = self.task.claim.run.model_attempts
+            raise Pause(wait.reason, delay_seconds=wait.delay_seconds, model_attempts=attempts)
         try:
             answer = modelcall.send(self.task, request, body, key=key)
         except ModelCallCancelled:
@@ -609,7 +614,11 @@ class Execution:
         )
         with self.engine_call():
             modelcall.record_billed(
-                self.task, answer, lambda: self.task.store.record_child(self.task.claim, row)
+                self.task,
+                answer,
+                lambda: self.task.store.record_child(self.task.claim, row),
+                key=key,
+                committed=lambda: None,
             )
         log.info(
             "run=%s seq=%d MODEL %s stop=%s in=%d out=%d latency=%dms",

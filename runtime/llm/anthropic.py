@@ -22,6 +22,7 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, cast
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_SECONDS = 600.0
 DEFAULT_CONNECT_TIMEOUT_SECONDS = 10.0
 
+RATELIMIT = "anthropic-ratelimit-"
+"""Response headers kept for flow control (the API's limits, remaining and reset)."""
 SDK_LOGGERS = ("anthropic", "httpx2", "httpcore2")
 
 
@@ -200,8 +203,10 @@ class AnthropicClient:
                 stream=self.stream,
             ) as raw:
                 request_id = raw.headers.get("request-id")
+                limits = _rate_limit_headers(raw.headers)
                 if self.stream:
-                    return self._read_stream(raw, request, request_id, deadline, live, attempt)
+                    streamed = self._read_stream(raw, request, request_id, deadline, live, attempt)
+                    return replace(streamed, rate_limits=limits)
                 payload = _read_body(raw.iter_bytes(), deadline, self.timeout_seconds)
         except ModelCallCancelled:
             raise
@@ -220,7 +225,7 @@ class AnthropicClient:
             if "authentication" not in str(e):
                 raise
             raise LlmError(f"no Anthropic credentials: {e}", status=-1, retryable=False) from e
-        return _response(payload, request_id, request)
+        return replace(_response(payload, request_id, request), rate_limits=limits)
 
     def _read_stream(
         self,
@@ -324,3 +329,7 @@ def _response(payload: bytes, request_id: str | None, request: LlmRequest) -> Ll
         model=model if isinstance(model, str) and model else request.model,
         request_id=request_id,
     )
+
+
+def _rate_limit_headers(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple((k.lower(), v) for k, v in headers.items() if k.lower().startswith(RATELIMIT))

@@ -43,6 +43,9 @@ class LlmResponse:
     usage: Usage
     model: str
     request_id: str | None = None
+    rate_limits: tuple[tuple[str, str], ...] = ()
+    """The response's ``anthropic-ratelimit-*`` headers, when the API sent them (flow control
+    learns the real limits from them)."""
 
 
 class LlmError(DarError):

@@ -24,6 +24,14 @@
   ``default_responder=True`` answers every extra call with an ``end_turn`` text turn, or
   pass a callable ``(request_json) -> Reply`` to compute answers for long runs.
 
+With ``rate_limits={"claude-*": RateLimit(...)}`` the fake enforces real token buckets per
+model (requests, input tokens and output tokens per minute, refilled continuously): a request
+that does not fit is answered 429 ``rate_limit_error`` with ``retry-after`` and the
+``anthropic-ratelimit-*`` headers, and does not consume the script; every answer carries those
+headers. Input tokens are the fake's count of the request (:func:`count_input_tokens`, also
+reported in the response's usage); output tokens are taken at ``max_tokens`` up front and the
+unused part given back, as the real API estimates them.
+
 Ids are deterministic: the n-th request (1-based) gets ``msg_fake_000n`` and the
 ``request-id`` header ``req_fake_000n``.
 """
@@ -31,6 +39,7 @@ Ids are deterministic: the n-th request (1-based) gets ``msg_fake_000n`` and the
 from __future__ import annotations
 
 import json
+import math
 import select
 import socket
 import struct
@@ -39,7 +48,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any, Literal
@@ -291,6 +300,79 @@ def _check_results(messages: list[JsonObj], i: int) -> str | None:
     return None
 
 
+# --- rate limits -------------------------------------------------------------------------
+
+
+def count_input_tokens(body: JsonObj) -> int:
+    """The fake's input-token count of a request: about 4 characters per token."""
+    parts = {k: body[k] for k in ("system", "tools", "messages") if k in body}
+    return max(1, len(dumps(parts)) // 4)
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """Per-minute limits of one model (``0``: none)."""
+
+    requests_per_minute: int = 0
+    input_tokens_per_minute: int = 0
+    output_tokens_per_minute: int = 0
+
+
+class _Buckets:
+    """The token buckets of one model: full at the limit, refilled at limit/60 per second."""
+
+    NAMES = ("requests", "input-tokens", "output-tokens")
+
+    def __init__(self, limit: RateLimit) -> None:
+        self.caps = (
+            limit.requests_per_minute,
+            limit.input_tokens_per_minute,
+            limit.output_tokens_per_minute,
+        )
+        self.levels = [float(c) for c in self.caps]
+        self.at = time.monotonic()
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        for i, cap in enumerate(self.caps):
+            if cap:
+                self.levels[i] = min(cap, self.levels[i] + (now - self.at) * cap / 60)
+        self.at = now
+
+    def take(self, costs: tuple[int, int, int]) -> float:
+        """Take ``costs``, or nothing and return the seconds until they would fit."""
+        self._refill()
+        wait = 0.0
+        for i, cap in enumerate(self.caps):
+            if cap and self.levels[i] < min(costs[i], cap):
+                wait = max(wait, (min(costs[i], cap) - self.levels[i]) / (cap / 60))
+        if wait > 0:
+            return wait
+        for i, cap in enumerate(self.caps):
+            if cap:
+                self.levels[i] -= costs[i]
+        return 0.0
+
+    def give_back(self, output_tokens: int) -> None:
+        self._refill()
+        if self.caps[2]:
+            self.levels[2] = min(self.caps[2], self.levels[2] + output_tokens)
+
+    def headers(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        for name, cap, level in zip(self.NAMES, self.caps, self.levels, strict=True):
+            if not cap:
+                continue
+            reset = time.time() + max(0.0, cap - level) / (cap / 60)
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(reset))
+            out += [
+                (f"anthropic-ratelimit-{name}-limit", str(cap)),
+                (f"anthropic-ratelimit-{name}-remaining", str(max(0, int(level)))),
+                (f"anthropic-ratelimit-{name}-reset", stamp),
+            ]
+        return out
+
+
 # --- the server ---------------------------------------------------------------------------
 
 
@@ -377,7 +459,41 @@ class _Handler(BaseHTTPRequestHandler):
         if problem:
             self._answer_error(400, "invalid_request_error", problem, record, number)
             return
+        buckets = fake._buckets_for(str(parsed.get("model")))
+        counted = count_input_tokens(parsed)
+        if buckets is not None:
+            with fake._lock:
+                wait = buckets.take((1, counted, int(parsed.get("max_tokens") or 0)))
+                limit_headers = buckets.headers()
+            if wait > 0:
+                fake.rate_limited += 1
+                limited = error(
+                    429,
+                    f"This request would exceed the rate limit for {parsed.get('model')}",
+                    retry_after=max(1, math.ceil(wait)),
+                )
+                self._send(
+                    429,
+                    {**(limited.body or {}), "request_id": f"req_fake_{number:04d}"},
+                    replace(limited, headers=limited.headers + tuple(limit_headers)),
+                    record,
+                    number,
+                )
+                return
         reply = fake._next_reply(parsed)
+        if buckets is not None and reply is not None and reply.kind == "message":
+            usage = dict((reply.body or {}).get("usage") or DEFAULT_USAGE)
+            usage["input_tokens"] = counted
+            out = min(int(usage.get("output_tokens") or 0), int(parsed.get("max_tokens") or 0))
+            usage["output_tokens"] = out
+            with fake._lock:
+                buckets.give_back(int(parsed.get("max_tokens") or 0) - out)
+                limit_headers = buckets.headers()
+            reply = replace(
+                reply,
+                body={**(reply.body or {}), "usage": usage},
+                headers=reply.headers + tuple(limit_headers),
+            )
         if reply is None:
             self._answer_error(
                 400, "invalid_request_error", "fake script exhausted: no reply left", record, number
@@ -551,9 +667,15 @@ class FakeMessagesApi:
         *,
         default_responder: bool | Callable[[JsonObj], Reply] = False,
         api_key: str | None = None,
+        rate_limits: Mapping[str, RateLimit] | None = None,
     ) -> None:
         self.default_responder = default_responder
         self.api_key = api_key
+        self.rate_limits = dict(rate_limits or {})
+        """Model (or ``prefix*``) -> its limits; see the module docstring."""
+        self._buckets: dict[str, _Buckets] = {}
+        self.rate_limited = 0
+        """How many requests were answered 429 by :attr:`rate_limits`."""
         self._lock = threading.Lock()
         self._state = _State()
         self._closing = threading.Event()
@@ -710,6 +832,15 @@ class FakeMessagesApi:
         with self._lock:
             self._state.requests.append(record)
             return len(self._state.requests)
+
+    def _buckets_for(self, model: str) -> _Buckets | None:
+        for match, limit in self.rate_limits.items():
+            if model == match or (match.endswith("*") and model.startswith(match[:-1])):
+                with self._lock:
+                    if match not in self._buckets:
+                        self._buckets[match] = _Buckets(limit)
+                    return self._buckets[match]
+        return None
 
     def _next_reply(self, request_json: JsonObj) -> Reply | None:
         with self._lock:

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from sqlalchemy import text
 from werkzeug.serving import make_server
 
 from api import create_app
@@ -171,3 +172,23 @@ def test_an_unreachable_api_is_one_line(capsys: pytest.CaptureFixture[str]) -> N
     assert code == 1
     assert err.startswith("dar: cannot reach the API at http://127.0.0.1:9: ")
     assert err.count("\n") == 1
+
+
+def test_runs_waiting_shows_what_each_run_waits_for(
+    api: str, runtime: Runtime, capsys: pytest.CaptureFixture[str]
+) -> None:
+    waiting = _submit(capsys, api)
+    other = _submit(capsys, api)
+    with runtime.engine.begin() as conn:  # test-only SQL: parked on a rate-limit timer
+        conn.execute(
+            text(
+                "UPDATE run SET run_at = now() + interval '30 seconds',"
+                " wait_reason = 'rate limit: input tokens/min for claude-x' WHERE id = :id"
+            ),
+            {"id": uuid.UUID(waiting)},
+        )
+    code, out, _ = dar(capsys, "runs", "--waiting", "--api", api)
+    assert code == 0
+    assert waiting in out
+    assert "rate limit: input tokens/min for claude-x" in out
+    assert other not in out

@@ -676,3 +676,41 @@ def test_a_message_this_process_did_not_send_reads_the_log(runtime: Runtime) -> 
     assert claim2 is not None
     runtime.store.steps(run.id, token=other.token, epoch=claim2.epoch)
     assert runtime.store.step_logs.misses == before + 1
+
+
+# -- an answer that arrived is not thrown away because PostgreSQL blinked (issue 13) -------
+
+
+def _blink(store: RunStore, times: int, *, after_commit: bool) -> list[int]:
+    """The store's model checkpoint fails ``times`` times as a dropped connection does:
+    before its statement ran, or (``after_commit``) after it committed."""
+    real = store.checkpoint_model
+    failures: list[int] = []
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if len(failures) < times:
+            failures.append(1)
+            if after_commit:
+                real(*args, **kwargs)
+            raise OperationalError("COMMIT", {}, Exception("server closed the connection"))
+        return real(*args, **kwargs)
+
+    store.checkpoint_model = flaky  # type: ignore[method-assign]
+    return failures
+
+
+@pytest.mark.parametrize("after_commit", [False, True])
+def test_a_model_answer_survives_a_database_blink(runtime: Runtime, after_commit: bool) -> None:
+    llm = runtime.llm
+    assert isinstance(llm, ScriptedLlm)
+    llm.then_text("the answer", 100, 20)
+    run, dispatch = runtime.submit("acme-tickets", "hi")
+    failures = _blink(runtime.store, 2, after_commit=after_commit)
+    status = _drive(runtime, dispatch)
+    assert len(failures) == (1 if after_commit else 2), "retried, then found committed"
+    assert status is RunStatus.SUCCEEDED
+    after = runtime.store.get_run(run.id)
+    assert len(llm.requests) == 1, "the answer was kept, not asked for again"
+    assert after.tokens_used == 120
+    assert after.unrecorded_tokens == 0
+    assert [s.step_key for s in runtime.store.steps(run.id)] == ["model:1"]

@@ -1,0 +1,74 @@
+"""Pictures of a bench run, written next to docs/benchmarks.md: per-step overhead against
+the baselines, a step's cost against its number in the run, and steps/s against runs in
+flight. Needs matplotlib (the ``bench`` extra); without it, no pictures and a note."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def write(sections: dict[str, Any], out: Path = DOCS) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench: matplotlib is not installed; no plots (pip install -e '.[bench]')")
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+
+    lat = sections.get("latency")
+    if lat:
+        names = ["this runtime", "bare Celery hop\n+ checkpoint", "DBOS"]
+        p50 = [lat.get("runtime_p50_ms"), lat.get("hop_p50_ms"), lat.get("dbos_p50_ms")]
+        p99 = [lat.get("runtime_p99_ms"), lat.get("hop_p99_ms"), lat.get("dbos_p99_ms")]
+        keep = [i for i, v in enumerate(p50) if v is not None]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        xs = range(len(keep))
+        ax.bar([x - 0.2 for x in xs], [p50[i] for i in keep], 0.4, label="p50")
+        ax.bar([x + 0.2 for x in xs], [p99[i] or 0 for i in keep], 0.4, label="p99")
+        ax.set_xticks(list(xs), [names[i] for i in keep])
+        ax.set_ylabel("ms per step (without the model)")
+        ax.set_title("(a) per-step overhead, same machine, same run")
+        ax.legend()
+        written.append(_save(fig, out / "bench-overhead.png"))
+
+    rp = sections.get("replay")
+    if rp and rp.get("p50_ms_by_seq"):
+        pts = sorted((int(k), v) for k, v in rp["p50_ms_by_seq"].items())
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("step number in the run")
+        ax.set_ylabel("ms per step, p50")
+        ax.set_title(f"(d) step cost along a {rp['steps_per_run']}-step run")
+        written.append(_save(fig, out / "bench-step-cost.png"))
+
+    inf = sections.get("inflight")
+    if inf and inf.get("levels"):
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for lv in inf["levels"]:
+            label = f"{lv.get('pool', 'threads')}, {lv['model_latency_ms'] / 1000:g} s model"
+            ax.scatter(lv["runs"], lv["steps_per_s"], label=f"{label}: measured")
+            ax.scatter(lv["runs"], lv["ideal_steps_per_s"], marker="_", s=300, color="grey")
+        ax.set_xscale("log")
+        ax.set_xlabel("runs in flight (2 worker processes)")
+        ax.set_ylabel("steps/s (grey: ideal, runs / latency)")
+        ax.set_title("(c) throughput against runs in flight")
+        ax.legend(fontsize=7)
+        written.append(_save(fig, out / "bench-inflight.png"))
+    return written
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

@@ -1,0 +1,447 @@
+"""Flow control: fleet-wide admission of model calls, by requests, tokens and concurrency.
+
+Before a model call the worker asks :meth:`FlowControl.admit` for the call's estimated input
+tokens and its ``max_tokens``; after the call :meth:`FlowControl.settle` returns what was not
+used (or takes the excess). A refusal names the limit and a delay: the engine turns it into a
+durable timer, so a waiting run holds no thread and no lease (invariant 8).
+
+Why Redis and not PostgreSQL: admission is asked before every model call by every worker, it
+is a read-modify-write of a few counters that must be atomic across the fleet, and it loses
+nothing important when lost (a bucket refills in a minute). One Lua script per decision is
+atomic in Redis by construction, costs one round trip, and keeps that hot write out of the
+database that holds the truth. Losing Redis must not stop the fleet: every Redis error makes
+admission *fail open* (the call goes ahead; the model client's retry path handles 429s as
+before), with an error log line and ``dar_flow_fail_open_total``.
+
+The buckets (one Redis hash per configured model limit) refill continuously at limit/60 per
+second up to the limit. In-flight calls are members of a sorted set scored by their expiry
+(now + the model timeout + a margin): a worker killed while it holds admission never leaks a
+concurrency slot, its slot expires; the tokens it took are spent, and the bucket refills.
+Refused callers queue in a sorted set ordered by priority, then arrival: a call is admitted
+only when its rank is below the number of calls that fit now, and each waiter is told to come
+back when its turn should fit, so wake-ups are spread in priority order instead of stampeding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from runtime.config import ConfigError
+from runtime.metrics import Metrics
+
+if TYPE_CHECKING:  # redis is imported when a bucket is used: importing it pulls in ssl,
+    # which must not happen in a gunicorn master before its gevent workers patch it
+    import redis
+
+log = logging.getLogger(__name__)
+
+DIMENSIONS = ("requests", "input", "output")
+LIMIT_NAMES = {
+    "requests": "requests/min",
+    "input": "input tokens/min",
+    "output": "output tokens/min",
+    "concurrent": "concurrent calls",
+}
+LEASE_MARGIN_SECONDS = 30.0
+"""How long past the model timeout an in-flight call's concurrency slot lives unsettled."""
+WAITER_GRACE_SECONDS = 10.0
+"""How late a refused caller may come back and keep its place in the queue; while it is due
+and not back, calls behind it wait for it."""
+
+
+class FlowConfigError(ConfigError):
+    """Invalid DAR_MODEL_LIMITS."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimit:
+    """The limits of one model (``match`` exact) or model family (``match`` ending in ``*``).
+    ``0`` means no limit of that kind."""
+
+    match: str
+    requests_per_minute: int = 0
+    input_tokens_per_minute: int = 0
+    output_tokens_per_minute: int = 0
+    max_concurrent: int = 0
+
+    def applies_to(self, model: str) -> bool:
+        if self.match.endswith("*"):
+            return model.startswith(self.match[:-1])
+        return model == self.match
+
+
+_FIELDS = {
+    "requestsPerMinute": "requests_per_minute",
+    "inputTokensPerMinute": "input_tokens_per_minute",
+    "outputTokensPerMinute": "output_tokens_per_minute",
+    "maxConcurrent": "max_concurrent",
+}
+
+
+def parse_model_limits(raw: str | None) -> tuple[ModelLimit, ...]:
+    """``DAR_MODEL_LIMITS``: a JSON object from model (or ``prefix*``) to its limits, e.g.
+    ``{"claude-sonnet-4*": {"requestsPerMinute": 50, "inputTokensPerMinute": 30000,
+    "outputTokensPerMinute": 8000, "maxConcurrent": 20}}``."""
+    if not raw or not raw.strip():
+        return ()
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise FlowConfigError(f"DAR_MODEL_LIMITS is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise FlowConfigError("DAR_MODEL_LIMITS must be a JSON object: model -> limits")
+    limits: list[ModelLimit] = []
+    for match, spec in data.items():
+        if not isinstance(spec, dict) or not match:
+            raise FlowConfigError(
+                f"DAR_MODEL_LIMITS[{match!r}] must be an object with {', '.join(_FIELDS)}"
+            )
+        unknown = sorted(set(spec) - set(_FIELDS))
+        if unknown:
+            raise FlowConfigError(
+                f"DAR_MODEL_LIMITS[{match!r}]: unknown field(s) {', '.join(unknown)}; "
+                f"known: {', '.join(_FIELDS)}"
+            )
+        values: dict[str, int] = {}
+        for name, attr in _FIELDS.items():
+            v = spec.get(name, 0)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise FlowConfigError(
+                    f"DAR_MODEL_LIMITS[{match!r}].{name} must be a whole number >= 0, got {v!r}"
+                )
+            values[attr] = v
+        limits.append(ModelLimit(match, **values))
+    return tuple(limits)
+
+
+def limit_for(limits: Iterable[ModelLimit], model: str) -> ModelLimit | None:
+    """The exact entry for ``model``, else the longest matching prefix."""
+    best: ModelLimit | None = None
+    for lim in limits:
+        if not lim.applies_to(model):
+            continue
+        if not lim.match.endswith("*"):
+            return lim
+        if best is None or len(lim.match) > len(best.match):
+            best = lim
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Admission held by one call, until :meth:`FlowControl.settle`."""
+
+    limit: ModelLimit
+    lease: str
+    input_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    limit: str
+    """Which limit refused: ``requests``, ``input``, ``output`` or ``concurrent``."""
+    delay_seconds: float
+    model: str
+
+    @property
+    def reason(self) -> str:
+        return f"rate limit: {LIMIT_NAMES[self.limit]} for {self.model}"
+
+
+# KEYS: 1 bucket hash, 2 in-flight zset, 3 waiters zset, 4 waiters' deadlines zset
+# ARGV: 1-3 configured limits (requests, input, output per minute; 0 = none), 4 max
+# concurrent, 5-6 cost (input, output), 7 lease id, 8 lease ttl s, 9 waiter id, 10 waiter
+# score, 11 waiter grace s
+_ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local stale = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[11]))
+for _, w in ipairs(stale) do redis.call('ZREM', KEYS[3], w); redis.call('ZREM', KEYS[4], w) end
+local dims = {'requests', 'input', 'output'}
+local cost = {1, tonumber(ARGV[5]), tonumber(ARGV[6])}
+local caps, levels = {}, {}
+local last = tonumber(redis.call('HGET', KEYS[1], 'ts') or now)
+local fits = 1e18
+local binding = ''
+for i, d in ipairs(dims) do
+  local cap = tonumber(ARGV[i])
+  local learned = tonumber(redis.call('HGET', KEYS[1], 'cap:' .. d) or '0')
+  if learned > 0 and (cap == 0 or learned < cap) then cap = learned end
+  caps[i] = cap
+  if cap > 0 then
+    local level = tonumber(redis.call('HGET', KEYS[1], 'lvl:' .. d) or cap)
+    level = math.min(cap, level + (now - last) * cap / 60)
+    levels[i] = level
+    if cost[i] > cap then cost[i] = cap end
+    local n = 1e18
+    if cost[i] > 0 then n = math.floor(level / cost[i]) end
+    if level < 0 then n = 0 end
+    if n < fits then fits = n; binding = d end
+  end
+end
+local maxc = tonumber(ARGV[4])
+if maxc > 0 then
+  local free = maxc - redis.call('ZCARD', KEYS[2])
+  if free < fits then fits = math.max(free, 0); binding = 'concurrent' end
+end
+local rank = redis.call('ZRANK', KEYS[3], ARGV[9])
+if not rank then rank = redis.call('ZCARD', KEYS[3]) end
+-- Only waiters ahead that are due back by now hold their place; one not yet due does not
+-- block capacity that is free now.
+local ahead = 0
+if rank > 0 then
+  for _, w in ipairs(redis.call('ZRANGE', KEYS[3], 0, math.min(rank, 2000) - 1)) do
+    if tonumber(redis.call('ZSCORE', KEYS[4], w) or '0') <= now + 0.5 then ahead = ahead + 1 end
+  end
+end
+if ahead < fits then
+  for i, d in ipairs(dims) do
+    if caps[i] > 0 then redis.call('HSET', KEYS[1], 'lvl:' .. d, levels[i] - cost[i]) end
+  end
+  redis.call('HSET', KEYS[1], 'ts', now)
+  redis.call('EXPIRE', KEYS[1], 3600)
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[8]), ARGV[7])
+  redis.call('EXPIRE', KEYS[2], 3600)
+  redis.call('ZREM', KEYS[3], ARGV[9]); redis.call('ZREM', KEYS[4], ARGV[9])
+  return {1, '', '0'}
+end
+local wait, why = 0, binding
+for i, d in ipairs(dims) do
+  if caps[i] > 0 and cost[i] > 0 then
+    local w = (cost[i] * (rank + 1) - levels[i]) / (caps[i] / 60)
+    if w > wait then wait = w; why = d end
+  end
+end
+if binding == 'concurrent' and wait < 1 then wait = 1 + (rank - fits) * 0.25; why = 'concurrent' end
+if wait < 0.05 then wait = 0.05 end
+redis.call('HSET', KEYS[1], 'ts', now)
+for i, d in ipairs(dims) do
+  if caps[i] > 0 then redis.call('HSET', KEYS[1], 'lvl:' .. d, levels[i]) end
+end
+redis.call('EXPIRE', KEYS[1], 3600)
+redis.call('ZADD', KEYS[3], 'NX', tonumber(ARGV[10]), ARGV[9])
+redis.call('ZADD', KEYS[4], now + wait, ARGV[9])
+redis.call('EXPIRE', KEYS[3], 3600); redis.call('EXPIRE', KEYS[4], 3600)
+return {0, why, tostring(wait)}
+"""
+
+# KEYS: 1 bucket hash, 2 in-flight zset. ARGV: 1-3 configured limits, 4-6 refund (requests,
+# input, output; negative takes more), 7 lease id.
+_SETTLE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+redis.call('ZREM', KEYS[2], ARGV[7])
+local last = tonumber(redis.call('HGET', KEYS[1], 'ts') or now)
+for i, d in ipairs({'requests', 'input', 'output'}) do
+  local cap = tonumber(ARGV[i])
+  local learned = tonumber(redis.call('HGET', KEYS[1], 'cap:' .. d) or '0')
+  if learned > 0 and (cap == 0 or learned < cap) then cap = learned end
+  if cap > 0 then
+    local level = tonumber(redis.call('HGET', KEYS[1], 'lvl:' .. d) or cap)
+    level = math.min(cap, level + (now - last) * cap / 60 + tonumber(ARGV[3 + i]))
+    redis.call('HSET', KEYS[1], 'lvl:' .. d, level)
+  end
+end
+redis.call('HSET', KEYS[1], 'ts', now)
+return 1
+"""
+
+# KEYS: 1 bucket hash. ARGV: (dimension, limit, remaining) triples, as read from headers.
+_LEARN = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local last = tonumber(redis.call('HGET', KEYS[1], 'ts') or now)
+for i = 1, #ARGV, 3 do
+  local d, cap, rem = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  local old = tonumber(redis.call('HGET', KEYS[1], 'cap:' .. d) or '0')
+  redis.call('HSET', KEYS[1], 'cap:' .. d, cap)
+  local level = tonumber(redis.call('HGET', KEYS[1], 'lvl:' .. d) or cap)
+  local c = cap
+  if old > 0 and old < c then c = old end
+  level = math.min(c, level + (now - last) * c / 60)
+  if rem < level then level = rem end
+  redis.call('HSET', KEYS[1], 'lvl:' .. d, level)
+end
+redis.call('HSET', KEYS[1], 'ts', now)
+redis.call('EXPIRE', KEYS[1], 3600)
+return 1
+"""
+
+_HEADER_DIMS = {
+    "requests": "requests",
+    "input-tokens": "input",
+    "output-tokens": "output",
+}
+
+
+def learned_limits(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> list[str]:
+    """``(dimension, limit, remaining)`` triples, flattened, from the API's
+    ``anthropic-ratelimit-{requests,input-tokens,output-tokens}-{limit,remaining}``."""
+    h = {k.lower(): v for k, v in (headers.items() if isinstance(headers, Mapping) else headers)}
+    out: list[str] = []
+    for name, dim in _HEADER_DIMS.items():
+        limit = h.get(f"anthropic-ratelimit-{name}-limit")
+        remaining = h.get(f"anthropic-ratelimit-{name}-remaining")
+        if limit is None or remaining is None:
+            continue
+        try:
+            lim, rem = int(limit), int(remaining)
+        except ValueError:
+            continue
+        if lim > 0:
+            out += [dim, str(lim), str(max(0, rem))]
+    return out
+
+
+class FlowControl:
+    """Admission against fleet-wide model limits held in Redis (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        limits: tuple[ModelLimit, ...],
+        *,
+        lease_seconds: float,
+        metrics: Metrics | None = None,
+        prefix: str = "dar:flow",
+    ) -> None:
+        self.client = client
+        self.limits = limits
+        self.lease_seconds = lease_seconds
+        self.metrics = metrics
+        self.prefix = prefix
+        self._admit = client.register_script(_ADMIT)
+        self._settle = client.register_script(_SETTLE)
+        self._learn = client.register_script(_LEARN)
+        self._last_alarm = 0.0
+
+    def _keys(self, limit: ModelLimit) -> list[str]:
+        base = f"{self.prefix}:{{{limit.match}}}"
+        return [f"{base}:bucket", f"{base}:inflight", f"{base}:waiters", f"{base}:due"]
+
+    def _fail_open(self, action: str, e: Exception) -> None:
+        if self.metrics is not None:
+            self.metrics.flow_fail_open.labels(action).inc()
+        now = time.monotonic()
+        if now - self._last_alarm >= 10.0:  # loud, but not a line per model call
+            self._last_alarm = now
+            log.error(
+                "flow control unavailable (%s: %s): model calls go ahead unadmitted and "
+                "rely on retries of 429s until Redis is back",
+                type(e).__name__,
+                e,
+                extra={"event": "flow.fail_open", "action": action},
+            )
+
+    def admit(
+        self,
+        model: str,
+        input_tokens: int,
+        max_tokens: int,
+        *,
+        waiter: str,
+        priority: int = 0,
+    ) -> Grant | Refusal | None:
+        """A :class:`Grant` to hold until :meth:`settle`, a :class:`Refusal` (come back
+        after its delay), or ``None``: no limit applies, or Redis is unreachable."""
+        limit = limit_for(self.limits, model)
+        if limit is None:
+            return None
+        lease = uuid.uuid4().hex
+        # Higher priority first, then first come: the score of a new waiter.
+        score = -priority * 1e13 + time.time() * 1000
+        try:
+            ok, why, wait = self._admit(
+                keys=self._keys(limit),
+                args=[
+                    limit.requests_per_minute,
+                    limit.input_tokens_per_minute,
+                    limit.output_tokens_per_minute,
+                    limit.max_concurrent,
+                    input_tokens,
+                    max_tokens,
+                    lease,
+                    self.lease_seconds,
+                    waiter,
+                    score,
+                    WAITER_GRACE_SECONDS,
+                ],
+            )
+        except _redis_error() as e:
+            self._fail_open("admit", e)
+            return None
+        if int(ok):
+            if self.metrics is not None:
+                self.metrics.flow_admitted.labels(model).inc()
+                self.metrics.flow_granted.labels(model, "input").inc(input_tokens)
+                self.metrics.flow_granted.labels(model, "output").inc(max_tokens)
+            return Grant(limit, lease, input_tokens, max_tokens)
+        dim = why.decode() if isinstance(why, bytes) else str(why)
+        if self.metrics is not None:
+            self.metrics.flow_refused.labels(model, dim).inc()
+        return Refusal(dim or "requests", float(wait), model)
+
+    def settle(
+        self,
+        grant: Grant,
+        input_tokens: int,
+        output_tokens: int,
+        *,
+        headers: Iterable[tuple[str, str]] = (),
+        billed: bool = True,
+    ) -> None:
+        """The call is over: free its concurrency slot and give back what it did not use
+        (``billed`` false: the API refused it, so give back all tokens but not the request).
+        Headers from the API (``anthropic-ratelimit-*``) correct the buckets."""
+        lim = grant.limit
+        keys = self._keys(lim)
+        used_in = input_tokens if billed else 0
+        used_out = output_tokens if billed else 0
+        try:
+            self._settle(
+                keys=keys[:2],
+                args=[
+                    lim.requests_per_minute,
+                    lim.input_tokens_per_minute,
+                    lim.output_tokens_per_minute,
+                    0,
+                    grant.input_tokens - used_in,
+                    grant.output_tokens - used_out,
+                    grant.lease,
+                ],
+            )
+            learned = learned_limits(headers)
+            if learned:
+                self._learn(keys=keys[:1], args=learned)
+        except _redis_error() as e:
+            self._fail_open("settle", e)
+
+    def in_flight(self, model: str) -> int:
+        """Calls holding admission now (expired slots excluded)."""
+        limit = limit_for(self.limits, model)
+        if limit is None:
+            return 0
+        now = self.client.time()
+        return int(self.client.zcount(self._keys(limit)[1], now[0] + now[1] / 1e6, "+inf"))
+
+    def level(self, model: str, dim: str) -> float | None:
+        """The bucket's stored level for ``dim`` (not refilled to now), for tests and tools."""
+        limit = limit_for(self.limits, model)
+        if limit is None:
+            return None
+        raw = self.client.hget(self._keys(limit)[0], f"lvl:{dim}")
+        return None if raw is None else float(raw)
+
+
+def _redis_error() -> type[Exception]:
+    import redis
+
+    return redis.RedisError
