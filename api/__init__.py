@@ -92,12 +92,14 @@ def create_app(
 
     from api.approvals import bp as approvals_bp
     from api.console import bp as console_bp
+    from api.events import bp as events_bp
     from api.forks import bp as forks_bp
     from api.health import bp as health_bp
     from api.runs import bp as runs_bp
     from api.stats import bp as stats_bp
 
     app.register_blueprint(runs_bp, url_prefix="/api")
+    app.register_blueprint(events_bp, url_prefix="/api")
     app.register_blueprint(approvals_bp, url_prefix="/api")
     app.register_blueprint(stats_bp, url_prefix="/api")
     app.register_blueprint(forks_bp, url_prefix="/api")

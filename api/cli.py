@@ -403,6 +403,66 @@ def _cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+FOLLOW_EXIT = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3, "TIMED_OUT": 4}
+"""``dar follow``'s exit status by the run's final status (2 is a usage or API error)."""
+
+
+def _follow(args: argparse.Namespace) -> int:
+    """Print a run live from GET /api/runs/{id}/events until it ends."""
+    from runtime.client import follow
+
+    run_id = resolve_run_id(args.api, args.run_id)
+    print(f"dar: following run {run_id}", flush=True)
+    typing: str | None = None  # the step key whose text is being printed
+
+    def end_text() -> None:
+        nonlocal typing
+        if typing is not None:
+            print(flush=True)
+            typing = None
+
+    try:
+        for ev in follow(args.api, run_id, token=os.environ.get("DAR_API_TOKEN")):
+            d = ev.data
+            if ev.name == "text.delta":
+                if typing != d["key"]:
+                    end_text()
+                    print(f"  {d['key']} (attempt {d['attempt']}): ", end="", flush=True)
+                    typing = d["key"]
+                print(d["text"], end="", flush=True)
+            elif ev.name == "text.retract":
+                end_text()
+                print(f"  {d['key']}: attempt {d['attempt']} cut off; the model call is retried")
+            elif ev.name == "step.finished":
+                end_text()
+                tokens = d.get("tokens") or {}
+                cost = f" in={tokens.get('input', 0)} out={tokens.get('output', 0)}"
+                latency = f" {d['latencyMs']}ms" if d.get("latencyMs") is not None else ""
+                what = d.get("tool") or d["key"]
+                print(f"  seq={d['seq']} {d['kind']} {what} {d['status']}{cost}{latency}")
+            elif ev.name == "run.status":
+                end_text()
+                print(f"  run {d['status']}", flush=True)
+            elif ev.name.startswith("approval."):
+                end_text()
+                print(f"  {ev.name} {d['key']} role={d['role']} {d['status']}", flush=True)
+            elif ev.name == "run.finished":
+                end_text()
+                error = f": {d['error']}" if d.get("error") else ""
+                print(f"dar: run {run_id} {d['status']}{error}", flush=True)
+                return FOLLOW_EXIT.get(d["status"], 1)
+    except urllib.error.HTTPError as e:
+        try:
+            message = _error_message(json.loads(e.read() or b"{}"))
+        except ValueError:
+            message = str(e.reason)
+        raise CliError(f"{e.code} {message}") from None
+    except KeyboardInterrupt:
+        end_text()
+        return 130
+    return 1
+
+
 def _resume(args: argparse.Namespace) -> int:
     run_id = resolve_run_id(args.api, args.run_id)
     body: dict[str, Any] = {}
@@ -685,7 +745,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = api_command("timeline", _timeline, "show a run's steps")
     p.add_argument("run_id", help=run_help)
 
-    p = api_command("cancel", _cancel, "cancel a run (a running one stops at its next step)")
+    p = api_command("cancel", _cancel, "cancel a run (a model call in flight stops at once)")
+    p.add_argument("run_id", help=run_help)
+
+    p = api_command(
+        "follow",
+        _follow,
+        "print a run live (steps as they finish, the model's text as it streams); exits 0 "
+        "SUCCEEDED, 1 FAILED, 3 CANCELLED, 4 TIMED_OUT",
+    )
     p.add_argument("run_id", help=run_help)
 
     p = api_command("resume", _resume, "retry a FAILED or TIMED_OUT run from its first open step")

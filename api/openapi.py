@@ -28,6 +28,9 @@ from runtime.config import Settings
 
 JsonObj = dict[str, Any]
 
+# An event id of GET /api/runs/{id}/events (api/events.py).
+EVENT_ID_PATTERN = r"^[0-9a-f]{8}\.[0-9]{1,18}(\.[0-9]{1,18}-[0-9]{1,18})?$"
+
 
 def _ref(name: str) -> JsonObj:
     return {"$ref": f"#/components/schemas/{name}"}
@@ -266,6 +269,43 @@ def openapi_document(
                     },
                 }
             },
+            "/api/runs/{run_id}/events": {
+                "get": {
+                    "summary": "The run as Server-Sent Events: run.status, step.started, "
+                    "step.finished, approval.requested, approval.decided, text.delta, "
+                    "text.retract, run.finished. Every event has an id; send the last one "
+                    "seen as Last-Event-ID (or ?after=) to resume exactly after it. A comment "
+                    "line every DAR_EVENTS_HEARTBEAT_SECONDS keeps proxies open; the server "
+                    "closes after DAR_EVENTS_IDLE_SECONDS without an event or "
+                    "DAR_EVENTS_MAX_SECONDS in all (reconnect with Last-Event-ID)",
+                    "operationId": "runEvents",
+                    "parameters": [
+                        RUN_ID,
+                        {
+                            "name": "after",
+                            "in": "query",
+                            "required": False,
+                            "description": "An event id: resume after it (as Last-Event-ID)",
+                            "schema": {"type": "string", "pattern": EVENT_ID_PATTERN},
+                        },
+                        {
+                            "name": "Last-Event-ID",
+                            "in": "header",
+                            "required": False,
+                            "description": "The id of the last event received",
+                            "schema": {"type": "string", "pattern": EVENT_ID_PATTERN},
+                        },
+                    ],
+                    "responses": {
+                        "200": {
+                            "description": "The event stream",
+                            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                        },
+                        "400": _error("Malformed Last-Event-ID, or one of another run"),
+                        "404": _error("No such run"),
+                    },
+                }
+            },
             "/api/runs/{run_id}/resolve": {
                 "post": {
                     "summary": "Resolve a NEEDS_ATTENTION run: supply the tool's result, "
@@ -386,7 +426,8 @@ def openapi_document(
             "/api/approvals/{approval_id}/reject": _decision("reject"),
             "/api/runs/{run_id}/cancel": {
                 "post": {
-                    "summary": "Cancel a run (cooperative: a running step completes first)",
+                    "summary": "Cancel a run (a model call in flight is aborted within about a "
+                    "second; other steps complete first)",
                     "operationId": "cancelRun",
                     "parameters": [RUN_ID],
                     "responses": {

@@ -319,6 +319,9 @@ def cancel(run_id: str) -> tuple[Response, int]:
     rid = parse_run_id(run_id)
     load_run(rid)
     status = store.cancel(rid, audit=audit("cancel"))
+    live = state().runtime.live
+    if status is not None and live is not None:  # a model call in flight stops within ~1 s
+        live.request_cancel(rid)
     if status is None:
         run = load_run(rid)
         raise ApiError(

@@ -656,6 +656,33 @@ WHERE (CAST(:status AS text) IS NULL OR status = :status)
 ORDER BY due_at, id
 LIMIT :limit;
 
+-- run_events_after --
+-- The live stream's durable events of one run after event number :after, with what each
+-- event reports read from its step or approval row (run_event is written by the triggers of
+-- migration 0010, numbered in commit order per run).
+SELECT e.n, e.kind, e.status, e.at, e.step_seq,
+       s.step_key, s.kind AS step_kind, s.tool_name, s.model, s.response, s.error,
+       s.attempt, s.input_tokens, s.output_tokens, s.cache_creation_input_tokens,
+       s.cache_read_input_tokens, s.cost_usd, s.latency_ms,
+       a.id AS approval_id, a.step_key AS approval_step_key, a.role, a.decided_by, a.comment,
+       r.error AS run_error, r.result AS run_result
+FROM run_event e
+LEFT JOIN run_step s ON s.run_id = e.run_id AND s.seq = e.step_seq
+LEFT JOIN approval a ON a.id = e.approval_id
+JOIN run r ON r.id = e.run_id
+WHERE e.run_id = :id AND e.n > :after
+ORDER BY e.n
+LIMIT :limit;
+
+-- run_event_seq --
+-- The number of the run's last durable event (NULL: no such run).
+SELECT event_seq FROM run WHERE id = :id;
+
+-- run_event_seqs --
+-- The last durable event number of each of these runs (the web process's event hub asks
+-- once per tick for every run an open stream follows).
+SELECT id, event_seq FROM run WHERE id = ANY(:ids);
+
 -- lock_submitter --
 -- Serialises one submitter's quota check and the write it admits (a transaction-level
 -- advisory lock, released at commit): 30 concurrent submits cannot all see room for one.

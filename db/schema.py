@@ -94,6 +94,8 @@ run = Table(
     Column("forked_from_seq", Integer),
     # Answer model steps from the original's recorded responses while the requests match.
     Column("replay_model", Boolean, nullable=False, server_default=text("false")),
+    # The number of the run's last event in run_event (kept by triggers, migration 0010).
+    Column("event_seq", BigInteger, nullable=False, server_default=text("0")),
     CheckConstraint(
         "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES) + ")",
         name="run_status_ck",
@@ -224,6 +226,27 @@ Index(
     postgresql_where=text("status = 'PENDING'"),
 )
 Index("approval_expiry_idx", approval.c.expires_at, postgresql_where=text("status = 'PENDING'"))
+
+# The run's durable events for the live stream, numbered per run in commit order. Written
+# only by the triggers of migration 0010 (a status change, a step row started or finished, an
+# approval requested or decided); read by GET /api/runs/{id}/events.
+run_event = Table(
+    "run_event",
+    metadata,
+    Column("run_id", UUID(as_uuid=True), ForeignKey("run.id", ondelete="CASCADE"), nullable=False),
+    Column("n", BigInteger, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("step_seq", Integer),
+    Column("approval_id", UUID(as_uuid=True)),
+    Column("status", Text),
+    Column("at", TZ, nullable=False, server_default=text("now()")),
+    PrimaryKeyConstraint("run_id", "n", name="run_event_pkey"),
+    CheckConstraint(
+        "kind IN ('run.status', 'step.started', 'step.finished', 'approval.requested', "
+        "'approval.decided')",
+        name="run_event_kind_ck",
+    ),
+)
 
 AUDIT_ACTIONS = ("cancel", "resume", "resolve", "approve", "reject", "fork")
 

@@ -1039,6 +1039,34 @@ class RunStore:
         self.step_logs.wrote(claim.run_id, claim.epoch, [_step(marked)], token)
         return Dispatch(claim.run_id, token) if token is not None else None
 
+    # -- the live stream's durable events -------------------------------------------------
+
+    def run_events_after(
+        self, run_id: uuid.UUID, after: int, *, limit: int = 500
+    ) -> list[RowMapping]:
+        """Durable events numbered above ``after``, in order (see migration 0010); each row
+        carries its step's or approval's columns. The API shapes them (:mod:`api.events`)."""
+        with self._statement() as conn:
+            return list(
+                conn.execute(Q["run_events_after"], {"id": run_id, "after": after, "limit": limit})
+                .mappings()
+                .all()
+            )
+
+    def run_event_seq(self, run_id: uuid.UUID) -> int | None:
+        """The number of the run's last durable event; ``None`` when there is no such run."""
+        with self._statement() as conn:
+            value = conn.execute(Q["run_event_seq"], {"id": run_id}).scalar()
+        return None if value is None else int(value)
+
+    def run_event_seqs(self, run_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, int]:
+        """The last durable event number of each run that exists, in one statement."""
+        if not run_ids:
+            return {}
+        with self._statement() as conn:
+            rows = conn.execute(Q["run_event_seqs"], {"ids": list(run_ids)}).all()
+        return {r.id: int(r.event_seq) for r in rows}
+
     def mark_undispatched(self, dispatch: Dispatch) -> None:
         with self._statement() as conn:
             conn.execute(Q["mark_undispatched"], {"id": dispatch.run_id, "token": dispatch.token})

@@ -17,6 +17,7 @@ from db.records import Dispatch, ModelCheckpoint, NewStep, RunStatus, StepKind, 
 from runtime import effects, mcpcall, modelcall
 from runtime.agents import Agent
 from runtime.llm.base import LlmError, LlmRequest
+from runtime.llm.live import ModelCallCancelled
 from runtime.llm.retry import RetryLater
 from runtime.logctx import set_step
 from runtime.mcp.client import CallResult
@@ -152,9 +153,11 @@ def _model_step(
         attempts = task.claim.run.model_attempts
         return task.schedule(wait.delay_seconds, wait.reason, model_attempts=attempts)
     try:
-        answer = modelcall.send(task, request, body)
+        answer = modelcall.send(task, request, body, key=key)
     except RetryLater as e:
         return _wait(task, seq, e)
+    except ModelCallCancelled:
+        return task.finish(RunStatus.CANCELLED, error="cancelled by request (model call aborted)")
     except LlmError as e:
         rid = f" (request id {e.request_id})" if e.request_id else ""
         status = "I/O error or timeout" if e.status == -1 else f"HTTP {e.status}"

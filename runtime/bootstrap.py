@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 
@@ -25,6 +25,9 @@ from runtime.mcp.client import McpClients
 from runtime.mcp.servers import parse_servers, parse_tool_overrides
 from runtime.metrics import Metrics
 from runtime.pricing import PriceTable
+
+if TYPE_CHECKING:  # runtime.live imports redis (and ssl): not before gevent patches it
+    from runtime.live import LiveChannel
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +98,20 @@ class Runtime:
     mcp: McpClients | None = None
     """This process's MCP sessions; opened lazily, on the first call that needs one."""
     _lease_store: RunStore | None = None
+    _live: LiveChannel | None = None
+
+    @property
+    def live(self) -> LiveChannel | None:
+        """The live stream's Redis side (``None`` without ``REDIS_URL``); made on first use."""
+        if self._live is None and self.settings.redis_url:
+            from runtime.live import LiveChannel
+
+            self._live = LiveChannel(
+                self.settings.redis_url,
+                maxlen=self.settings.live_maxlen,
+                cancel_poll_seconds=self.settings.cancel_poll_seconds,
+            )
+        return self._live
 
     @classmethod
     def build(
@@ -154,6 +171,7 @@ class Runtime:
             heartbeat=heartbeat,
             worker=worker,
             mcp=self.mcp,
+            live=self.live,
             flow=flow,
         )
 
@@ -216,3 +234,5 @@ class Runtime:
         self.engine.dispose()
         if self._lease_store is not None:
             self._lease_store.engine.dispose()
+        if self._live is not None:
+            self._live.close()

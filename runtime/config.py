@@ -118,6 +118,21 @@ class Settings:
     mcp_connect_timeout_seconds: float = 30.0
     mcp_startup_check: str = "strict"
     mcp_retry_seconds: float = 10.0
+    events_poll_seconds: float = 1.0
+    """DAR_EVENTS_POLL_SECONDS: how often an open event stream reads PostgreSQL for new
+    durable events (deltas arrive as Redis delivers them, in between)."""
+    events_heartbeat_seconds: float = 15.0
+    """DAR_EVENTS_HEARTBEAT_SECONDS: a comment line on a quiet stream, so proxies keep it."""
+    events_idle_seconds: float = 300.0
+    """DAR_EVENTS_IDLE_SECONDS: a stream with no event for this long is closed (the client
+    reconnects with Last-Event-ID when it still wants it)."""
+    events_max_seconds: float = 3600.0
+    """DAR_EVENTS_MAX_SECONDS: the longest one stream connection is held open."""
+    live_maxlen: int = 10_000
+    """DAR_LIVE_MAXLEN: the cap (approximate) of a run's Redis stream of text deltas."""
+    cancel_poll_seconds: float = 0.2
+    """DAR_CANCEL_POLL_SECONDS: how often a model call in flight checks its run's cancel
+    flag in Redis."""
     worker_name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 
     @classmethod
@@ -181,6 +196,12 @@ class Settings:
                 e, "DAR_MCP_STARTUP_CHECK", "strict", ("strict", "warn", "off")
             ),
             mcp_retry_seconds=_num(e, "DAR_MCP_RETRY_SECONDS", 10.0, minimum=0.1),
+            events_poll_seconds=_num(e, "DAR_EVENTS_POLL_SECONDS", 1.0, minimum=0.05),
+            events_heartbeat_seconds=_num(e, "DAR_EVENTS_HEARTBEAT_SECONDS", 15.0, minimum=0.1),
+            events_idle_seconds=_num(e, "DAR_EVENTS_IDLE_SECONDS", 300.0, minimum=1),
+            events_max_seconds=_num(e, "DAR_EVENTS_MAX_SECONDS", 3600.0, minimum=1),
+            live_maxlen=_int(e, "DAR_LIVE_MAXLEN", 10_000, minimum=100),
+            cancel_poll_seconds=_num(e, "DAR_CANCEL_POLL_SECONDS", 0.2, minimum=0.01),
             worker_name=_get(e, "DAR_WORKER_NAME", f"{socket.gethostname()}:{os.getpid()}"),
         )
         for default, maximum, dname, mname in (

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import TYPE_CHECKING
 
 from db.records import Claim, Dispatch, RunStatus, Step, StepStatus
 from db.store import RunStore
@@ -38,6 +39,9 @@ from runtime.metrics import Metrics
 from runtime.modelcall import estimate_tokens, prompt_hash
 from runtime.pricing import PriceTable
 from runtime.task import Outcome, Services, StepResult, Task, short
+
+if TYPE_CHECKING:  # runtime.live imports redis (and ssl): not before gevent patches it
+    from runtime.live import LiveChannel
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,7 @@ class Driver:
         worker: str | None = None,
         metrics: Metrics | None = None,
         mcp: McpClients | None = None,
+        live: LiveChannel | None = None,
         flow: FlowControl | None = None,
     ) -> None:
         self.store = store
@@ -75,6 +80,7 @@ class Driver:
         self.worker = worker or settings.worker_name
         self.metrics = metrics
         self.mcp = mcp
+        self.live = live
         self.flow = flow
         self.heartbeat = heartbeat or Heartbeat(
             store,
@@ -119,6 +125,7 @@ class Driver:
             metrics=self.metrics,
             worker=self.worker,
             mcp=self.mcp,
+            live=self.live,
             flow=self.flow,
         )
         with (

@@ -215,7 +215,19 @@ def _reconciled(task: Task, effect: Effect, context: ToolContext) -> Verdict | N
 
 def _run(task: Task, effect: Effect, context: ToolContext) -> Verdict:
     """The step's own code, with its timeout and cancellation. A crash (a ``BaseException``:
-    a lost lease, a simulated crash, a durable function unwinding) propagates."""
+    a lost lease, a simulated crash, a durable function unwinding) propagates.
+
+    While it runs, a cancel of the run (``POST /cancel``, seen through the live channel's
+    flag) sets ``ctx.cancelled``: the code may stop early; the guard ends the run after."""
+    channel = task.services.live
+    if channel is None:
+        return _run_limited(task, effect, context)
+    with channel.watch(task.run_id) as watched:
+        watched.aborts.append(context.cancelled.set)
+        return _run_limited(task, effect, context)
+
+
+def _run_limited(task: Task, effect: Effect, context: ToolContext) -> Verdict:
     started = time.monotonic()
 
     def took() -> int:
@@ -228,7 +240,10 @@ def _run(task: Task, effect: Effect, context: ToolContext) -> Verdict:
         except Exception as e:
             return Raised(e, took())
     context = ToolContext(
-        run_id=context.run_id, tool_use_id=context.tool_use_id, deadline=started + timeout
+        run_id=context.run_id,
+        tool_use_id=context.tool_use_id,
+        cancelled=context.cancelled,
+        deadline=started + timeout,
     )
     future = _pool.submit(contextvars.copy_context().run, effect.fn, context)
     # (The code's own TimeoutError is an exception like any other: done-ness decides.)

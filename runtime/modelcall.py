@@ -10,11 +10,12 @@ checkpoints the call as its step, a durable step records it as a child step at o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, TypeVar
@@ -26,6 +27,7 @@ from db.records import NewStep, Step, StepKind, StepStatus, Usage
 from runtime.faults import crash_point
 from runtime.flow import Refusal
 from runtime.llm.base import LlmRequest, LlmResponse
+from runtime.llm.live import ModelCallCancelled, live_call
 from runtime.llm.retry import prior_attempts, reset_prior_attempts
 from runtime.task import Task
 
@@ -129,17 +131,29 @@ def _settle(task: Task, response: LlmResponse | None) -> None:
     )
 
 
-def send(task: Task, request: LlmRequest, body: dict[str, Any] | None = None) -> Answer:
+def send(
+    task: Task, request: LlmRequest, body: dict[str, Any] | None = None, *, key: str | None = None
+) -> Answer:
     """Call the model (the client's retries inside, capped across timers). Raises the
     client's :class:`~runtime.llm.base.LlmError` (or ``RetryLater``) unchanged. Settles the
-    task's flow-control admission (:func:`admit`), if any, with the actual usage."""
+    task's flow-control admission (:func:`admit`), if any, with the actual usage.
+
+    With the step's ``key`` and a live channel, a streaming client's text goes to the run's
+    live stream and a cancel aborts the call: :class:`ModelCallCancelled` is raised after
+    the usage the stream reported is recorded on the run."""
     body = body if body is not None else request.to_json()
     crash_point("before_model_call")
     started = time.monotonic()
     token = prior_attempts(task.claim.run.model_attempts)
     response: LlmResponse | None = None
     try:
-        response = task.services.llm.send(request)
+        with _live(task, key):
+            response = task.services.llm.send(request)
+    except ModelCallCancelled as e:
+        cost = task.services.pricing.cost(request.model, e.usage)
+        task.store.record_unrecorded_usage(task.run_id, e.usage, cost)
+        task.observe("MODEL", "cancelled", started)
+        raise
     except Exception:
         task.observe("MODEL", "error", started)
         raise
@@ -154,6 +168,23 @@ def send(task: Task, request: LlmRequest, body: dict[str, Any] | None = None) ->
         task.services.metrics.model_call(model, response.usage, cost)
         task.services.metrics.step("MODEL", "ok", latency_ms / 1000)
     return Answer(request, body, response, cost, latency_ms)
+
+
+@contextlib.contextmanager
+def _live(task: Task, key: str | None) -> Iterator[None]:
+    channel = task.services.live
+    if channel is None or key is None:
+        yield
+        return
+    from runtime.live import RedisLiveCall  # imports redis: only where a channel exists
+
+    store, run_id = task.store, task.run_id
+    with channel.watch(run_id) as watched:
+        call = RedisLiveCall(
+            channel, run_id, key, lambda: store.run_event_seq(run_id) or 0, watched
+        )
+        with live_call(call):
+            yield
 
 
 def _transient(e: Exception) -> bool:

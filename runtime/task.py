@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from db.errors import LeaseLost
 from db.records import Claim, Dispatch, NewStep, RunStatus, Step, Usage
@@ -30,6 +30,9 @@ from runtime.mcp.client import McpClients
 from runtime.metrics import Metrics
 from runtime.pricing import PriceTable
 from runtime.tracing import run_span
+
+if TYPE_CHECKING:  # runtime.live imports redis (and ssl): not before gevent patches it
+    from runtime.live import LiveChannel
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,8 @@ class Services:
     worker: str
     mcp: McpClients | None = None
     """This process's MCP sessions (``None``: no agent here uses MCP servers)."""
+    live: LiveChannel | None = None
+    """The live stream's Redis side: text deltas out, cancel flags in (``None``: off)."""
     flow: FlowControl | None = None
     """Fleet-wide admission of model calls (``None``: DAR_MODEL_LIMITS is not set)."""
 

@@ -51,6 +51,7 @@ from runtime.durable.errors import (
 from runtime.durable.notify import notify_approval
 from runtime.guard import Stop
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
+from runtime.llm.live import ModelCallCancelled
 from runtime.llm.retry import RetryLater
 from runtime.logctx import set_step
 from runtime.mcp.client import CallResult
@@ -582,7 +583,10 @@ class Execution:
             attempts = self.task.claim.run.model_attempts
             raise Pause(wait.reason, delay_seconds=wait.delay_seconds, model_attempts=attempts)
         try:
-            answer = modelcall.send(self.task, request, body)
+            answer = modelcall.send(self.task, request, body, key=key)
+        except ModelCallCancelled:
+            stop = Stop(RunStatus.CANCELLED, "cancelled by request (model call aborted)")
+            raise Pause(stop.reason, stop=stop) from None
         except RetryLater as e:
             status = "I/O error" if e.status == -1 else f"HTTP {e.status}"
             raise Pause(

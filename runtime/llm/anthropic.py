@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -31,7 +32,9 @@ import httpx2
 
 from db.records import Usage
 from runtime.llm.base import JsonObj, LlmError, LlmRequest, LlmResponse
+from runtime.llm.live import LiveCall, ModelCallCancelled, current_live_call
 from runtime.llm.retry import classify
+from runtime.llm.streaming import StreamAssembler, sse_events
 
 log = logging.getLogger(__name__)
 
@@ -149,11 +152,15 @@ class AnthropicClient:
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         *,
         connect_timeout_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS,
+        stream: bool = True,
     ) -> None:
         if timeout_seconds <= 0:
             raise ValueError("timeout_seconds must be positive")
         quiet_sdk_loggers()
         self.timeout_seconds = timeout_seconds
+        self.stream = stream
+        """Use the streaming Messages API (text deltas to the live stream, a cancel that
+        aborts the call); the response kept is the same either way."""
         try:
             self._client = anthropic.Anthropic(
                 api_key=api_key,
@@ -182,6 +189,10 @@ class AnthropicClient:
     def send(self, request: LlmRequest) -> LlmResponse:
         body = request.to_json()
         deadline = time.monotonic() + self.timeout_seconds
+        live = current_live_call() if self.stream else None
+        attempt = live.begin_attempt() if live is not None else 0
+        if live is not None and live.cancelled.is_set():
+            raise ModelCallCancelled("run cancelled before the model call", usage=Usage())
         try:
             with self._client.messages.with_streaming_response.create(
                 model=body["model"],
@@ -189,17 +200,23 @@ class AnthropicClient:
                 messages=cast(Any, body["messages"]),
                 system=cast(Any, body.get("system", anthropic.omit)),
                 tools=cast(Any, body.get("tools", anthropic.omit)),
+                stream=self.stream,
             ) as raw:
                 request_id = raw.headers.get("request-id")
                 limits = _rate_limit_headers(raw.headers)
+                if self.stream:
+                    streamed = self._read_stream(raw, request, request_id, deadline, live, attempt)
+                    return replace(streamed, rate_limits=limits)
                 payload = _read_body(raw.iter_bytes(), deadline, self.timeout_seconds)
+        except ModelCallCancelled:
+            raise
         except anthropic.APIStatusError as e:
             raise _status_error(e) from e
         except anthropic.APITimeoutError as e:
             raise LlmError(f"model call timed out: {_cause(e)}", status=-1) from e
         except anthropic.APIConnectionError as e:
             raise LlmError(f"connection error: {_cause(e)}", status=-1) from e
-        except httpx2.RequestError as e:  # raised while reading the streamed body
+        except (httpx2.RequestError, httpx2.StreamError) as e:  # while reading the body
             raise LlmError(f"connection error: {type(e).__name__}: {e}", status=-1) from e
         except anthropic.AnthropicError as e:  # credentials, configuration: not transient
             raise LlmError(f"model call failed: {e}", status=-1, retryable=False) from e
@@ -210,9 +227,74 @@ class AnthropicClient:
             raise LlmError(f"no Anthropic credentials: {e}", status=-1, retryable=False) from e
         return replace(_response(payload, request_id, request), rate_limits=limits)
 
+    def _read_stream(
+        self,
+        raw: Any,
+        request: LlmRequest,
+        request_id: str | None,
+        deadline: float,
+        live: LiveCall | None,
+        attempt: int,
+    ) -> LlmResponse:
+        """Assemble the streamed message into the response the non-streaming API would have
+        returned, forwarding text to ``live``; a cancel shuts the socket down (a blocked
+        read returns at once) and raises :class:`ModelCallCancelled` with the usage the
+        stream had reported."""
+        assembler = StreamAssembler()
+        unregister = live.on_cancel(lambda: _abort(raw)) if live is not None else None
+        try:
+            for event in sse_events(raw.iter_lines()):
+                text = assembler.feed(event)
+                if live is not None and live.cancelled.is_set():
+                    break
+                if text and live is not None:
+                    live.delta(attempt, text)
+                if time.monotonic() > deadline:
+                    raise LlmError(
+                        f"model response still arriving after {self.timeout_seconds:g} s",
+                        status=-1,
+                    )
+                if assembler.done:
+                    break
+        except (httpx2.RequestError, httpx2.StreamError, OSError) as e:
+            if live is None or not live.cancelled.is_set():
+                raise LlmError(f"connection error: {type(e).__name__}: {e}", status=-1) from e
+        except ValueError as e:  # a tool_use block whose streamed input is not JSON
+            raise LlmError(
+                f"malformed Messages API stream: {e}", status=200, request_id=request_id
+            ) from e
+        finally:
+            if unregister is not None:
+                unregister()
+        if live is not None and live.cancelled.is_set() and not assembler.done:
+            _abort(raw)
+            raise ModelCallCancelled(
+                "run cancelled: the model call was aborted mid-stream",
+                usage=assembler.usage(),
+                request_id=request_id,
+            )
+        if assembler.error is not None:
+            status, error_type, message = assembler.error
+            raise LlmError(
+                f"Anthropic API error {status} {error_type}: {message} (in the stream)",
+                status=status,
+                request_id=request_id,
+                retryable=classify(status, error_type, message),
+            )
+        if not assembler.done:
+            raise LlmError("the model's stream ended before message_stop", status=-1)
+        return _response(json.dumps(assembler.message()).encode(), request_id, request)
 
-def _rate_limit_headers(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple((k.lower(), v) for k, v in headers.items() if k.lower().startswith(RATELIMIT))
+
+def _abort(raw: Any) -> None:
+    """Shut the HTTP stream's socket down from any thread: a read blocked on it returns."""
+    try:
+        stream = raw.http_response.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if sock is not None:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _response(payload: bytes, request_id: str | None, request: LlmRequest) -> LlmResponse:
@@ -247,3 +329,7 @@ def _response(payload: bytes, request_id: str | None, request: LlmRequest) -> Ll
         model=model if isinstance(model, str) and model else request.model,
         request_id=request_id,
     )
+
+
+def _rate_limit_headers(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple((k.lower(), v) for k, v in headers.items() if k.lower().startswith(RATELIMIT))

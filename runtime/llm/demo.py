@@ -17,6 +17,7 @@ from typing import Any
 
 from db.records import Usage
 from runtime.llm.base import LlmRequest, LlmResponse
+from runtime.llm.live import LiveCall, ModelCallCancelled, current_live_call
 
 MODEL_NAME = "dar-demo-offline"
 
@@ -100,8 +101,33 @@ class DemoModel:
         self.latency_ms = latency_ms
 
     def send(self, request: LlmRequest) -> LlmResponse:
-        if self.latency_ms:
+        live = current_live_call()
+        if live is None and self.latency_ms:
             time.sleep(self.latency_ms / 1000)
+        response = self._answer(request)
+        if live is not None:
+            self._type(live, response)
+        return response
+
+    def _type(self, live: LiveCall, response: LlmResponse) -> None:
+        """Stream the answer's text word by word over ``latency_ms`` (as a real model types),
+        stopping when the run is cancelled."""
+        attempt = live.begin_attempt()
+        words = re.findall(
+            r"\S+\s*",
+            "".join(str(b.get("text", "")) for b in response.content if b.get("type") == "text"),
+        )
+        pause = self.latency_ms / 1000 / max(1, len(words))
+        for word in words or [""]:
+            if live.cancelled.wait(pause):
+                raise ModelCallCancelled(
+                    "run cancelled: the demo model stopped typing",
+                    usage=Usage(input_tokens=response.usage.input_tokens),
+                )
+            if word:
+                live.delta(attempt, word)
+
+    def _answer(self, request: LlmRequest) -> LlmResponse:
         last = request.messages[-1]
         content: list[dict[str, Any]]
         results = (

@@ -13,6 +13,12 @@
   violation is answered with 400 ``invalid_request_error`` and does NOT consume the script.
 * Every request (path, headers, raw body, parsed JSON, the status answered) is logged in
   :attr:`FakeMessagesApi.requests`; :attr:`FakeMessagesApi.calls` counts model calls.
+* A request with ``"stream": true`` gets a message as server-sent events, like the real API
+  (``message_start``, per block ``content_block_start`` / deltas / ``content_block_stop``,
+  ``message_delta`` with the final usage, ``message_stop``): text in pieces of
+  ``drip_chunk`` characters (default 4), one event every ``drip_interval`` seconds (see
+  :func:`slow`). A client that hangs up mid-stream is noted in :attr:`FakeMessagesApi.aborts`
+  (the request number and ``time.monotonic()`` when the fake saw it).
 * When the script is empty the fake answers 400 ``fake script exhausted`` (non-retryable,
   so a test that under-scripts fails at once), unless a default responder is set:
   ``default_responder=True`` answers every extra call with an ``end_turn`` text turn, or
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import json
 import math
+import select
 import socket
 import struct
 import sys
@@ -87,6 +94,7 @@ class Reply:
     headers: tuple[tuple[str, str], ...] = ()
     drip_chunk: int = 0  # > 0: send the body this many bytes at a time ...
     drip_interval: float = 0.0  # ... sleeping this long between chunks
+    cut_after: int = 0  # streaming: reset the connection after this many events
 
 
 def message(
@@ -166,6 +174,19 @@ def slow(reply: Reply, *, chunk: int = 8, interval: float = 0.2) -> Reply:
         headers=reply.headers,
         drip_chunk=chunk,
         drip_interval=interval,
+    )
+
+
+def cut(reply: Reply, after_events: int) -> Reply:
+    """``reply`` streamed, but the connection is reset after ``after_events`` events."""
+    return Reply(
+        reply.kind,
+        status=reply.status,
+        body=reply.body,
+        headers=reply.headers,
+        drip_chunk=reply.drip_chunk,
+        drip_interval=reply.drip_interval,
+        cut_after=after_events,
     )
 
 
@@ -490,6 +511,9 @@ class _Handler(BaseHTTPRequestHandler):
                 "model": parsed.get("model"),
                 **body,
             }
+            if parsed.get("stream") is True:
+                self._stream(body, reply, record, number)
+                return
         else:
             body["request_id"] = f"req_fake_{number:04d}"
         self._send(reply.status, body, reply, record, number)
@@ -543,11 +567,90 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:  # the client gave up (timeout) and closed the connection
             self.close_connection = True
 
+    def _stream(self, body: JsonObj, reply: Reply, record: RecordedRequest, number: int) -> None:
+        record.status = 200
+        record.response_body = dumps(body)
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("cache-control", "no-cache")
+        self.send_header("request-id", f"req_fake_{number:04d}")
+        self.send_header("connection", "close")
+        for name, value in reply.headers:
+            self.send_header(name, value)
+        self.end_headers()
+        self.close_connection = True
+        fake = self.server.fake
+        try:
+            for i, event in enumerate(stream_events(body, reply.drip_chunk or 4)):
+                if fake._closing.is_set():
+                    return
+                if reply.cut_after and i == reply.cut_after:
+                    self._reset()
+                    return
+                data = dumps(event)
+                self.wfile.write(b"event: " + str(event["type"]).encode() + b"\ndata: " + data)
+                self.wfile.write(b"\n\n")
+                self.wfile.flush()
+                if reply.drip_interval and self._hung_up(reply.drip_interval):
+                    fake._aborted(number)
+                    return
+        except OSError:
+            fake._aborted(number)
+
+    def _hung_up(self, wait: float) -> bool:
+        """Wait ``wait`` seconds, watching for the client closing the connection."""
+        readable, _, _ = select.select([self.connection], [], [], wait)
+        if not readable:
+            return False
+        try:
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
     def _reset(self) -> None:
         sock = self.connection
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.server.to_reset.add(sock)
         self.close_connection = True
+
+
+def stream_events(body: JsonObj, chunk: int = 4) -> list[JsonObj]:
+    """The server-sent events of the message ``body``, as the streaming API sends them."""
+    usage = dict(body.get("usage") or {})
+    start_usage = {**usage, "output_tokens": min(1, int(usage.get("output_tokens") or 0))}
+    head = {k: v for k, v in body.items() if k not in ("content", "usage")}
+    head.update({"content": [], "stop_reason": None, "stop_sequence": None})
+    events: list[JsonObj] = [{"type": "message_start", "message": {**head, "usage": start_usage}}]
+    for index, block in enumerate(body.get("content") or []):
+        if block.get("type") == "text":
+            start = {**block, "text": ""}
+            events.append({"type": "content_block_start", "index": index, "content_block": start})
+            value = str(block.get("text") or "")
+            for i in range(0, len(value), chunk):
+                delta = {"type": "text_delta", "text": value[i : i + chunk]}
+                events.append({"type": "content_block_delta", "index": index, "delta": delta})
+        elif block.get("type") == "tool_use":
+            start = {**block, "input": {}}
+            events.append({"type": "content_block_start", "index": index, "content_block": start})
+            raw = dumps(block.get("input") or {}).decode()
+            for i in range(0, len(raw), chunk * 4):
+                delta = {"type": "input_json_delta", "partial_json": raw[i : i + chunk * 4]}
+                events.append({"type": "content_block_delta", "index": index, "delta": delta})
+        else:
+            events.append({"type": "content_block_start", "index": index, "content_block": block})
+        events.append({"type": "content_block_stop", "index": index})
+    events.append(
+        {
+            "type": "message_delta",
+            "delta": {
+                "stop_reason": body.get("stop_reason"),
+                "stop_sequence": body.get("stop_sequence"),
+            },
+            "usage": {"output_tokens": usage.get("output_tokens", 0)},
+        }
+    )
+    events.append({"type": "message_stop"})
+    return events
 
 
 class FakeMessagesApi:
@@ -578,6 +681,12 @@ class FakeMessagesApi:
         self._closing = threading.Event()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self.aborts: list[tuple[int, float]] = []
+        """Streams the client hung up on: (request number, ``time.monotonic()`` seen)."""
+
+    def _aborted(self, number: int) -> None:
+        with self._lock:
+            self.aborts.append((number, time.monotonic()))
 
     # lifecycle
 

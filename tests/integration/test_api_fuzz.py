@@ -27,6 +27,10 @@ def test_schemathesis_with_every_check_finds_nothing(runtime: Runtime, auth: boo
         runtime.settings = replace(
             runtime.settings, api_tokens=f"root:admin:{hash_token(ADMIN)}:ops"
         )
+    # GET /runs/{id}/events is fuzzed like every operation, but a stream of a run that never
+    # ends (nothing drives these runs) is held open for DAR_EVENTS_MAX_SECONDS: one second
+    # here, so a case that does find a run's id gets its (valid, text/event-stream) answer.
+    runtime.settings = replace(runtime.settings, events_max_seconds=1.0, events_poll_seconds=0.2)
     app = create_app(runtime=runtime, celery=make_celery(runtime.settings, register=False))
     for _ in range(3):  # something to find, list and cancel
         submit(runtime.store, agent="acme-tickets", tenant="ops")

@@ -170,3 +170,32 @@ def test_an_approval_role_no_token_holds_fails_at_startup(
     runtime.settings = replace(settings, api_tokens=_env())
     with pytest.raises(ConfigError, match="approval role 'auditor' is declared"):
         create_app(runtime=runtime, celery=make_celery(runtime.settings, register=False))
+
+
+def test_the_event_stream_shows_the_approval_asked_and_decided(
+    client: FlaskClient, runtime: Runtime
+) -> None:
+    from runtime.client import parse_sse
+
+    run_id, approval = _waiting_refund(client, runtime)
+    ok = client.post(
+        f"/api/approvals/{approval['id']}/approve", json={"comment": "ok"}, headers=_h("ann")
+    )
+    assert ok.status_code == 200
+    run = runtime.store.get_run(__import__("uuid").UUID(run_id))
+    drive_to_end(runtime.driver(), Dispatch(run.id, run.dispatch_token))
+    resp = client.get(f"/api/runs/{run_id}/events", headers=_h("ann"))
+    events = list(parse_sse(resp.get_data(as_text=True).splitlines()))
+    names = [e.name for e in events]
+    asked = names.index("approval.requested")
+    decided = names.index("approval.decided")
+    statuses = [(i, e.data["status"]) for i, e in enumerate(events) if e.name == "run.status"]
+    assert (asked - 1, "WAITING") in statuses, "parked for the decision, then asked"
+    assert (decided + 1, "RUNNING") in statuses, "decided, then running again"
+    assert events[asked].data["role"] == "finance"
+    assert events[asked].data["status"] == "PENDING"
+    assert (events[decided].data["status"], events[decided].data["decidedBy"]) == (
+        "APPROVED",
+        "ann",
+    )
+    assert events[-1].name == "run.finished"

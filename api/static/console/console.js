@@ -5,8 +5,9 @@
 //   a URL, never in a cookie (so no request another site makes can carry it: CSRF-safe).
 // - Everything the API returns is data: it reaches the page through textContent and
 //   setAttribute on attributes we choose, never through innerHTML.
-// - Live updates go through watch(): polling today; an EventSource for the "Live runs" event
-//   stream can replace it without touching the renderers.
+// - Live updates go through watch() (polling) and, on a run's page, follow() (the run's event
+//   stream read with fetch: EventSource cannot send the Authorization header). Either only
+//   says "something changed"; the renderers stay the same.
 
 const TOKEN_KEY = "dar.token";
 const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED", "TIMED_OUT"]);
@@ -123,6 +124,45 @@ function watch(load, ms) {
     stopped = true;
     clearTimeout(timer);
   };
+}
+
+/** Read /api/runs/{id}/events with fetch streaming, resuming after the last event id when the
+ *  connection drops. onEvent(name, data) for each event; resolves at run.finished. Rejects
+ *  when the stream cannot be opened (the caller falls back to polling). */
+async function follow(runId, onEvent, signal) {
+  let last = null;
+  for (;;) {
+    const headers = { Accept: "text/event-stream" };
+    const token = sessionStorage.getItem(TOKEN_KEY);
+    if (token) headers.Authorization = `Bearer ${token}`;
+    if (last) headers["Last-Event-ID"] = last;
+    const response = await fetch(`/api/runs/${encodeURIComponent(runId)}/events`,
+      { headers, signal });
+    if (!response.ok || !response.body) throw new ApiError(response.status, "no event stream");
+    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += value;
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const block = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        let id = null, name = "message", data = "";
+        for (const line of block.split("\n")) {
+          if (line.startsWith("id: ")) id = line.slice(4);
+          else if (line.startsWith("event: ")) name = line.slice(7);
+          else if (line.startsWith("data: ")) data += line.slice(6);
+        }
+        if (!data) continue;
+        if (id) last = id;
+        onEvent(name, JSON.parse(data));
+        if (name === "run.finished") return;
+      }
+    }
+    await new Promise((resolve) => setTimeout(resolve, 1000));  // dropped: resume after `last`
+  }
 }
 
 // -- the session ----------------------------------------------------------------------------
@@ -568,8 +608,55 @@ function runPage() {
     body.dataset.status = run.status;
     return run;
   };
-  // Poll while the run can still change; an action on a finished run (resume) polls again.
+  // Follow the run's event stream while it can change: reload on each durable event, show the
+  // model's text as it streams. Without the stream (an old server, a proxy) poll instead; an
+  // action on a finished run (resume) follows again.
+  let typing = {};
+  const showText = () => {
+    const live = $("#live-text");
+    const text = Object.values(typing).join("");
+    live.hidden = !text;
+    live.textContent = text;
+  };
+  let pending = null;
+  const reloadSoon = () => {
+    if (pending) return;
+    pending = setTimeout(async () => {
+      pending = null;
+      try { await load(); } catch (e) { if (!(e instanceof ApiError)) flash(e.message, true); }
+    }, 150);
+  };
+  const onEvent = (name, data) => {
+    if (name === "text.delta") {
+      const k = `${data.key}#${data.attempt}`;
+      typing[k] = (typing[k] || "") + data.text;
+      showText();
+    } else if (name === "text.retract") {
+      delete typing[`${data.key}#${data.attempt}`];
+      showText();
+    } else {
+      if (name === "step.finished") typing = {};
+      showText();
+      reloadSoon();
+    }
+  };
   const poll = () => {
+    if (stop) return;
+    const controller = new AbortController();
+    stop = () => controller.abort();
+    follow(id, onEvent, controller.signal).then(() => {
+      stop = null;
+      typing = {};
+      showText();
+      reloadSoon();
+    }, (e) => {
+      if (controller.signal.aborted) return;
+      stop = null;
+      if (e instanceof ApiError && e.status === 401) return;
+      pollOnly();
+    });
+  };
+  const pollOnly = () => {
     if (stop) return;
     stop = watch(async () => {
       const run = await load();
@@ -584,7 +671,7 @@ function runPage() {
     await load();
     poll();
   };
-  poll();
+  load().then(poll, (e) => { if (!(e instanceof ApiError)) flash(e.message, true); poll(); });
 }
 
 // -- approvals inbox ------------------------------------------------------------------------

@@ -1,0 +1,294 @@
+"""The live side of a run's event stream, in Redis: text deltas and retractions, and the cancel
+flag a model call in flight watches.
+
+Nothing here is the truth (PostgreSQL is, see ``run_event``): a delta lost with Redis costs a
+client some text of the step in flight, whose full text still arrives in its
+``step.finished`` event. Every call is best effort on the worker's side: Redis being down never
+fails or slows a model call for long (after an error it is left alone for a few seconds).
+
+Keys, per run: ``dar:live:<run>`` a stream capped near ``DAR_LIVE_MAXLEN`` entries of
+``text.delta`` / ``text.retract`` (fields ``type, key, attempt, base, text``);
+``dar:live-attempts:<run>`` the attempt counter per step key; ``dar:cancel:<run>`` set by
+``POST /cancel``. All expire a day after their last write.
+
+A delta's ``base`` is the run's last durable event number when its attempt began: clients
+order it after that event and before the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+log = logging.getLogger(__name__)
+
+TTL_SECONDS = 86_400
+BACKOFF_SECONDS = 5.0
+
+
+def stream_key(run_id: uuid.UUID) -> str:
+    return f"dar:live:{run_id}"
+
+
+def attempts_key(run_id: uuid.UUID) -> str:
+    return f"dar:live-attempts:{run_id}"
+
+
+def cancel_key(run_id: uuid.UUID) -> str:
+    return f"dar:cancel:{run_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class LiveEntry:
+    """One entry of a run's live stream."""
+
+    rid: str
+    """The Redis stream id (``<ms>-<n>``)."""
+    type: str
+    key: str
+    attempt: int
+    base: int
+    text: str
+
+    @property
+    def order(self) -> tuple[int, int, int]:
+        ms, _, n = self.rid.partition("-")
+        return (self.base, int(ms), int(n or 0))
+
+
+def _entry(rid: Any, fields: Any) -> LiveEntry | None:
+    try:
+        return LiveEntry(
+            rid=rid.decode() if isinstance(rid, bytes) else rid,
+            type=fields[b"type"].decode(),
+            key=fields[b"key"].decode(),
+            attempt=int(fields[b"attempt"]),
+            base=int(fields[b"base"]),
+            text=fields.get(b"text", b"").decode(),
+        )
+    except (KeyError, ValueError, AttributeError, TypeError):
+        return None
+
+
+@dataclass
+class _Watched:
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    aborts: list[Callable[[], None]] = field(default_factory=list)
+
+
+class LiveChannel:
+    """A process's connection to the live side. Thread-safe; one per process."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        maxlen: int = 10_000,
+        cancel_poll_seconds: float = 0.2,
+    ) -> None:
+        self.redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=1.0)
+        self.maxlen = maxlen
+        self.cancel_poll_seconds = cancel_poll_seconds
+        self._down_until = 0.0
+        self._lock = threading.Condition()
+        self._watched: dict[uuid.UUID, list[_Watched]] = {}
+        self._watcher: threading.Thread | None = None
+        self._closed = False
+
+    # -- best effort writes (workers) ----------------------------------------------------
+
+    def _available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, what: str, e: Exception) -> None:
+        if self._available():
+            log.warning(
+                "live stream: Redis %s failed (%s); deltas are skipped for %.0f s",
+                what,
+                e,
+                BACKOFF_SECONDS,
+                extra={"event": "live_redis_down"},
+            )
+        self._down_until = time.monotonic() + BACKOFF_SECONDS
+
+    def publish(self, run_id: uuid.UUID, fields: dict[str, str | int]) -> None:
+        if not self._available():
+            return
+        try:
+            self.redis.xadd(stream_key(run_id), fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
+        except redis.RedisError as e:
+            self._failed("XADD", e)
+
+    def next_attempt(self, run_id: uuid.UUID, key: str, base: int) -> int:
+        """Number a new attempt of step ``key``; when an earlier attempt exists (a retry, or
+        a worker that died mid-stream), retract it first. 0 when Redis is unavailable."""
+        if not self._available():
+            return 0
+        try:
+            attempt = int(self.redis.hincrby(attempts_key(run_id), key, 1))
+            pipe = self.redis.pipeline(transaction=False)
+            if attempt > 1:
+                retract: Any = {
+                    "type": "text.retract",
+                    "key": key,
+                    "attempt": attempt - 1,
+                    "base": base,
+                    "text": "",
+                }
+                pipe.xadd(
+                    stream_key(run_id),
+                    retract,
+                    maxlen=self.maxlen,
+                    approximate=True,
+                )
+            pipe.expire(attempts_key(run_id), TTL_SECONDS)
+            pipe.expire(stream_key(run_id), TTL_SECONDS)
+            pipe.execute()
+        except redis.RedisError as e:
+            self._failed("attempt", e)
+            return 0
+        return attempt
+
+    def request_cancel(self, run_id: uuid.UUID) -> bool:
+        """Raise the run's cancel flag for its model call in flight (the database's
+        ``cancel_requested`` stays the truth). ``False`` when Redis could not be told."""
+        try:
+            self.redis.set(cancel_key(run_id), b"1", ex=TTL_SECONDS)
+        except redis.RedisError as e:
+            log.warning("cancel flag for run %s not set in Redis: %s", run_id, e)
+            return False
+        return True
+
+    # -- reading (the API) --------------------------------------------------------------
+
+    def entries(self, run_id: uuid.UUID, after: str = "0-0", count: int = 1000) -> list[LiveEntry]:
+        """Entries after stream id ``after``, oldest first. Raises ``redis.RedisError``."""
+        rows: Any = self.redis.xrange(stream_key(run_id), min=f"({after}", count=count)
+        return [e for rid, f in rows if (e := _entry(rid, f)) is not None]
+
+    def wait(self, run_id: uuid.UUID, after: str, timeout_seconds: float) -> list[LiveEntry]:
+        """Entries after ``after``, waiting up to ``timeout_seconds`` for the first.
+        Raises ``redis.RedisError``."""
+        found: Any = self.redis.xread(
+            {stream_key(run_id): after}, count=1000, block=max(1, int(timeout_seconds * 1000))
+        )
+        out: list[LiveEntry] = []
+        for _, rows in found or []:
+            out += [e for rid, f in rows if (e := _entry(rid, f)) is not None]
+        return out
+
+    # -- cancel watching (workers) ------------------------------------------------------
+
+    @contextmanager
+    def watch(self, run_id: uuid.UUID) -> Iterator[_Watched]:
+        """Watch ``run_id``'s cancel flag while the block runs."""
+        watched = _Watched()
+        with self._lock:
+            self._watched.setdefault(run_id, []).append(watched)
+            if self._watcher is None:
+                self._watcher = threading.Thread(
+                    target=self._watch_loop, name="dar-cancel-watch", daemon=True
+                )
+                self._watcher.start()
+            self._lock.notify_all()
+        try:
+            yield watched
+        finally:
+            with self._lock:
+                entries = self._watched.get(run_id, [])
+                if watched in entries:
+                    entries.remove(watched)
+                if not entries:
+                    self._watched.pop(run_id, None)
+
+    def _watch_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._watched and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    return
+                runs = list(self._watched)
+            try:
+                flags = self.redis.mget([cancel_key(r) for r in runs])
+            except Exception:  # Redis down, or the client closed under us (close())
+                if self._closed:
+                    return
+                flags = [None] * len(runs)
+                time.sleep(1.0)
+            for run_id, flag in zip(runs, flags, strict=True):
+                if flag is None:
+                    continue
+                with self._lock:
+                    watched = list(self._watched.get(run_id, []))
+                for w in watched:
+                    if w.cancelled.is_set():
+                        continue
+                    w.cancelled.set()
+                    for abort in list(w.aborts):
+                        try:
+                            abort()
+                        except Exception:
+                            log.exception("aborting a cancelled model call failed")
+            time.sleep(self.cancel_poll_seconds)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self.redis.close()
+
+
+class RedisLiveCall:
+    """:class:`~runtime.llm.live.LiveCall` for one model call of step ``key``."""
+
+    def __init__(
+        self,
+        channel: LiveChannel,
+        run_id: uuid.UUID,
+        key: str,
+        base: Callable[[], int],
+        watched: _Watched,
+    ) -> None:
+        self.channel = channel
+        self.run_id = run_id
+        self.key = key
+        self._base_of = base
+        self._base = 0
+        self._watched = watched
+        self.cancelled = watched.cancelled
+
+    def begin_attempt(self) -> int:
+        self._base = self._base_of()
+        return self.channel.next_attempt(self.run_id, self.key, self._base)
+
+    def delta(self, attempt: int, text: str) -> None:
+        self.channel.publish(
+            self.run_id,
+            {
+                "type": "text.delta",
+                "key": self.key,
+                "attempt": attempt,
+                "base": self._base,
+                "text": text,
+            },
+        )
+
+    def on_cancel(self, abort: Callable[[], None]) -> Callable[[], None]:
+        self._watched.aborts.append(abort)
+        if self.cancelled.is_set():
+            abort()
+
+        def unregister() -> None:
+            if abort in self._watched.aborts:
+                self._watched.aborts.remove(abort)
+
+        return unregister
