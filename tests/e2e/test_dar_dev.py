@@ -127,8 +127,9 @@ def test_the_readme_kill_demo_under_dar_dev(dar_dev: DarDev, tmp_path: Path) -> 
     deadline = time.monotonic() + 60
     while True:  # the second model call in flight: two steps done, a worker holds the lease
         assert time.monotonic() < deadline, "the run never reached its second model call"
-        run = dar_dev.api("GET", f"/api/runs/{run_id}")
+        # Steps first, then the holder: a holder read after two DONE steps holds the third.
         steps = dar_dev.api("GET", f"/api/runs/{run_id}/timeline")
+        run = dar_dev.api("GET", f"/api/runs/{run_id}")
         done = [t for t in steps if t["kind"] != "AUDIT" and t["status"] == "DONE"]
         if len(done) == 2 and run["lockedBy"]:  # (a STARTED tool row: the tool still runs)
             break

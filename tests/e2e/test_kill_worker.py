@@ -81,8 +81,9 @@ def test_sigkill_mid_step_resumes_on_the_other_worker(stack: DevStack, pool: str
         deadline = time.monotonic() + 60
         while True:
             assert time.monotonic() < deadline, "the run never reached its second model call"
-            run = store.get_run(run_id)
+            # Steps first, then the holder: a holder read after two DONE steps holds the third.
             done = [s for s in store.steps(run_id) if s.status is StepStatus.DONE]
+            run = store.get_run(run_id)
             if len(done) == 2 and run.locked_by and run.locked_until:
                 break
             time.sleep(0.05)
