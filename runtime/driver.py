@@ -36,8 +36,10 @@ from runtime.llm.base import LlmClient
 from runtime.logctx import log_context
 from runtime.mcp.client import McpClients
 from runtime.metrics import Metrics
-from runtime.modelcall import estimate_tokens, prompt_hash
+from runtime.modelcall import estimate_tokens
 from runtime.pricing import PriceTable
+from runtime.prompthash import PromptHashes, prompt_hash
+from runtime.replay import ReplayCache
 from runtime.task import Outcome, Services, StepResult, Task, short
 
 if TYPE_CHECKING:  # runtime.live imports redis (and ssl): not before gevent patches it
@@ -82,6 +84,8 @@ class Driver:
         self.mcp = mcp
         self.live = live
         self.flow = flow
+        self.replays = ReplayCache()
+        self.hashes = PromptHashes()
         self.heartbeat = heartbeat or Heartbeat(
             store,
             self.worker,
@@ -127,6 +131,8 @@ class Driver:
             mcp=self.mcp,
             live=self.live,
             flow=self.flow,
+            replays=self.replays,
+            hashes=self.hashes,
         )
         with (
             log_context(run_id=str(run.id), worker=self.worker, step_seq="-"),
