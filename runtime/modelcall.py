@@ -188,7 +188,7 @@ def _live(task: Task, key: str | None) -> Iterator[None]:
             yield
 
 
-def _transient(e: Exception) -> bool:
+def transient_db_error(e: BaseException) -> bool:
     """The database went away (a restart, a dropped connection): worth trying again."""
     return isinstance(e, OperationalError) or (
         isinstance(e, DBAPIError) and e.connection_invalidated
@@ -230,7 +230,7 @@ def record_billed(
             task.store.record_unrecorded_usage(task.run_id, answer.response.usage, answer.cost)
             raise
         except Exception as e:
-            if not _transient(e) or time.monotonic() + delay > give_up:
+            if not transient_db_error(e) or time.monotonic() + delay > give_up:
                 raise
             log.warning(
                 "run=%s the database is away while recording %s (%s); trying again in %.1fs",
