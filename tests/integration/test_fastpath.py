@@ -61,7 +61,8 @@ def test_a_killed_backend_is_invalidated_and_the_next_statement_gets_a_new_conne
         fast.one("pid", {})
     assert caught.value.connection_invalidated
     again = fast.one("pid", {})
-    assert again is not None and again["pid"] != first["pid"]
+    assert again is not None
+    assert again["pid"] != first["pid"]
 
 
 def test_errors_keep_sqlalchemys_types_and_hide_parameters(engine: Engine) -> None:
