@@ -415,14 +415,19 @@ FROM run_step WHERE run_id = :id ORDER BY seq;
 SELECT * FROM run WHERE id = :id FOR SHARE;
 
 -- create_fork_run --
--- A new QUEUED run forked from :source at :from_seq, in the source's tenant.
+-- A new QUEUED run forked from :source at :from_seq, in the source's tenant. With an
+-- idempotency key that exists already in that tenant (a concurrent retry committed first)
+-- nothing is inserted and no row is returned, as create_run.
 INSERT INTO run (id, agent, input, model, max_steps, token_budget, cost_budget_usd,
                  deadline_at, dispatch_token, submitted_by, tenant, timeout_seconds,
-                 forked_from_run, forked_from_seq, replay_model)
+                 forked_from_run, forked_from_seq, replay_model, idempotency_key,
+                 request_hash)
 SELECT :id, s.agent, CAST(:input AS jsonb), :model, s.max_steps, :token_budget,
        s.cost_budget_usd, now() + make_interval(secs => :timeout_seconds), :token,
-       :submitted_by, s.tenant, :timeout_seconds, s.id, :from_seq, :replay_model
+       :submitted_by, s.tenant, :timeout_seconds, s.id, :from_seq, :replay_model,
+       :idempotency_key, :request_hash
 FROM run s WHERE s.id = :source
+ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING *;
 
 -- copy_steps_to_fork --

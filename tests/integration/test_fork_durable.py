@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from db.records import ApprovalStatus, Dispatch, Run, RunStatus, StepKind, StepOrigin, StepStatus
+from db.records import ApprovalStatus, Dispatch, RunStatus, StepKind, StepOrigin, StepStatus
 from runtime.bootstrap import Runtime
 from runtime.durable import DurableAgent, Steps, durable_agent
 from runtime.fork import ForkRefused, ForkRequest, fork_run
@@ -100,7 +100,7 @@ def original(tester: DurableTester, model: FakeModel, order: dict[str, Any] = OR
 
 def fork(tester: DurableTester, source: uuid.UUID, **kwargs: Any) -> RunResult:
     runtime = tester.runtime
-    run: Run = fork_run(
+    run, _ = fork_run(
         runtime.store, runtime.agents, runtime.settings, source, ForkRequest(**kwargs)
     )
     return tester._drive(Dispatch(run.id, run.dispatch_token))
