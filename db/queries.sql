@@ -392,7 +392,10 @@ RETURNING id;
 
 -- retry_failed_steps --
 -- A resumed durable function runs its failed steps again (history kept: attempt goes on).
-UPDATE run_step SET status = 'RETRYING'
+-- A fork's copied failed step becomes the fork's own: the fork executes it now, so the row
+-- bills the fork and the fork compensates it; what the original paid is no longer apart.
+UPDATE run_step
+SET status = 'RETRYING', origin = NULL, original_tokens = NULL, original_cost_usd = NULL
 WHERE run_id = :id AND status = 'ERROR'
   AND kind IN ('STEP', 'LLM', 'SIDE_EFFECT', 'APPROVAL', 'VERSION');
 
