@@ -292,6 +292,14 @@ def test_a_fork_key_reused_for_another_request_is_422(
     assert redis_client.llen(settings.queue) == queued
 
 
+def test_the_openapi_document_states_the_fork_idempotency_key(client: FlaskClient) -> None:
+    fork = client.get("/api/openapi.json").get_json()["paths"]["/api/runs/{run_id}/fork"]["post"]
+    (header,) = [p for p in fork["parameters"] if p["in"] == "header"]
+    assert header["name"] == "Idempotency-Key"
+    assert header["schema"] == {"type": "string", "minLength": 1, "maxLength": 200}
+    assert {"200", "201", "422"} <= fork["responses"].keys()
+
+
 @pytest.mark.parametrize("key", ["", "k" * 201])
 def test_a_bad_fork_idempotency_key_is_400(
     client: FlaskClient, runtime: Runtime, llm: ScriptedLlm, key: str
