@@ -392,7 +392,10 @@ RETURNING id;
 
 -- retry_failed_steps --
 -- A resumed durable function runs its failed steps again (history kept: attempt goes on).
-UPDATE run_step SET status = 'RETRYING'
+-- A fork's copied failed step becomes the fork's own: the fork executes it now, so the row
+-- bills the fork and the fork compensates it; what the original paid is no longer apart.
+UPDATE run_step
+SET status = 'RETRYING', origin = NULL, original_tokens = NULL, original_cost_usd = NULL
 WHERE run_id = :id AND status = 'ERROR'
   AND kind IN ('STEP', 'LLM', 'SIDE_EFFECT', 'APPROVAL', 'VERSION');
 
@@ -415,14 +418,19 @@ FROM run_step WHERE run_id = :id ORDER BY seq;
 SELECT * FROM run WHERE id = :id FOR SHARE;
 
 -- create_fork_run --
--- A new QUEUED run forked from :source at :from_seq, in the source's tenant.
+-- A new QUEUED run forked from :source at :from_seq, in the source's tenant. With an
+-- idempotency key that exists already in that tenant (a concurrent retry committed first)
+-- nothing is inserted and no row is returned, as create_run.
 INSERT INTO run (id, agent, input, model, max_steps, token_budget, cost_budget_usd,
                  deadline_at, dispatch_token, submitted_by, tenant, timeout_seconds,
-                 forked_from_run, forked_from_seq, replay_model)
+                 forked_from_run, forked_from_seq, replay_model, idempotency_key,
+                 request_hash)
 SELECT :id, s.agent, CAST(:input AS jsonb), :model, s.max_steps, :token_budget,
        s.cost_budget_usd, now() + make_interval(secs => :timeout_seconds), :token,
-       :submitted_by, s.tenant, :timeout_seconds, s.id, :from_seq, :replay_model
+       :submitted_by, s.tenant, :timeout_seconds, s.id, :from_seq, :replay_model,
+       :idempotency_key, :request_hash
 FROM run s WHERE s.id = :source
+ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING *;
 
 -- copy_steps_to_fork --

@@ -220,6 +220,17 @@ def _record_audit(conn: Connection, run_id: uuid.UUID, audit: NewAudit) -> None:
     )
 
 
+def _same_request(existing: RowMapping, key: str | None, request_hash: str | None) -> Run:
+    """The run an idempotency key made, for a retry of the same request; a different request
+    with that key is :class:`IdempotencyConflict` (a submit's key reused by a fork, too)."""
+    if existing["request_hash"] != request_hash:
+        raise IdempotencyConflict(
+            f"Idempotency-Key {key!r} was used for run {existing['id']} "
+            "with a different request body; use a new key for a new request"
+        )
+    return _run(existing)
+
+
 def _fence(claim: Claim) -> dict[str, Any]:
     return {"id": claim.run_id, "worker": claim.worker, "epoch": claim.epoch}
 
@@ -290,12 +301,7 @@ class RunStore:
                 .mappings()
                 .one()
             )
-        if existing["request_hash"] != new.request_hash:
-            raise IdempotencyConflict(
-                f"Idempotency-Key {new.idempotency_key!r} was used for run {existing['id']} "
-                "with a different request body; use a new key for a new request"
-            )
-        return _run(existing), False
+        return _same_request(existing, new.idempotency_key, new.request_hash), False
 
     # -- reading ------------------------------------------------------------------------
 
@@ -945,20 +951,29 @@ class RunStore:
         check: Callable[[Run, list[Step]], Sequence[StepEdit]],
         *,
         quota: SubmitQuota | None = None,
-    ) -> Run:
+    ) -> tuple[Run, bool]:
         """Create a fork of ``new.source`` in one transaction: the source is held (shared)
         while ``check`` judges it and its steps and returns the edits to make (raising
         refuses the fork); its steps before ``new.from_seq`` and their decided approvals are
-        copied, the edits applied, and the fork queued. Raises :class:`RunNotFound` for no
-        source."""
+        copied, the edits applied, and the fork queued. Returns ``(run, created)``: with an
+        idempotency key seen before in the source's tenant, the run made then and ``False``
+        (neither ``check`` nor the quota is asked again, as for a submit), or
+        :class:`IdempotencyConflict` when that request differed. Raises
+        :class:`RunNotFound` for no source."""
         fork_id = uuid.uuid4()
         with self.engine.begin() as conn:
             if quota is not None and new.submitted_by is not None:  # a fork is a submit
                 conn.execute(Q["lock_submitter"], {"submitted_by": new.submitted_by})
-                _check_quota(conn, new.submitted_by, quota)
             row = conn.execute(Q["lock_run_for_fork"], {"id": new.source}).mappings().first()
             if row is None:
                 raise RunNotFound(f"no run with id {new.source}")
+            by_key = {"idempotency_key": new.idempotency_key, "tenant": row["tenant"]}
+            if new.idempotency_key is not None:
+                seen = conn.execute(Q["get_run_by_idempotency_key"], by_key).mappings().first()
+                if seen is not None:
+                    return _same_request(seen, new.idempotency_key, new.request_hash), False
+            if quota is not None and new.submitted_by is not None:
+                _check_quota(conn, new.submitted_by, quota)
             steps = [_step(r) for r in conn.execute(Q["list_steps"], {"id": new.source}).mappings()]
             edits = check(_run(row), steps)
             created = (
@@ -975,11 +990,16 @@ class RunStore:
                         "submitted_by": new.submitted_by,
                         "from_seq": new.from_seq,
                         "replay_model": new.replay_model,
+                        "idempotency_key": new.idempotency_key,
+                        "request_hash": new.request_hash,
                     },
                 )
                 .mappings()
-                .one()
+                .first()
             )
+            if created is None:  # a retry with the same key committed meanwhile
+                seen = conn.execute(Q["get_run_by_idempotency_key"], by_key).mappings().one()
+                return _same_request(seen, new.idempotency_key, new.request_hash), False
             copy = {"fork": fork_id, "source": new.source, "from_seq": new.from_seq}
             conn.execute(Q["copy_steps_to_fork"], copy)
             conn.execute(Q["copy_approvals_to_fork"], copy)
@@ -999,7 +1019,7 @@ class RunStore:
             if new.audit is not None:  # on the source: who forked it, from where, into what
                 detail = {"fork": str(fork_id), **(new.audit.detail or {})}
                 _record_audit(conn, new.source, replace(new.audit, detail=detail))
-        return _run(created)
+        return _run(created), True
 
     def step_by_key(self, run_id: uuid.UUID, step_key: str) -> Step | None:
         with self.engine.connect() as conn:
