@@ -24,7 +24,7 @@ What SQLAlchemy did for these statements and must still happen:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import psycopg
@@ -57,13 +57,19 @@ class FastStatements:
 
     def one(self, name: str, params: Mapping[str, Any]) -> dict[str, Any] | None:
         """The first row of ``name`` (a dict), or ``None``; one round trip, autocommit."""
-        return self._run(name, params, fetch=True)  # type: ignore[no-any-return]
+        return self._run(name, params, psycopg.Cursor.fetchone)  # type: ignore[no-any-return]
+
+    def all(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Every row of ``name`` (dicts); one round trip, autocommit."""
+        return self._run(name, params, psycopg.Cursor.fetchall)  # type: ignore[no-any-return]
 
     def rowcount(self, name: str, params: Mapping[str, Any]) -> int:
         """The rows ``name`` touched; one round trip, autocommit."""
-        return self._run(name, params, fetch=False)  # type: ignore[no-any-return]
+        return self._run(name, params, _rowcount)  # type: ignore[no-any-return]
 
-    def _run(self, name: str, params: Mapping[str, Any], *, fetch: bool) -> Any:
+    def _run(
+        self, name: str, params: Mapping[str, Any], result: Callable[[psycopg.Cursor[Any]], Any]
+    ) -> Any:
         sql = self._sql[name]
         engine = self._engine
         try:
@@ -77,7 +83,7 @@ class FastStatements:
                 engine.dispatch.before_cursor_execute(None, None, sql, params, None, False)
             with conn.cursor(row_factory=_dict_rows) as cur:
                 cur.execute(sql, params)
-                out = cur.fetchone() if fetch else cur.rowcount
+                out = result(cur)
             conn.autocommit = False
         except psycopg.Error as e:
             invalidated = engine.dialect.is_disconnect(e, raw, None)  # type: ignore[arg-type]
@@ -97,6 +103,10 @@ class FastStatements:
         finally:
             raw.close()  # back to the pool, or discarded when invalidated
         return out
+
+
+def _rowcount(cursor: psycopg.Cursor[Any]) -> int:
+    return cursor.rowcount
 
 
 def _wrapped(

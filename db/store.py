@@ -52,7 +52,7 @@ from db.records import (
 )
 from db.steplog import StepLogCache
 
-_HOT = ("claim_run", "record_step", "start_step", "finish_run", "schedule_run")
+_HOT = ("claim_run", "list_steps", "record_step", "start_step", "finish_run", "schedule_run")
 """The statements of a step, run through :mod:`db.fastpath`."""
 
 
@@ -322,9 +322,7 @@ class RunStore:
             cached = self.step_logs.get(run_id, token, epoch)
             if cached is not None:
                 return cached
-        with self._statement() as conn:
-            rows = conn.execute(Q["list_steps"], {"id": run_id}).mappings().all()
-        steps = [_step(r) for r in rows]
+        steps = [_step(r) for r in self._fast.all("list_steps", {"id": run_id})]
         if epoch is not None:
             self.step_logs.loaded(run_id, epoch, steps)
         return steps

@@ -114,3 +114,9 @@ def test_rowcount_counts_the_rows_touched(engine: Engine) -> None:
         engine, {"n": text("UPDATE run SET wait_reason = wait_reason WHERE id = :id")}
     )
     assert fast.rowcount("n", {"id": uuid.uuid4()}) == 0
+
+
+def test_all_returns_every_row_in_order(engine: Engine) -> None:
+    fast = FastStatements(engine, {"series": text("SELECT g AS n FROM generate_series(1, :k) g")})
+    assert fast.all("series", {"k": 3}) == [{"n": 1}, {"n": 2}, {"n": 3}]
+    assert fast.all("series", {"k": 0}) == []
