@@ -182,6 +182,15 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
                 (lv["ratio_to_ideal"] >= 0.9) if big else None,
                 nd=0,
             )
+            if "window_steps_per_s" in lv:
+                add(
+                    "c",
+                    f"  same, commits/s in the 5-95% window, {lv['runs']} in flight",
+                    lv["window_steps_per_s"],
+                    "ideal in_flight/latency",
+                    lv["ideal_steps_per_s"],
+                    nd=0,
+                )
             add(
                 "c",
                 f"leases held (runs in a step), {lv['runs']} submitted, "

@@ -87,7 +87,7 @@ class Plan:
                 dbos_latency_steps=100,
                 long_runs=1,
                 inflight_levels=((500, 4),),
-                gevent_levels=((200, 4, 1000), (2000, 2, 10000)),
+                gevent_levels=((250, 4, 1000), (2000, 3, 10000)),
                 recovery_configs=(("default (DAR_LEASE_SECONDS=15)", ()),),
             )
         if repeats:
