@@ -22,7 +22,7 @@ from bench.env import BenchEnv
 from bench.hop import HOP_TASK, HOP_TIMES, checkpoint
 from bench.models import spec
 from bench.stack import HopFleet
-from bench.stats import median, summary, window_rate
+from bench.stats import median, span_rate, summary, window_rate
 from db.engine import make_engine
 
 
@@ -144,14 +144,17 @@ def hop_throughput(
 ) -> dict[str, Any]:
     """``chains`` chains at once: hops per second in the steady window, median of repeats."""
     rates: list[float] = []
+    spans: list[float] = []
     cpus: list[dict[str, float]] = []
     for _ in range(repeats):
         env.truncate()
         meter = CpuMeter(fleet.pids().values()).start()
+        t0 = time.time()
         runs = _start_chains(fleet, env, chains, hops)
         rows = _wait_hops(env, runs, hops, timeout=300)
         cpus.append(per_step_ms(meter.stop(), len(rows)))
         rates.append(window_rate([r["finished"] for r in rows]))
+        spans.append(span_rate(t0, [r["finished"] for r in rows]))
     return {
         "processes": fleet.n,
         "concurrency": fleet.concurrency,
@@ -159,6 +162,7 @@ def hop_throughput(
         "chains": chains,
         "hops": hops,
         "steps_per_s": median(rates),
+        "span_steps_per_s": median(spans),
         "repeats": rates,
         "cpu_ms_per_step": cpus[len(cpus) // 2],
     }

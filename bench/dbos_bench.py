@@ -20,7 +20,7 @@ import time
 from typing import IO, Any
 
 from bench.env import RESULTS, ROOT, BenchEnv
-from bench.stats import summary, window_rate
+from bench.stats import span_rate, summary, window_rate
 
 _times: list[float] = []
 _lock = threading.Lock()
@@ -174,9 +174,12 @@ def dbos_latency(fleet: DbosFleet, steps: int) -> dict[str, Any]:
     return {"steps": steps, "ms_per_step": summary(gaps)}
 
 
-def dbos_throughput(fleet: DbosFleet, workflows: int, steps: int) -> float:
-    """``workflows`` workflows at once: steps/s in the steady window."""
-    return window_rate(fleet.round(workflows, steps))
+def dbos_throughput(fleet: DbosFleet, workflows: int, steps: int) -> dict[str, float]:
+    """``workflows`` workflows at once: steps/s in the steady window, and from the start to
+    the last step."""
+    t0 = time.time()
+    times = fleet.round(workflows, steps)
+    return {"steps_per_s": window_rate(times), "span_steps_per_s": span_rate(t0, times)}
 
 
 if __name__ == "__main__":

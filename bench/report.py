@@ -125,9 +125,8 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
         for n, row in tp["by_processes"].items():
             n = int(n)
             v = row["runtime_steps_per_s"]
+            # The targets are judged from the first submit to the last end (the span rows).
             target, ok = "", None
-            if n == 2:
-                target, ok = ">= 0.80 x hop", row["ratio_to_hop"] >= 0.8
             add(
                 "b",
                 f"steps/s, {n} proc, {tp['runs']} runs",
@@ -140,7 +139,7 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
                 nd=0,
             )
             if "dbos_steps_per_s" in row:
-                t2, ok2 = ("", None) if n != 2 else (">= DBOS", row["ratio_to_dbos"] >= 1.0)
+                t2, ok2 = "", None
                 add(
                     "b",
                     f"steps/s, {n} proc, {tp['runs']} runs",
@@ -152,6 +151,33 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
                     ratio=row["ratio_to_dbos"],
                     nd=0,
                 )
+            if row.get("span_steps_per_s"):
+                # From the first submit to the last run's end: stalls and stragglers count.
+                add(
+                    "b",
+                    f"  same, first submit to last end, {n} proc",
+                    row["span_steps_per_s"],
+                    f"bare hop {n} proc, same",
+                    row["hop_span_steps_per_s"],
+                    ">= 0.80 x hop" if n == 2 else "",
+                    (row["span_steps_per_s"] >= 0.8 * row["hop_span_steps_per_s"])
+                    if n == 2
+                    else None,
+                    nd=0,
+                )
+                if row.get("dbos_span_steps_per_s"):
+                    add(
+                        "b",
+                        f"  same, first submit to last end, {n} proc",
+                        row["span_steps_per_s"],
+                        f"DBOS {n} proc, same",
+                        row["dbos_span_steps_per_s"],
+                        ">= DBOS" if n == 2 else "",
+                        (row["span_steps_per_s"] >= row["dbos_span_steps_per_s"])
+                        if n == 2
+                        else None,
+                        nd=0,
+                    )
             floor = row.get("broker_floor_steps_per_s")
             if floor and "dbos_steps_per_s" in row:
                 # The broker alone, no database: the ceiling of any step handed on through it.

@@ -31,7 +31,7 @@ from bench.cpu import CpuMeter, per_step_ms
 from bench.env import BenchEnv
 from bench.models import spec
 from bench.stack import RuntimeFleet, pg_client_ports, pg_sockets
-from bench.stats import median, pct, summary, window_rate
+from bench.stats import median, pct, span_rate, summary, window_rate
 from tasks.dispatch import send_drive
 
 
@@ -95,12 +95,14 @@ def throughput(env: BenchEnv, fleet: RuntimeFleet, runs: int, tools: int) -> dic
     """``runs`` runs at once, each ``2 * tools + 1`` steps: steps/s in the steady window."""
     env.truncate()
     meter = CpuMeter(fleet.pids().values()).start()
+    t0 = time.time()
     ids = submit(env, fleet, [spec("tools", tools=tools)] * runs)
     counts = env.wait_terminal(ids, timeout=600)
     rows = env.step_rows(ids)
     cpu = per_step_ms(meter.stop(), len(rows))
     return {
         "steps_per_s": window_rate([r["finished"] for r in rows]),
+        "span_steps_per_s": span_rate(t0, [r["finished"] for r in rows]),
         "steps": len(rows),
         "statuses": counts,
         "cpu_ms_per_step": cpu,

@@ -46,6 +46,14 @@ def window_rate(timestamps: Sequence[float], lo: float = 0.05, hi: float = 0.95)
     return (hi - lo) * len(xs) / (b - a)
 
 
+def span_rate(started: float, timestamps: Sequence[float]) -> float:
+    """Events per second from ``started`` (the first submit) to the last event: stragglers
+    and stalls included."""
+    if not timestamps or max(timestamps) <= started:
+        return math.nan
+    return len(timestamps) / (max(timestamps) - started)
+
+
 def ratio(value: float, base: float) -> float:
     if base is None or value is None or not base or math.isnan(base) or math.isnan(value):
         return math.nan

@@ -186,29 +186,43 @@ def section_throughput(env: BenchEnv, plan: Plan) -> dict[str, Any]:
             "dbos": [],
             "cpu": [],
             "hop_cpu": [],
+            "span": [],
+            "hop_span": [],
+            "dbos_span": [],
         }
+        # One fleet at a time: 4 runtime processes (20 connections each) beside 4 bare-hop
+        # processes exceed PostgreSQL's default max_connections of 100, and a step that
+        # cannot connect measures the server's limit, not the runtime.
+        with HopFleet(env, workers=n, concurrency=plan.concurrency, name=f"tput-hop-{n}") as hop:
+            for i in range(plan.repeats):
+                _log(f"throughput: {n} process(es), bare hop, repeat {i + 1}/{plan.repeats}")
+                h = hop_throughput(env, hop, plan.runs, steps, 1)
+                rep["hop"].append(h["steps_per_s"])
+                rep["hop_cpu"].append(h["cpu_ms_per_step"])
+                rep["hop_span"].append(h["span_steps_per_s"])
+                rep["floor"].append(broker_floor(env, hop, plan.runs, steps)["steps_per_s"])
         with (
-            HopFleet(env, workers=n, concurrency=plan.concurrency, name=f"tput-hop-{n}") as hop,
             RuntimeFleet(
                 env, workers=n, concurrency=plan.concurrency, name=f"tput-runtime-{n}"
             ) as rt,
             _maybe_dbos(env, n if use_dbos and n <= 2 else 0) as dbos,
         ):
             for i in range(plan.repeats):
-                _log(f"throughput: {n} process(es), repeat {i + 1}/{plan.repeats}")
-                h = hop_throughput(env, hop, plan.runs, steps, 1)
-                rep["hop"].append(h["steps_per_s"])
-                rep["hop_cpu"].append(h["cpu_ms_per_step"])
-                rep["floor"].append(broker_floor(env, hop, plan.runs, steps)["steps_per_s"])
+                _log(f"throughput: {n} process(es), runtime, repeat {i + 1}/{plan.repeats}")
                 r = rb.throughput(env, rt, plan.runs, plan.tools)
                 rep["runtime"].append(r["steps_per_s"])
                 rep["cpu"].append(r["cpu_ms_per_step"])
+                rep["span"].append(r["span_steps_per_s"])
                 if dbos is not None:
-                    rep["dbos"].append(dbos_throughput(dbos, plan.runs, steps))
+                    d = dbos_throughput(dbos, plan.runs, steps)
+                    rep["dbos"].append(d["steps_per_s"])
+                    rep["dbos_span"].append(d["span_steps_per_s"])
         row: dict[str, Any] = {
             "runtime_steps_per_s": _med(rep["runtime"]),
             "hop_steps_per_s": _med(rep["hop"]),
             "broker_floor_steps_per_s": _med(rep["floor"]),
+            "span_steps_per_s": _med(rep["span"]),
+            "hop_span_steps_per_s": _med(rep["hop_span"]),
             "ratio_to_hop": _med([a / b for a, b in zip(rep["runtime"], rep["hop"], strict=True)]),
             "runtime_cpu_ms_per_step": _median_dict(rep["cpu"]),
             "hop_cpu_ms_per_step": _median_dict(rep["hop_cpu"]),
@@ -216,6 +230,7 @@ def section_throughput(env: BenchEnv, plan: Plan) -> dict[str, Any]:
         }
         if rep["dbos"]:
             row["dbos_steps_per_s"] = _med(rep["dbos"])
+            row["dbos_span_steps_per_s"] = _med(rep["dbos_span"])
             row["ratio_to_dbos"] = _med(
                 [a / b for a, b in zip(rep["runtime"], rep["dbos"], strict=True)]
             )
