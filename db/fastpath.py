@@ -87,13 +87,16 @@ class FastStatements:
             conn.autocommit = False
         except psycopg.Error as e:
             invalidated = engine.dialect.is_disconnect(e, raw, None)  # type: ignore[arg-type]
-            if not invalidated:
+            if invalidated:
+                # As SQLAlchemy does on a disconnect: this connection is dropped and every
+                # pooled one opened before it is replaced at its next checkout (after a
+                # server restart they are all dead; each would fail one statement).
+                engine.pool._invalidate(raw, e)
+            else:
                 try:
                     conn.autocommit = False
                 except psycopg.Error:  # in no state to go back to the pool
-                    invalidated = True
-            if invalidated:
-                raw.invalidate(e)
+                    raw.invalidate(e)
             raise _wrapped(engine, sql, params, e, invalidated=invalidated) from e
         except BaseException as e:
             # Interrupted mid-statement (a gevent timeout, a signal, a crash test's

@@ -120,3 +120,31 @@ def test_all_returns_every_row_in_order(engine: Engine) -> None:
     fast = FastStatements(engine, {"series": text("SELECT g AS n FROM generate_series(1, :k) g")})
     assert fast.all("series", {"k": 3}) == [{"n": 1}, {"n": 2}, {"n": 3}]
     assert fast.all("series", {"k": 0}) == []
+
+
+def test_after_a_server_restart_one_statement_fails_not_one_per_pooled_connection(
+    database_url: str,
+) -> None:
+    """Every pooled connection died with the server: the first failure recycles them all,
+    as SQLAlchemy does, instead of each failing a statement of its own."""
+    engine = make_engine(database_url, pool_size=3, max_overflow=0, application_name="fast-probe")
+    try:
+        held = [engine.raw_connection() for _ in range(3)]  # three pooled connections
+        for raw in held:
+            raw.close()
+        with make_engine(database_url, pool_size=1).connect() as admin:
+            killed = admin.execute(
+                text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                    " WHERE application_name = 'fast-probe'"
+                )
+            ).scalar_one()
+            admin.commit()
+        assert killed == 3
+        fast = FastStatements(engine, {"one": text("SELECT 1 AS one")})
+        with pytest.raises(OperationalError):
+            fast.one("one", {})
+        assert fast.one("one", {}) == {"one": 1}
+        assert fast.one("one", {}) == {"one": 1}
+    finally:
+        engine.dispose()
