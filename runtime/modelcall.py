@@ -230,17 +230,19 @@ def record_billed(
             task.store.record_unrecorded_usage(task.run_id, answer.response.usage, answer.cost)
             raise
         except Exception as e:
-            if not transient_db_error(e) or time.monotonic() + delay > give_up:
+            left = give_up - time.monotonic()
+            if not transient_db_error(e) or left <= 0:
                 raise
+            pause = min(delay, left)  # the last try lands on the deadline, not before it
             log.warning(
                 "run=%s the database is away while recording %s (%s); trying again in %.1fs",
                 task.rid,
                 key,
                 type(e).__name__,
-                delay,
+                pause,
                 extra={"run_id": str(task.run_id), "event": "checkpoint.retry"},
             )
-            time.sleep(delay)
+            time.sleep(pause)
             delay = min(delay * 2, 2.0)
             retried = True
     u, r = task.spent, answer.response.usage
