@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.env import RESULTS, ROOT
+from runtime.config import Settings
 
 # The reference figures of issue 7, measured on some 2-core machine: used only to show how
 # fast this machine runs the baselines compared with that one.
@@ -311,7 +312,7 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
     rc = sections.get("recovery")
     if rc:
         for c in rc["configs"]:
-            lease = float(c["settings"].get("DAR_LEASE_SECONDS", 15))
+            lease = float(c["settings"].get("DAR_LEASE_SECONDS", Settings().lease_seconds))
             add(
                 "e",
                 f"recovery max, s, {c['label']} ({c['held_by_victim']} runs held)",

@@ -23,6 +23,9 @@ from bench.dbos_bench import available as dbos_available
 from bench.env import BenchEnv
 from bench.stack import HopFleet, RuntimeFleet
 from bench.stats import median
+from runtime.config import Settings
+
+DEFAULT_LEASE = Settings().lease_seconds
 
 
 @dataclass
@@ -62,7 +65,7 @@ class Plan:
     # (e)
     recovery_runs: int = 16
     recovery_configs: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
-        ("default (DAR_LEASE_SECONDS=15)", ()),
+        (f"default (DAR_LEASE_SECONDS={DEFAULT_LEASE:g})", ()),
         ("DAR_LEASE_SECONDS=5", (("DAR_LEASE_SECONDS", "5"),)),
     )
     sections: tuple[str, ...] = ("latency", "throughput", "replay", "inflight", "recovery")
@@ -88,7 +91,7 @@ class Plan:
                 long_runs=1,
                 inflight_levels=((500, 4),),
                 gevent_levels=((250, 4, 1000), (2000, 3, 10000)),
-                recovery_configs=(("default (DAR_LEASE_SECONDS=15)", ()),),
+                recovery_configs=((f"default (DAR_LEASE_SECONDS={DEFAULT_LEASE:g})", ()),),
             )
         if repeats:
             p.repeats = repeats
