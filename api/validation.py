@@ -74,6 +74,8 @@ class Submission:
     timeout_seconds: int
     request_hash: str
     cost_budget_usd: Decimal | None = None
+    concurrency_key: str | None = None
+    priority: int = 0
 
 
 def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegistry) -> Submission:
@@ -112,4 +114,6 @@ def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegi
         timeout_seconds=timeout,
         request_hash=hashlib.sha256(canonical.encode()).hexdigest(),
         cost_budget_usd=Decimal(str(cost_budget)) if cost_budget is not None else None,
+        concurrency_key=body.get("concurrencyKey"),
+        priority=whole(body.get("priority")) or 0,
     )
