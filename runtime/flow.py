@@ -155,10 +155,17 @@ class Refusal:
         return f"rate limit: {LIMIT_NAMES[self.limit]} for {self.model}"
 
 
-# KEYS: 1 bucket hash, 2 in-flight zset, 3 waiters zset, 4 waiters' deadlines zset
+# KEYS: 1 bucket hash, 2 in-flight zset, 3 waiters zset, 4 waiters' deadlines zset, 5 the
+# concurrency keys' virtual clocks (hash)
 # ARGV: 1-3 configured limits (requests, input, output per minute; 0 = none), 4 max
 # concurrent, 5-6 cost (input, output), 7 lease id, 8 lease ttl s, 9 waiter id, 10 waiter
-# score, 11 waiter grace s
+# priority, 11 waiter grace s, 12 the waiter's concurrency key ('' for none), 13 the spacing
+# in ms between one key's waiters
+#
+# A new waiter's score is -priority * 1e13 + its arrival in ms. A keyed waiter arrives, in
+# this order, no earlier than its key's virtual clock, which each waiter of the key pushes
+# one spacing further: the waiters of a key that queued 200 calls at once are spread out, and
+# a key arriving later slots in between them (round-robin across keys, Zhang's VirtualClock).
 _ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -192,8 +199,20 @@ if maxc > 0 then
   local free = maxc - redis.call('ZCARD', KEYS[2])
   if free < fits then fits = math.max(free, 0); binding = 'concurrent' end
 end
-local rank = redis.call('ZRANK', KEYS[3], ARGV[9])
-if not rank then rank = redis.call('ZCARD', KEYS[3]) end
+local score = redis.call('ZSCORE', KEYS[3], ARGV[9])
+local arrival = nil
+local rank
+if score then
+  rank = redis.call('ZRANK', KEYS[3], ARGV[9])
+else
+  arrival = now * 1000
+  if ARGV[12] ~= '' then
+    local vc = tonumber(redis.call('HGET', KEYS[5], ARGV[12]) or '0')
+    if vc > arrival then arrival = vc end
+  end
+  score = -tonumber(ARGV[10]) * 1e13 + arrival
+  rank = redis.call('ZCOUNT', KEYS[3], '-inf', '(' .. score)
+end
 -- Only waiters ahead that are due back by now hold their place; one not yet due does not
 -- block capacity that is free now.
 local ahead = 0
@@ -227,7 +246,11 @@ for i, d in ipairs(dims) do
   if caps[i] > 0 then redis.call('HSET', KEYS[1], 'lvl:' .. d, levels[i]) end
 end
 redis.call('EXPIRE', KEYS[1], 3600)
-redis.call('ZADD', KEYS[3], 'NX', tonumber(ARGV[10]), ARGV[9])
+redis.call('ZADD', KEYS[3], 'NX', score, ARGV[9])
+if arrival and ARGV[12] ~= '' then
+  redis.call('HSET', KEYS[5], ARGV[12], arrival + tonumber(ARGV[13]))
+  redis.call('EXPIRE', KEYS[5], 3600)
+end
 redis.call('ZADD', KEYS[4], now + wait, ARGV[9])
 redis.call('EXPIRE', KEYS[3], 3600); redis.call('EXPIRE', KEYS[4], 3600)
 return {0, why, tostring(wait)}
@@ -325,7 +348,13 @@ class FlowControl:
 
     def _keys(self, limit: ModelLimit) -> list[str]:
         base = f"{self.prefix}:{{{limit.match}}}"
-        return [f"{base}:bucket", f"{base}:inflight", f"{base}:waiters", f"{base}:due"]
+        return [
+            f"{base}:bucket",
+            f"{base}:inflight",
+            f"{base}:waiters",
+            f"{base}:due",
+            f"{base}:vclock",
+        ]
 
     def _fail_open(self, action: str, e: Exception) -> None:
         if self.metrics is not None:
@@ -349,15 +378,18 @@ class FlowControl:
         *,
         waiter: str,
         priority: int = 0,
+        key: str | None = None,
     ) -> Grant | Refusal | None:
         """A :class:`Grant` to hold until :meth:`settle`, a :class:`Refusal` (come back
-        after its delay), or ``None``: no limit applies, or Redis is unreachable."""
+        after its delay), or ``None``: no limit applies, or Redis is unreachable. Refused
+        callers queue by ``priority`` (higher first), then arrival; the callers of each
+        concurrency ``key`` are interleaved with other keys' round-robin."""
         limit = limit_for(self.limits, model)
         if limit is None:
             return None
         lease = uuid.uuid4().hex
-        # Higher priority first, then first come: the score of a new waiter.
-        score = -priority * 1e13 + time.time() * 1000
+        # one key's waiters are spaced by about one request's share of the limit
+        spacing = 60_000 / limit.requests_per_minute if limit.requests_per_minute else 250.0
         try:
             ok, why, wait = self._admit(
                 keys=self._keys(limit),
@@ -371,8 +403,10 @@ class FlowControl:
                     lease,
                     self.lease_seconds,
                     waiter,
-                    score,
+                    priority,
                     WAITER_GRACE_SECONDS,
+                    key or "",
+                    spacing,
                 ],
             )
         except _redis_error() as e:
