@@ -27,6 +27,8 @@ SUBMIT_FIELDS = (
     "model",
     "maxSteps",
     "agent",
+    "concurrencyKey",
+    "priority",
 )
 
 

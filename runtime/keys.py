@@ -101,10 +101,15 @@ class KeyWait:
     limit: int
     in_steps: int
     delay_seconds: float
+    woken_ahead: int = 0
+    """Runs already woken for the slots free now, ahead of this one."""
 
     @property
     def reason(self) -> str:
-        return f"concurrency key {self.key}: {self.in_steps} of {self.limit} in steps"
+        reason = f"concurrency key {self.key}: {self.in_steps} of {self.limit} in steps"
+        if self.in_steps < self.limit:
+            reason += f", {self.woken_ahead} woken runs ahead"
+        return reason
 
 
 # KEYS: 1 held zset, 2 waiters zset, 3 waiters' due zset
@@ -131,17 +136,22 @@ if not ok and held < limit then
     end
   end
   ok = ahead < free
+  if not ok then
+    redis.call('ZADD', KEYS[2], tonumber(ARGV[4]), ARGV[7])
+    redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), ARGV[7])
+    return {0, held, ahead}
+  end
 end
 if ok then
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
   redis.call('EXPIRE', KEYS[1], 86400)
   redis.call('ZREM', KEYS[2], ARGV[7]); redis.call('ZREM', KEYS[3], ARGV[7])
-  return {1, redis.call('ZCARD', KEYS[1])}
+  return {1, redis.call('ZCARD', KEYS[1]), 0}
 end
 redis.call('ZADD', KEYS[2], tonumber(ARGV[4]), ARGV[7])
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), ARGV[7])
 redis.call('EXPIRE', KEYS[2], 86400); redis.call('EXPIRE', KEYS[3], 86400)
-return {0, held}
+return {0, held, 0}
 """
 
 # KEYS: 1 held zset, 2 waiters zset, 3 waiters' due zset
@@ -237,7 +247,7 @@ class KeyGate:
         score = waiter_score(priority, submitted_at)
         who = f"{run_id}:{epoch}"
         try:
-            ok, n = self._acquire(
+            ok, n, ahead = self._acquire(
                 keys=self._keys(key),
                 args=[
                     limit,
@@ -258,7 +268,7 @@ class KeyGate:
             return slot
         if self.metrics is not None:
             self.metrics.key_refused.inc()
-        return KeyWait(key, limit, int(n), self.fallback_seconds)
+        return KeyWait(key, limit, int(n), self.fallback_seconds, int(ahead))
 
     def release(self, slot: Slot, *, continuing: bool) -> uuid.UUID | None:
         """Give the slot back; returns the waiter to wake now (send its message), if any.
