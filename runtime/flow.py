@@ -17,7 +17,10 @@ The buckets (one Redis hash per configured model limit) refill continuously at l
 second up to the limit. In-flight calls are members of a sorted set scored by their expiry
 (now + the model timeout + a margin): a worker killed while it holds admission never leaks a
 concurrency slot, its slot expires; the tokens it took are spent, and the bucket refills.
-Refused callers queue in a sorted set ordered by priority, then arrival: a call is admitted
+The caller's input estimate is deliberately high (3 characters a token); the bucket scales it
+by the ratio of used to estimated input learned at each settle, so that waiters are paced at
+what calls really take, not at 3/4 of the limit. Refused callers queue in a sorted set ordered
+by priority, then arrival (the waiters of different concurrency keys interleaved): a call is admitted
 only when its rank is below the number of calls that fit now, and each waiter is told to come
 back when its turn should fit, so wake-ups are spread in priority order instead of stampeding.
 """
@@ -140,7 +143,11 @@ class Grant:
     limit: ModelLimit
     lease: str
     input_tokens: int
+    """Input tokens taken from the bucket: the caller's estimate scaled by the ratio of
+    used to estimated tokens learned from earlier calls."""
     output_tokens: int
+    estimated_input: int = 0
+    """The caller's estimate, from which the ratio is learned at :meth:`FlowControl.settle`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +181,9 @@ local stale = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[1
 for _, w in ipairs(stale) do redis.call('ZREM', KEYS[3], w); redis.call('ZREM', KEYS[4], w) end
 local dims = {'requests', 'input', 'output'}
 local cost = {1, tonumber(ARGV[5]), tonumber(ARGV[6])}
+-- the caller's input estimate is deliberately high: scale it by what calls really used
+local ratio = tonumber(redis.call('HGET', KEYS[1], 'ratio:input') or '1')
+cost[2] = math.ceil(cost[2] * ratio)
 local caps, levels = {}, {}
 local last = tonumber(redis.call('HGET', KEYS[1], 'ts') or now)
 local fits = 1e18
@@ -230,7 +240,7 @@ if ahead < fits then
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[8]), ARGV[7])
   redis.call('EXPIRE', KEYS[2], 3600)
   redis.call('ZREM', KEYS[3], ARGV[9]); redis.call('ZREM', KEYS[4], ARGV[9])
-  return {1, '', '0'}
+  return {1, '', '0', tostring(cost[2])}
 end
 local wait, why = 0, binding
 for i, d in ipairs(dims) do
@@ -257,7 +267,8 @@ return {0, why, tostring(wait)}
 """
 
 # KEYS: 1 bucket hash, 2 in-flight zset. ARGV: 1-3 configured limits, 4-6 refund (requests,
-# input, output; negative takes more), 7 lease id.
+# input, output; negative takes more), 7 lease id, 8 the caller's input estimate (0: not
+# billed, learn nothing), 9 the input tokens the call used.
 _SETTLE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -274,6 +285,12 @@ for i, d in ipairs({'requests', 'input', 'output'}) do
   end
 end
 redis.call('HSET', KEYS[1], 'ts', now)
+local est = tonumber(ARGV[8])
+if est > 0 then
+  local r = tonumber(redis.call('HGET', KEYS[1], 'ratio:input') or '1')
+  r = 0.7 * r + 0.3 * tonumber(ARGV[9]) / est
+  redis.call('HSET', KEYS[1], 'ratio:input', math.max(0.2, math.min(2.0, r)))
+end
 return 1
 """
 
@@ -391,7 +408,7 @@ class FlowControl:
         # one key's waiters are spaced by about one request's share of the limit
         spacing = 60_000 / limit.requests_per_minute if limit.requests_per_minute else 250.0
         try:
-            ok, why, wait = self._admit(
+            ok, why, wait, *charged = self._admit(
                 keys=self._keys(limit),
                 args=[
                     limit.requests_per_minute,
@@ -417,7 +434,8 @@ class FlowControl:
                 self.metrics.flow_admitted.labels(model).inc()
                 self.metrics.flow_granted.labels(model, "input").inc(input_tokens)
                 self.metrics.flow_granted.labels(model, "output").inc(max_tokens)
-            return Grant(limit, lease, input_tokens, max_tokens)
+            taken = int(charged[0]) if charged else input_tokens
+            return Grant(limit, lease, taken, max_tokens, estimated_input=input_tokens)
         dim = why.decode() if isinstance(why, bytes) else str(why)
         if self.metrics is not None:
             self.metrics.flow_refused.labels(model, dim).inc()
@@ -450,6 +468,8 @@ class FlowControl:
                     grant.input_tokens - used_in,
                     grant.output_tokens - used_out,
                     grant.lease,
+                    grant.estimated_input if billed else 0,
+                    used_in,
                 ],
             )
             learned = learned_limits(headers)

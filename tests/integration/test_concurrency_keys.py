@@ -289,6 +289,7 @@ class Fleet:
                     self.inbox.put(d)
 
     def __enter__(self) -> Fleet:
+        self.driver.heartbeat.start()  # renews leases and key slots, as in a worker
         for t in self.threads:
             t.start()
         return self
@@ -299,6 +300,7 @@ class Fleet:
             self.inbox.put(None)
         for t in self.threads:
             t.join(timeout=10)
+        self.driver.heartbeat.stop()
 
 
 def _finished(rt: Runtime, runs: list[Run]) -> dict[uuid.UUID, datetime]:
