@@ -107,8 +107,9 @@ def _clear_flow_keys(env: BenchEnv) -> None:
 
 
 def phase(env: BenchEnv, plan: Plan, *, flow: bool) -> dict[str, Any]:
+    queue = f"dar-bench-flow-{os.getpid()}"  # never another benchmark's workers' queue
     env.truncate()
-    env.reset_redis()
+    env.reset_redis([queue])
     _clear_flow_keys(env)
     limit = RateLimit(
         requests_per_minute=plan.requests_per_minute,
@@ -121,14 +122,14 @@ def phase(env: BenchEnv, plan: Plan, *, flow: bool) -> dict[str, Any]:
             "ANTHROPIC_BASE_URL": fake.url,
             "ANTHROPIC_API_KEY": "bench",
             "DAR_LLM_FACTORY": "",
-            "DAR_LOG_LEVEL": "WARNING",
+            "DAR_LOG_LEVEL": os.environ.get("DAR_BENCH_LOG_LEVEL", "WARNING"),
             "DAR_MAX_TOKENS": "256",
         }
         if flow:
             extra["DAR_MODEL_LIMITS"] = plan.limits_json()
         name = "flow-on" if flow else "flow-off"
         with RuntimeFleet(
-            env, workers=WORKERS, concurrency=CONCURRENCY, name=name, extra_env=extra
+            env, workers=WORKERS, concurrency=CONCURRENCY, name=name, extra_env=extra, queue=queue
         ) as fleet:
             ids = []
             for i in range(plan.runs):
@@ -254,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=str(ROOT / "docs" / "bench-flow.png"))
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # a database and a Redis database of its own: flow control's buckets are fleet-wide
     os.environ.setdefault("DAR_BENCH_DB", "dar_bench_flow")
+    os.environ.setdefault("DAR_BENCH_REDIS_URL", "redis://127.0.0.1:6379/13")
     plan = Plan.make(quick=args.quick, minutes=args.minutes, runs=args.runs)
     env = prepare()
     results = []
