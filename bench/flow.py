@@ -198,37 +198,53 @@ def _figures(plan: Plan, samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def plot(plan: Plan, results: list[dict[str, Any]], path: Path) -> None:
+def _per_minute(samples: list[dict[str, Any]], field: str, bin_s: float) -> tuple[list, list]:
+    """``field`` per minute in bins of ``bin_s`` seconds (x: each bin's start)."""
+    xs, ys = [], []
+    t = bin_s
+    while samples and t <= samples[-1]["t"] + 0.5:
+        a, b = _at(samples, t - bin_s), _at(samples, t)
+        xs.append(t - bin_s)
+        ys.append((b[field] - a[field]) * 60 / bin_s)
+        t += bin_s
+    return xs, ys
+
+
+def plot(plan: Plan, results: list[dict[str, Any]], path: Path, bin_s: float = 15.0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    for res in results:
-        s = res["samples"]
-        xs, ys, zs = [], [], []
-        for cur in s:  # a rolling 60 s window (shorter at the start)
-            back = _at(s, max(0.0, cur["t"] - 60))
-            span = max(1.0, cur["t"] - back["t"]) / 60
-            xs.append(cur["t"])
-            ys.append((cur["ok"] - back["ok"]) / span)
-            zs.append((cur["429"] - back["429"]) / span)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for res in sorted(results, key=lambda r: bool(r["flow"])):  # "on" drawn last, on top
         label = "flow control on" if res["flow"] else "flow control off"
-        ax.plot(xs, ys, label=f"{label}: granted", lw=2)
-        ax.plot(xs, zs, ls="--", label=f"{label}: 429s", lw=1)
-    tokens_per_call = results[0]["samples"][-1]["tokens"] / max(1, results[0]["samples"][-1]["ok"])
-    binding = min(plan.requests_per_minute, plan.input_tokens_per_minute / tokens_per_call)
-    ax.axhline(binding, color="grey", lw=1, ls=":", label="binding limit (input tokens/min)")
-    ax.axvline(plan.warmup, color="grey", lw=0.8)
-    ax.set_xlabel("seconds since 300 runs were submitted")
-    ax.set_ylabel("requests/min (rolling 60 s)")
-    ax.set_title(
-        f"{plan.runs} runs, {WORKERS} workers, API limits {plan.requests_per_minute} req/min "
-        f"and {plan.input_tokens_per_minute:,} input tokens/min"
+        color = "tab:blue" if res["flow"] else "tab:red"
+        xs, ys = _per_minute(res["samples"], "ok", bin_s)
+        top.step(xs, ys, where="post", label=label, color=color, lw=2)
+        xs, zs = _per_minute(res["samples"], "429", bin_s)
+        bottom.step(xs, zs, where="post", label=label, color=color, lw=2)
+    last = results[0]["samples"][-1]
+    binding = min(
+        plan.requests_per_minute, plan.input_tokens_per_minute * last["ok"] / max(1, last["tokens"])
     )
-    ax.legend(fontsize=8, loc="upper right")
-    ax.set_ylim(bottom=0)
+    top.axhline(binding, color="grey", lw=1, ls=":", label="the API's limit (input tokens/min)")
+    for ax in (top, bottom):
+        ax.axvline(plan.warmup, color="grey", lw=0.8)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8, loc="upper right")
+    top.set_ylim(0, binding * 4)
+    top.set_ylabel(f"granted requests/min\n({bin_s:.0f} s bins)")
+    bottom.set_ylabel("429 answers/min")
+    bottom.set_xlabel(
+        f"seconds since {plan.runs} runs were submitted (the first bin holds the buckets' "
+        "initial burst)"
+    )
+    top.set_title(
+        f"{plan.runs} runs, {WORKERS} workers, API limits {plan.requests_per_minute} req/min "
+        f"and {plan.input_tokens_per_minute:,} input tokens/min",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -253,7 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--only", choices=("on", "off"), help="run one phase only")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "bench-flow.png"))
+    ap.add_argument("--replot", metavar="JSON", help="only draw the plot of a results file")
     args = ap.parse_args(argv)
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        plot(Plan(**saved["plan"]), saved["results"], Path(args.plot))
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # a database and a Redis database of its own: flow control's buckets are fleet-wide
     os.environ.setdefault("DAR_BENCH_DB", "dar_bench_flow")
