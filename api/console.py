@@ -36,6 +36,7 @@ PAGES = {
     "approvals": "Approvals",
     "attention": "Needs attention",
     "overview": "Overview",
+    "diff": "Compare runs",
 }
 
 
@@ -65,13 +66,23 @@ def runs_page() -> Response:
     return _page("runs")
 
 
+def _run_id(raw: str) -> str:
+    try:
+        return str(uuid.UUID(raw))
+    except ValueError:
+        raise ApiError(404, f"no run with id {raw!r} (run ids are UUIDs)") from None
+
+
 @bp.get("/runs/<run_id>")
 def run_page(run_id: str) -> Response:
-    try:
-        rid = uuid.UUID(run_id)
-    except ValueError:
-        raise ApiError(404, f"no run with id {run_id!r} (run ids are UUIDs)") from None
-    return _page("run", run_id=str(rid))
+    return _page("run", run_id=_run_id(run_id))
+
+
+@bp.get("/runs/<run_id>/diff/<other_id>")
+def diff_page(run_id: str, other_id: str) -> Response:
+    """Two runs side by side (``GET /api/runs/{a}/diff/{b}``), a fork and its original
+    typically."""
+    return _page("diff", run_a=_run_id(run_id), run_b=_run_id(other_id))
 
 
 @bp.get("/approvals")
@@ -104,7 +115,9 @@ def whoami() -> Response:
                 "tenant": None,
                 "roles": list(ROLES),
                 "approvalRoles": declared,
-                "can": {a: True for a in ("submit", "cancel", "resume", "resolve", "approve")},
+                "can": {
+                    a: True for a in ("submit", "fork", "cancel", "resume", "resolve", "approve")
+                },
             }
         )
     return jsonify(
@@ -116,6 +129,7 @@ def whoami() -> Response:
             "approvalRoles": [r for r in declared if principal.holds(r)],
             "can": {
                 "submit": principal.has("submit"),
+                "fork": principal.has("submit"),
                 "cancel": principal.has("cancel"),
                 "resume": principal.has("submit"),
                 "resolve": principal.has("admin"),

@@ -9,12 +9,12 @@ from flask import Blueprint, Response, jsonify, request, url_for
 
 from api.auth import current_principal, requires
 from api.errors import ApiError
-from api.runs import audit, load_run, parse_run_id, rate_limited, submit_quota
+from api.runs import audit, key_reused, load_run, parse_run_id, rate_limited, submit_quota
 from api.schemas import fork_schema, validate
 from api.serialize import forked_from_json
 from api.state import state
-from api.validation import json_body, whole
-from db.errors import QuotaExceeded, RunNotFound
+from api.validation import idempotency_key, json_body, request_hash, whole
+from db.errors import IdempotencyConflict, QuotaExceeded, RunNotFound
 from db.records import Dispatch, Run, Step, StepKind
 from runtime.agents import Agent
 from runtime.fork import ForkRefused, ForkRequest, fork_run
@@ -27,7 +27,8 @@ bp = Blueprint("forks", __name__)
 @requires("submit")
 def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
     """A new run whose history is the run's steps before ``fromSeq`` (copied, with the
-    edits), continuing from ``fromSeq``. In the run's tenant; needs ``submit``."""
+    edits), continuing from ``fromSeq``. In the run's tenant; needs ``submit``. With an
+    ``Idempotency-Key`` a retry gets the same fork (``200``), as a submit does."""
     s = state()
     settings = s.runtime.settings
     agents = s.runtime.agents
@@ -36,6 +37,7 @@ def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
     durable = any(not isinstance(agents.get(n), Agent) for n in agents.names())
     validate(body, fork_schema(settings, any_json_input=durable))
     load_run(rid)  # another tenant's run is no run
+    key = idempotency_key(request)
     edit = body.get("toolResult")
     principal = current_principal()
     edits = [k for k in ("input", "model", "toolResult") if body.get(k) is not None]
@@ -56,10 +58,13 @@ def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
             },
         ),
         quota=submit_quota(settings) if principal is not None else None,
+        idempotency_key=key,
+        # The run forked is part of the request: the same body for another run is another.
+        request_hash=request_hash({"fork": str(rid), "body": body}) if key else None,
         **({"input": body["input"]} if "input" in body else {}),
     )
     try:
-        run = fork_run(s.runtime.store, agents, settings, rid, fork_request)
+        run, created = fork_run(s.runtime.store, agents, settings, rid, fork_request)
     except ForkRefused as e:
         raise ApiError(
             409 if e.conflict else 400,
@@ -69,14 +74,17 @@ def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
         ) from None
     except QuotaExceeded as e:
         raise rate_limited(e) from None
+    except IdempotencyConflict as e:
+        raise key_reused(e) from None
     except RunNotFound as e:
         raise ApiError(404, str(e), code="not_found") from None
-    send_drive(s.celery, s.runtime.store, Dispatch(run.id, run.dispatch_token))
+    if created:
+        send_drive(s.celery, s.runtime.store, Dispatch(run.id, run.dispatch_token))
     return (
         jsonify(
             {"id": str(run.id), "status": str(run.status), "forkedFrom": forked_from_json(run)}
         ),
-        201,
+        201 if created else 200,
         {"Location": url_for("runs.get_run", run_id=str(run.id))},
     )
 

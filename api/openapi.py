@@ -354,18 +354,34 @@ def openapi_document(
                     "fromSeq (copied, never executed again; with the edits), continuing from "
                     "fromSeq. Needs submit and the run's tenant.",
                     "operationId": "forkRun",
-                    "parameters": [RUN_ID],
+                    "parameters": [
+                        RUN_ID,
+                        {
+                            "name": "Idempotency-Key",
+                            "in": "header",
+                            "required": False,
+                            "description": "As for a submit (and in the same namespace, the "
+                            "run's tenant): a retried fork of the same run with the same key "
+                            "and body returns the same fork (200) instead of making another.",
+                            "schema": {"type": "string", "minLength": 1, "maxLength": 200},
+                        },
+                    ],
                     "requestBody": {
                         "required": True,
                         "content": {"application/json": {"schema": _ref("Fork")}},
                     },
                     "responses": {
                         "201": _json(_ref("ForkAccepted"), "The fork, stored and queued"),
+                        "200": _json(_ref("ForkAccepted"), "Idempotent replay: the earlier fork"),
                         "400": _error("Invalid field; the message names it"),
                         "404": _error("No such run"),
                         "409": _error(
                             "The run's state refuses the fork (a step before fromSeq has not "
                             "completed, or its agent is not registered)"
+                        ),
+                        "422": _error(
+                            "Idempotency-Key reused with a different body, another run, or by "
+                            "a submit"
                         ),
                         "429": _error("Too many submits by this token (a fork is a submit)"),
                     },

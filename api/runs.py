@@ -17,14 +17,19 @@ from api.schemas import (
     CURSOR_PATTERN,
     ID_PREFIX_PATTERN,
     MAX_AGENT_CHARS,
-    check_text,
     resolution_schema,
     resume_schema,
     validate,
 )
 from api.serialize import audit_json, run_json, timeline_json
 from api.state import state
-from api.validation import json_body, optional_json_body, parse_submission, whole
+from api.validation import (
+    idempotency_key,
+    json_body,
+    optional_json_body,
+    parse_submission,
+    whole,
+)
 from db.errors import IdempotencyConflict, InvalidTransition, QuotaExceeded, RunNotFound
 from db.records import Dispatch, NewAudit, NewRun, Run, RunStatus
 from db.store import SubmitQuota
@@ -87,6 +92,10 @@ def rate_limited(e: QuotaExceeded) -> ApiError:
     )
 
 
+def key_reused(e: IdempotencyConflict) -> ApiError:
+    return ApiError(422, str(e), code="idempotency_key_reused")
+
+
 @bp.post("/runs")
 @requires("submit")
 def submit() -> tuple[Response, int, dict[str, str]]:
@@ -95,11 +104,7 @@ def submit() -> tuple[Response, int, dict[str, str]]:
     body = json_body(request)
     sub = parse_submission(body, settings, s.runtime.agents)
     principal = current_principal()
-    key = request.headers.get("Idempotency-Key")
-    if key is not None and not (0 < len(key) <= 200):
-        raise invalid("Idempotency-Key", "must be 1 to 200 characters")
-    if key is not None:
-        check_text(key, "Idempotency-Key")
+    key = idempotency_key(request)
     try:
         run, created = s.runtime.store.create_run(
             NewRun(
@@ -122,7 +127,7 @@ def submit() -> tuple[Response, int, dict[str, str]]:
     except QuotaExceeded as e:
         raise rate_limited(e) from None
     except IdempotencyConflict as e:
-        raise ApiError(422, str(e), code="idempotency_key_reused") from None
+        raise key_reused(e) from None
     if created:
         # After the commit: a broker outage leaves the run stored and marked for the reaper.
         send_drive(s.celery, s.runtime.store, Dispatch(run.id, run.dispatch_token))

@@ -13,7 +13,14 @@ from typing import Any
 from flask import Request
 
 from api.errors import ApiError, invalid
-from api.schemas import MAX_JSON_DEPTH, MIN_COST_BUDGET, check_json, submission_schema, validate
+from api.schemas import (
+    MAX_JSON_DEPTH,
+    MIN_COST_BUDGET,
+    check_json,
+    check_text,
+    submission_schema,
+    validate,
+)
 from runtime.agents import Agent, AgentRegistry
 from runtime.config import Settings
 
@@ -106,7 +113,6 @@ def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegi
     timeout = whole(body.get("timeoutSeconds")) or settings.default_timeout_seconds
     max_steps = whole(body.get("maxSteps")) or agent.max_steps or settings.default_max_steps
     cost_budget = body.get("costBudgetUsd")
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return Submission(
         agent=agent_name,
         input=text,
@@ -114,8 +120,25 @@ def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegi
         max_steps=max_steps,
         token_budget=token_budget,
         timeout_seconds=timeout,
-        request_hash=hashlib.sha256(canonical.encode()).hexdigest(),
+        request_hash=request_hash(body),
         cost_budget_usd=Decimal(str(cost_budget)) if cost_budget is not None else None,
         concurrency_key=body.get("concurrencyKey"),
         priority=whole(body.get("priority")) or 0,
     )
+
+
+def request_hash(value: Any) -> str:
+    """What makes two requests with one Idempotency-Key the same request: their JSON, keys
+    in any order."""
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def idempotency_key(req: Request) -> str | None:
+    """The request's ``Idempotency-Key`` header, checked: 1 to 200 characters of text."""
+    key = req.headers.get("Idempotency-Key")
+    if key is not None and not (0 < len(key) <= 200):
+        raise invalid("Idempotency-Key", "must be 1 to 200 characters")
+    if key is not None:
+        check_text(key, "Idempotency-Key")
+    return key

@@ -19,7 +19,7 @@ from sqlalchemy import event
 
 from bench.cpu import CpuMeter, per_step_ms
 from bench.env import BenchEnv
-from bench.hop import HOP_TASK, checkpoint
+from bench.hop import HOP_TASK, HOP_TIMES, checkpoint
 from bench.models import spec
 from bench.stack import HopFleet
 from bench.stats import median, summary, window_rate
@@ -104,6 +104,29 @@ def _wait_hops(env: BenchEnv, runs: list[Any], hops: int, timeout: float) -> lis
             raise TimeoutError(f"bare hop: {n} of {len(ids) * hops} hops after {timeout}s")
         time.sleep(0.2)
     return env.step_rows(ids)
+
+
+def broker_floor(env: BenchEnv, fleet: HopFleet, chains: int, hops: int) -> dict[str, Any]:
+    """The bare hop with no database at all: what Celery and Redis alone allow. A runtime
+    that hands every step on through the broker cannot step faster than this."""
+    import redis
+
+    r = redis.Redis.from_url(env.redis_url)
+    r.delete(HOP_TIMES)
+    meter = CpuMeter(fleet.pids().values()).start()
+    for _ in range(chains):
+        fleet.app.send_task(HOP_TASK, args=[str(uuid.uuid4()), "-", 1, hops, False])
+    deadline = time.monotonic() + 300
+    while r.llen(HOP_TIMES) < chains * hops:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"broker floor: {r.llen(HOP_TIMES)} of {chains * hops} hops")
+        time.sleep(0.2)
+    stamps = [float(x) for x in r.lrange(HOP_TIMES, 0, -1)]
+    r.delete(HOP_TIMES)
+    return {
+        "steps_per_s": window_rate(stamps),
+        "cpu_ms_per_step": per_step_ms(meter.stop(), len(stamps)),
+    }
 
 
 def hop_latency(env: BenchEnv, fleet: HopFleet, hops: int) -> dict[str, Any]:

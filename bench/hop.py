@@ -19,6 +19,8 @@ from celery import Celery
 from sqlalchemy import Connection, text
 
 HOP_TASK = "bench.hop"
+HOP_TIMES = "dar-bench-hop-times"
+"""The Redis list where hops without a database record their times."""
 
 # advance_run's SET list, word for word; fenced on the dispatch token, not on a lease.
 ADVANCE = text(

@@ -3,9 +3,9 @@
 A plain loop calls ``Driver.drive`` and follows the returned dispatch, as the Celery task
 would, so the broker hop is the one thing left out. Each store call, the replay, the model
 call, the request hash and the tool call are timed by wrapping them in this process only
-(a ``RunStore`` subclass and a ``Driver`` subclass; ``runtime.driver``'s module-level
-``replay`` and ``prompt_hash`` are replaced by timed wrappers while the loop runs). The model
-is the zero-latency bench model, so every millisecond here is runtime overhead.
+(a ``RunStore`` subclass and a ``Driver`` subclass; ``ReplayCache.replay`` and
+``modelcall.request_hash`` are replaced by timed wrappers while the loop runs). The model is
+the zero-latency bench model, so every millisecond here is runtime overhead.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Engine, event
 
-import runtime.agent_loop as loop_mod
 import runtime.effects as effects_mod
 import runtime.modelcall as modelcall_mod
 from bench.env import RESULTS, BenchEnv
@@ -31,6 +30,7 @@ from runtime.bootstrap import load_agents
 from runtime.driver import Driver
 from runtime.heartbeat import Heartbeat
 from runtime.logctx import CONSOLE_FORMAT, ContextFilter
+from runtime.replay import ReplayCache
 
 T = TypeVar("T")
 
@@ -110,14 +110,14 @@ class TimedModel(BenchModel):
 
 @contextlib.contextmanager
 def _patched() -> Iterator[None]:
-    saved = loop_mod.replay, modelcall_mod.prompt_hash, effects_mod._run
-    loop_mod.replay = _timed("replay", saved[0])  # type: ignore[assignment]
-    modelcall_mod.prompt_hash = _timed("prompt_hash", saved[1])  # type: ignore[assignment]
+    saved = ReplayCache.replay, modelcall_mod.request_hash, effects_mod._run
+    ReplayCache.replay = _timed("replay", saved[0])  # type: ignore[method-assign]
+    modelcall_mod.request_hash = _timed("prompt_hash", saved[1])
     effects_mod._run = _timed("tool_call", saved[2])  # type: ignore[assignment]
     try:
         yield
     finally:
-        loop_mod.replay, modelcall_mod.prompt_hash, effects_mod._run = saved  # type: ignore[assignment]
+        ReplayCache.replay, modelcall_mod.request_hash, effects_mod._run = saved  # type: ignore[method-assign,assignment]
 
 
 @contextlib.contextmanager

@@ -152,6 +152,20 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
                     ratio=row["ratio_to_dbos"],
                     nd=0,
                 )
+            floor = row.get("broker_floor_steps_per_s")
+            if floor and "dbos_steps_per_s" in row:
+                # The broker alone, no database: the ceiling of any step handed on through it.
+                add(
+                    "b",
+                    f"broker floor: bare hop without PostgreSQL, {n} proc",
+                    floor,
+                    f"DBOS {n} proc",
+                    row["dbos_steps_per_s"],
+                    "",
+                    None,
+                    ratio=floor / row["dbos_steps_per_s"],
+                    nd=0,
+                )
 
     inf = sections.get("inflight")
     if inf:

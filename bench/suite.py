@@ -17,7 +17,7 @@ from typing import Any
 
 from bench import inproc
 from bench import runtime_bench as rb
-from bench.baselines import hop_latency, hop_throughput, raw_checkpoint
+from bench.baselines import broker_floor, hop_latency, hop_throughput, raw_checkpoint
 from bench.dbos_bench import DbosFleet, dbos_latency, dbos_throughput, reset_schema
 from bench.dbos_bench import available as dbos_available
 from bench.env import BenchEnv
@@ -179,7 +179,14 @@ def section_throughput(env: BenchEnv, plan: Plan) -> dict[str, Any]:
     out: dict[str, Any] = {"runs": plan.runs, "steps_per_run": steps, "by_processes": {}}
     for n in plan.processes:
         env.reset_redis()
-        rep: dict[str, list[Any]] = {"runtime": [], "hop": [], "dbos": [], "cpu": [], "hop_cpu": []}
+        rep: dict[str, list[Any]] = {
+            "runtime": [],
+            "hop": [],
+            "floor": [],
+            "dbos": [],
+            "cpu": [],
+            "hop_cpu": [],
+        }
         with (
             HopFleet(env, workers=n, concurrency=plan.concurrency, name=f"tput-hop-{n}") as hop,
             RuntimeFleet(
@@ -192,6 +199,7 @@ def section_throughput(env: BenchEnv, plan: Plan) -> dict[str, Any]:
                 h = hop_throughput(env, hop, plan.runs, steps, 1)
                 rep["hop"].append(h["steps_per_s"])
                 rep["hop_cpu"].append(h["cpu_ms_per_step"])
+                rep["floor"].append(broker_floor(env, hop, plan.runs, steps)["steps_per_s"])
                 r = rb.throughput(env, rt, plan.runs, plan.tools)
                 rep["runtime"].append(r["steps_per_s"])
                 rep["cpu"].append(r["cpu_ms_per_step"])
@@ -200,6 +208,7 @@ def section_throughput(env: BenchEnv, plan: Plan) -> dict[str, Any]:
         row: dict[str, Any] = {
             "runtime_steps_per_s": _med(rep["runtime"]),
             "hop_steps_per_s": _med(rep["hop"]),
+            "broker_floor_steps_per_s": _med(rep["floor"]),
             "ratio_to_hop": _med([a / b for a, b in zip(rep["runtime"], rep["hop"], strict=True)]),
             "runtime_cpu_ms_per_step": _median_dict(rep["cpu"]),
             "hop_cpu_ms_per_step": _median_dict(rep["hop_cpu"]),

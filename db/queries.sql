@@ -397,7 +397,10 @@ RETURNING id;
 
 -- retry_failed_steps --
 -- A resumed durable function runs its failed steps again (history kept: attempt goes on).
-UPDATE run_step SET status = 'RETRYING'
+-- A fork's copied failed step becomes the fork's own: the fork executes it now, so the row
+-- bills the fork and the fork compensates it; what the original paid is no longer apart.
+UPDATE run_step
+SET status = 'RETRYING', origin = NULL, original_tokens = NULL, original_cost_usd = NULL
 WHERE run_id = :id AND status = 'ERROR'
   AND kind IN ('STEP', 'LLM', 'SIDE_EFFECT', 'APPROVAL', 'VERSION');
 
@@ -421,15 +424,19 @@ SELECT * FROM run WHERE id = :id FOR SHARE;
 
 -- create_fork_run --
 -- A new QUEUED run forked from :source at :from_seq, in the source's tenant, with the
--- source's concurrency key and priority (a fork competes for the same key's slots).
+-- source's concurrency key and priority (a fork competes for the same key's slots). With an
+-- idempotency key that exists already in that tenant (a concurrent retry committed first)
+-- nothing is inserted and no row is returned, as create_run.
 INSERT INTO run (id, agent, input, model, max_steps, token_budget, cost_budget_usd,
                  deadline_at, dispatch_token, submitted_by, tenant, timeout_seconds,
-                 forked_from_run, forked_from_seq, replay_model, concurrency_key, priority)
+                 forked_from_run, forked_from_seq, replay_model, idempotency_key,
+                 request_hash, concurrency_key, priority)
 SELECT :id, s.agent, CAST(:input AS jsonb), :model, s.max_steps, :token_budget,
        s.cost_budget_usd, now() + make_interval(secs => :timeout_seconds), :token,
        :submitted_by, s.tenant, :timeout_seconds, s.id, :from_seq, :replay_model,
-       s.concurrency_key, s.priority
+       :idempotency_key, :request_hash, s.concurrency_key, s.priority
 FROM run s WHERE s.id = :source
+ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING *;
 
 -- copy_steps_to_fork --

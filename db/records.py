@@ -356,3 +356,7 @@ class NewFork:
     replay_model: bool = False
     submitted_by: str | None = None
     audit: NewAudit | None = None
+    idempotency_key: str | None = None
+    """As a submit's: unique per tenant (the fork's tenant is the source's); a retry with the
+    same key and ``request_hash`` gets the fork made first."""
+    request_hash: str | None = None

@@ -26,6 +26,10 @@ class _Log:
     rows: dict[str, Step] = field(default_factory=dict)
     token: uuid.UUID | None = None
     """The dispatch token this process handed the run on with, once it has."""
+    last_seq: int = 0
+    ordered: bool = True
+    """``rows`` (insertion order) are in seq order: a new row has a higher seq than all
+    before it, a rewritten row keeps its place. Checked, not assumed."""
 
 
 class StepLogCache:
@@ -47,14 +51,17 @@ class StepLogCache:
             self.hits += 1
             log.epoch, log.token = epoch, None
             self._logs.move_to_end(run_id)
-            return sorted(log.rows.values(), key=lambda s: s.seq)
+            rows = list(log.rows.values())
+            return rows if log.ordered else sorted(rows, key=lambda s: s.seq)
 
     def loaded(self, run_id: uuid.UUID, epoch: int, rows: list[Step]) -> None:
         """The log as read from the database under the lease ``epoch``."""
         if self.capacity <= 0:
             return
         with self._lock:
-            self._logs[run_id] = _Log(epoch, {s.step_key: s for s in rows})
+            log = _Log(epoch)
+            self._add(log, rows)
+            self._logs[run_id] = log
             self._logs.move_to_end(run_id)
             while len(self._logs) > self.capacity:
                 self._logs.popitem(last=False)
@@ -73,9 +80,19 @@ class StepLogCache:
             if log is None or log.epoch != epoch:
                 self._logs.pop(run_id, None)
                 return
-            for row in rows:
-                log.rows[row.step_key] = row
+            self._add(log, rows)
             log.token = handed_on_with
+
+    @staticmethod
+    def _add(log: _Log, rows: list[Step]) -> None:
+        for row in rows:
+            before = log.rows.get(row.step_key)
+            if before is None:
+                log.ordered = log.ordered and row.seq > log.last_seq
+                log.last_seq = max(log.last_seq, row.seq)
+            elif before.seq != row.seq:
+                log.ordered = False
+            log.rows[row.step_key] = row
 
     def forget(self, run_id: uuid.UUID) -> None:
         with self._lock:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from decimal import Decimal
@@ -24,6 +24,7 @@ from db.errors import (
     QuotaExceeded,
     RunNotFound,
 )
+from db.fastpath import FastStatements
 from db.queries import QUERIES as Q
 from db.records import (
     Approval,
@@ -51,6 +52,9 @@ from db.records import (
 )
 from db.steplog import StepLogCache
 
+_HOT = ("claim_run", "list_steps", "record_step", "start_step", "finish_run", "schedule_run")
+"""The statements of a step, run through :mod:`db.fastpath`."""
+
 
 class _NotWaiting(Exception):
     """Internal: abort a decision's transaction."""
@@ -60,7 +64,7 @@ def _json(value: Any) -> str | None:
     return None if value is None else json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def _usage(row: RowMapping) -> Usage:
+def _usage(row: Mapping[Any, Any]) -> Usage:
     return Usage(
         row["input_tokens"],
         row["output_tokens"],
@@ -69,7 +73,7 @@ def _usage(row: RowMapping) -> Usage:
     )
 
 
-def _run(row: RowMapping) -> Run:
+def _run(row: Mapping[Any, Any]) -> Run:
     return Run(
         id=row["id"],
         agent=row["agent"],
@@ -110,7 +114,7 @@ def _run(row: RowMapping) -> Run:
     )
 
 
-def _step(row: RowMapping) -> Step:
+def _step(row: Mapping[Any, Any]) -> Step:
     return Step(
         run_id=row["run_id"],
         seq=row["seq"],
@@ -218,6 +222,17 @@ def _record_audit(conn: Connection, run_id: uuid.UUID, audit: NewAudit) -> None:
     )
 
 
+def _same_request(existing: RowMapping, key: str | None, request_hash: str | None) -> Run:
+    """The run an idempotency key made, for a retry of the same request; a different request
+    with that key is :class:`IdempotencyConflict` (a submit's key reused by a fork, too)."""
+    if existing["request_hash"] != request_hash:
+        raise IdempotencyConflict(
+            f"Idempotency-Key {key!r} was used for run {existing['id']} "
+            "with a different request body; use a new key for a new request"
+        )
+    return _run(existing)
+
+
 def _fence(claim: Claim) -> dict[str, Any]:
     return {"id": claim.run_id, "worker": claim.worker, "epoch": claim.epoch}
 
@@ -232,6 +247,8 @@ class RunStore:
         # of their own (psycopg sends each as a round trip). For every method below that is a
         # single statement; the others use engine.begin().
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+        # A step's own statements skip SQLAlchemy's statement layer (see db.fastpath).
+        self._fast = FastStatements(engine, {name: Q[name] for name in _HOT})
 
     def _statement(self) -> Connection:
         """A connection for one statement that is its own transaction."""
@@ -288,12 +305,7 @@ class RunStore:
                 .mappings()
                 .one()
             )
-        if existing["request_hash"] != new.request_hash:
-            raise IdempotencyConflict(
-                f"Idempotency-Key {new.idempotency_key!r} was used for run {existing['id']} "
-                "with a different request body; use a new key for a new request"
-            )
-        return _run(existing), False
+        return _same_request(existing, new.idempotency_key, new.request_hash), False
 
     # -- reading ------------------------------------------------------------------------
 
@@ -314,9 +326,7 @@ class RunStore:
             cached = self.step_logs.get(run_id, token, epoch)
             if cached is not None:
                 return cached
-        with self._statement() as conn:
-            rows = conn.execute(Q["list_steps"], {"id": run_id}).mappings().all()
-        steps = [_step(r) for r in rows]
+        steps = [_step(r) for r in self._fast.all("list_steps", {"id": run_id})]
         if epoch is not None:
             self.step_logs.loaded(run_id, epoch, steps)
         return steps
@@ -397,7 +407,7 @@ class RunStore:
 
     # -- claiming and the lease ---------------------------------------------------------
 
-    def _claimed(self, row: RowMapping | None, worker: str) -> Claim | None:
+    def _claimed(self, row: Mapping[Any, Any] | None, worker: str) -> Claim | None:
         if row is None:
             return None
         run = _run(row)
@@ -408,15 +418,10 @@ class RunStore:
     ) -> Claim | None:
         """Claim the run for the message carrying ``token``; ``None`` when the message is
         stale or duplicated, the lease is live, or the run is not due."""
-        with self._statement() as conn:
-            row = (
-                conn.execute(
-                    Q["claim_run"],
-                    {"id": run_id, "token": token, "worker": worker, "lease_seconds": lease_s},
-                )
-                .mappings()
-                .first()
-            )
+        row = self._fast.one(
+            "claim_run",
+            {"id": run_id, "token": token, "worker": worker, "lease_seconds": lease_s},
+        )
         return self._claimed(row, worker)
 
     def claim_next(self, worker: str, lease_s: float) -> Claim | None:
@@ -454,14 +459,19 @@ class RunStore:
 
     def _record(
         self,
-        conn: Connection,
+        conn: Connection | None,
         claim: Claim,
         step: NewStep,
         next_token: uuid.UUID | None = None,
     ) -> Step:
-        """One fenced row (``record_step``); with ``next_token`` the lease is handed on."""
-        row = conn.execute(Q["record_step"], _step_params(claim, step, next_token)).mappings()
-        written = row.first()
+        """One fenced row (``record_step``); with ``next_token`` the lease is handed on.
+        Without ``conn``, the statement is its own transaction."""
+        params = _step_params(claim, step, next_token)
+        written: Mapping[Any, Any] | None
+        if conn is None:
+            written = self._fast.one("record_step", params)
+        else:
+            written = conn.execute(Q["record_step"], params).mappings().first()
         if written is None:
             self.step_logs.forget(claim.run_id)
             raise LeaseLost(claim.run_id, "checkpoint refused by the fence")
@@ -486,8 +496,7 @@ class RunStore:
             stop_reason=step.stop_reason,
             request=step.request,
         )
-        with self._statement() as conn:
-            written = self._record(conn, claim, row, token)
+        written = self._record(None, claim, row, token)
         self.step_logs.wrote(claim.run_id, claim.epoch, [written], token)
         return Dispatch(claim.run_id, token)
 
@@ -506,19 +515,18 @@ class RunStore:
         count as one without progress either. Fenced."""
         token = uuid.uuid4()
         try:
-            with self._statement() as conn:
-                self._schedule(
-                    conn, claim, delay_seconds, token, reason, False, model_attempts, admission
-                )
+            self._schedule(
+                None, claim, delay_seconds, token, reason, False, model_attempts, admission
+            )
         except LeaseLost:
             self.step_logs.forget(claim.run_id)
             raise
         self.step_logs.wrote(claim.run_id, claim.epoch, [], token)
         return Dispatch(claim.run_id, token, delay_seconds)
 
-    @staticmethod
     def _schedule(
-        conn: Connection,
+        self,
+        conn: Connection | None,
         claim: Claim,
         delay_seconds: float,
         token: uuid.UUID,
@@ -527,18 +535,19 @@ class RunStore:
         model_attempts: int,
         admission: bool = False,
     ) -> None:
-        owned = conn.execute(
-            Q["schedule_run"],
-            {
-                **_fence(claim),
-                "delay_seconds": delay_seconds,
-                "next_token": token,
-                "reason": reason,
-                "progress": progress,
-                "admission": admission,
-                "model_attempts": model_attempts,
-            },
-        ).rowcount
+        params = {
+            **_fence(claim),
+            "delay_seconds": delay_seconds,
+            "next_token": token,
+            "reason": reason,
+            "progress": progress,
+            "admission": admission,
+            "model_attempts": model_attempts,
+        }
+        if conn is None:
+            owned = self._fast.rowcount("schedule_run", params)
+        else:
+            owned = conn.execute(Q["schedule_run"], params).rowcount
         if owned == 0:
             raise LeaseLost(claim.run_id, "timer refused by the fence")
 
@@ -563,8 +572,7 @@ class RunStore:
         durable timer, with ``delay_seconds``) in one transaction. Fenced."""
         token = uuid.uuid4()
         if delay_seconds is None and len(steps) == 1:  # the common case: one statement
-            with self._statement() as conn:
-                written = [self._record(conn, claim, steps[0], token)]
+            written = [self._record(None, claim, steps[0], token)]
             self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
             return Dispatch(claim.run_id, token)
         try:
@@ -579,8 +587,8 @@ class RunStore:
         self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
         return Dispatch(claim.run_id, token, delay_seconds or 0.0)
 
-    @staticmethod
     def _hand_over(
+        self,
         conn: Connection,
         claim: Claim,
         token: uuid.UUID,
@@ -592,7 +600,7 @@ class RunStore:
         """After rows recorded in the same transaction: the lease to the next message, or a
         durable timer. Fenced."""
         if delay_seconds is not None:
-            RunStore._schedule(conn, claim, delay_seconds, token, reason, progress, model_attempts)
+            self._schedule(conn, claim, delay_seconds, token, reason, progress, model_attempts)
         elif not conn.execute(Q["hand_over_run"], {**_fence(claim), "next_token": token}).rowcount:
             raise LeaseLost(claim.run_id, "checkpoint refused by the fence")
 
@@ -798,24 +806,19 @@ class RunStore:
     def start_step(self, claim: Claim, step: NewStep) -> None:
         """Record a step with an effect STARTED before its code runs (or again, when it is
         entered once more). Fenced."""
-        with self._statement() as conn:
-            row = (
-                conn.execute(
-                    Q["start_step"],
-                    {
-                        **_fence(claim),
-                        "seq": step.seq,
-                        "step_key": step.step_key,
-                        "kind": str(step.kind),
-                        "tool_name": step.tool_name,
-                        "tool_use_id": step.tool_use_id,
-                        "attempt": step.attempt,
-                        "input_hash": step.input_hash,
-                    },
-                )
-                .mappings()
-                .first()
-            )
+        row = self._fast.one(
+            "start_step",
+            {
+                **_fence(claim),
+                "seq": step.seq,
+                "step_key": step.step_key,
+                "kind": str(step.kind),
+                "tool_name": step.tool_name,
+                "tool_use_id": step.tool_use_id,
+                "attempt": step.attempt,
+                "input_hash": step.input_hash,
+            },
+        )
         if row is None:
             self.step_logs.forget(claim.run_id)
             raise LeaseLost(claim.run_id, "step start refused by the fence")
@@ -839,13 +842,12 @@ class RunStore:
     ) -> None:
         """End the run (or park it NEEDS_ATTENTION) and release the lease. Fenced."""
         self.step_logs.forget(claim.run_id)
-        with self._statement() as conn:
-            row = conn.execute(
-                Q["finish_run"],
-                {**_fence(claim), "status": str(status), "result": _json(result), "error": error},
-            ).first()
-            if row is None:
-                raise LeaseLost(claim.run_id, "finish refused by the fence")
+        row = self._fast.one(
+            "finish_run",
+            {**_fence(claim), "status": str(status), "result": _json(result), "error": error},
+        )
+        if row is None:
+            raise LeaseLost(claim.run_id, "finish refused by the fence")
 
     # -- control ------------------------------------------------------------------------
 
@@ -964,20 +966,29 @@ class RunStore:
         check: Callable[[Run, list[Step]], Sequence[StepEdit]],
         *,
         quota: SubmitQuota | None = None,
-    ) -> Run:
+    ) -> tuple[Run, bool]:
         """Create a fork of ``new.source`` in one transaction: the source is held (shared)
         while ``check`` judges it and its steps and returns the edits to make (raising
         refuses the fork); its steps before ``new.from_seq`` and their decided approvals are
-        copied, the edits applied, and the fork queued. Raises :class:`RunNotFound` for no
-        source."""
+        copied, the edits applied, and the fork queued. Returns ``(run, created)``: with an
+        idempotency key seen before in the source's tenant, the run made then and ``False``
+        (neither ``check`` nor the quota is asked again, as for a submit), or
+        :class:`IdempotencyConflict` when that request differed. Raises
+        :class:`RunNotFound` for no source."""
         fork_id = uuid.uuid4()
         with self.engine.begin() as conn:
             if quota is not None and new.submitted_by is not None:  # a fork is a submit
                 conn.execute(Q["lock_submitter"], {"submitted_by": new.submitted_by})
-                _check_quota(conn, new.submitted_by, quota)
             row = conn.execute(Q["lock_run_for_fork"], {"id": new.source}).mappings().first()
             if row is None:
                 raise RunNotFound(f"no run with id {new.source}")
+            by_key = {"idempotency_key": new.idempotency_key, "tenant": row["tenant"]}
+            if new.idempotency_key is not None:
+                seen = conn.execute(Q["get_run_by_idempotency_key"], by_key).mappings().first()
+                if seen is not None:
+                    return _same_request(seen, new.idempotency_key, new.request_hash), False
+            if quota is not None and new.submitted_by is not None:
+                _check_quota(conn, new.submitted_by, quota)
             steps = [_step(r) for r in conn.execute(Q["list_steps"], {"id": new.source}).mappings()]
             edits = check(_run(row), steps)
             created = (
@@ -994,11 +1005,16 @@ class RunStore:
                         "submitted_by": new.submitted_by,
                         "from_seq": new.from_seq,
                         "replay_model": new.replay_model,
+                        "idempotency_key": new.idempotency_key,
+                        "request_hash": new.request_hash,
                     },
                 )
                 .mappings()
-                .one()
+                .first()
             )
+            if created is None:  # a retry with the same key committed meanwhile
+                seen = conn.execute(Q["get_run_by_idempotency_key"], by_key).mappings().one()
+                return _same_request(seen, new.idempotency_key, new.request_hash), False
             copy = {"fork": fork_id, "source": new.source, "from_seq": new.from_seq}
             conn.execute(Q["copy_steps_to_fork"], copy)
             conn.execute(Q["copy_approvals_to_fork"], copy)
@@ -1018,7 +1034,7 @@ class RunStore:
             if new.audit is not None:  # on the source: who forked it, from where, into what
                 detail = {"fork": str(fork_id), **(new.audit.detail or {})}
                 _record_audit(conn, new.source, replace(new.audit, detail=detail))
-        return _run(created)
+        return _run(created), True
 
     def step_by_key(self, run_id: uuid.UUID, step_key: str) -> Step | None:
         with self.engine.connect() as conn:

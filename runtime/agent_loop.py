@@ -32,7 +32,13 @@ log = logging.getLogger(__name__)
 
 def run_agent(task: Task, agent: Agent) -> StepResult:
     """Execute the next step of an agent-loop run."""
-    conversation = replay(task.claim.run.input, task.steps)
+    replays = task.services.replays
+    run_input = task.claim.run.input
+    conversation = (
+        replay(run_input, task.steps)
+        if replays is None
+        else replays.replay(task.run_id, run_input, task.steps)
+    )
     halt = halt_reason(task, conversation)
     next_is_model = not conversation.pending and not conversation.finished and not halt
     stop = task.guard(steps_taken=len(task.steps), next_is_model=next_is_model)
@@ -184,7 +190,7 @@ def _model_step(
         seq=seq,
         step_key=key,
         model=answer.model,
-        prompt_hash=modelcall.prompt_hash(body),
+        prompt_hash=modelcall.request_hash(task, body),
         request=body if task.settings.store_requests else None,
         response=response.content,
         stop_reason=response.stop_reason,

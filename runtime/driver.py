@@ -19,9 +19,12 @@ Where each behaviour lives, once:
 from __future__ import annotations
 
 import logging
+import random
 import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING
+
+from sqlalchemy.exc import DBAPIError
 
 from db.records import Claim, Dispatch, RunStatus, Step, StepStatus
 from db.store import RunStore
@@ -38,14 +41,19 @@ from runtime.llm.base import LlmClient
 from runtime.logctx import log_context
 from runtime.mcp.client import McpClients
 from runtime.metrics import Metrics
-from runtime.modelcall import estimate_tokens, prompt_hash
+from runtime.modelcall import estimate_tokens, transient_db_error
 from runtime.pricing import PriceTable
+from runtime.prompthash import PromptHashes, prompt_hash
+from runtime.replay import ReplayCache
 from runtime.task import Outcome, Services, StepResult, Task, short
 
 if TYPE_CHECKING:  # runtime.live imports redis (and ssl): not before gevent patches it
     from runtime.live import LiveChannel
 
 log = logging.getLogger(__name__)
+
+CLAIM_RETRY_SECONDS = (1.0, 5.0)
+"""A message whose claim met a database outage comes back after this long (uniform)."""
 
 __all__ = [
     "Dispatch",
@@ -85,6 +93,8 @@ class Driver:
         self.mcp = mcp
         self.live = live
         self.flow = flow
+        self.replays = ReplayCache()
+        self.hashes = PromptHashes()
         self.heartbeat = heartbeat or Heartbeat(
             store,
             self.worker,
@@ -99,7 +109,24 @@ class Driver:
 
     def drive(self, run_id: uuid.UUID, token: uuid.UUID) -> StepResult:
         """Handle one drive_run message: at most one step."""
-        claim = self.store.claim(run_id, token, self.worker, self.settings.lease_seconds)
+        try:
+            claim = self.store.claim(run_id, token, self.worker, self.settings.lease_seconds)
+        except Exception as e:
+            if not transient_db_error(e):
+                raise
+            # PostgreSQL is unreachable or out of connections: nothing was claimed (or, if
+            # the claim committed and its answer was lost, its lease lapses as any crash's
+            # would). The same message again in a few seconds, rather than the run waiting
+            # for the reaper's sweep; jittered, so a fleet's messages do not return at once.
+            delay = random.uniform(*CLAIM_RETRY_SECONDS)
+            log.warning(
+                "run=%s could not be claimed (%s); its message comes back in %.1fs",
+                short(run_id),
+                type(e.orig if isinstance(e, DBAPIError) else e).__name__,
+                delay,
+                extra={"run_id": str(run_id)},
+            )
+            return StepResult(Outcome.WAITING, dispatch=Dispatch(run_id, token, delay))
         if claim is None:
             log.debug(
                 "run=%s message dropped (stale, duplicate, or lease held)",
@@ -176,6 +203,8 @@ class Driver:
             mcp=self.mcp,
             live=self.live,
             flow=self.flow,
+            replays=self.replays,
+            hashes=self.hashes,
         )
         with (
             log_context(run_id=str(run.id), worker=self.worker, step_seq="-"),

@@ -20,9 +20,10 @@ concurrency slot, its slot expires; the tokens it took are spent, and the bucket
 The caller's input estimate is deliberately high (3 characters a token); the bucket scales it
 by the ratio of used to estimated input learned at each settle, so that waiters are paced at
 what calls really take, not at 3/4 of the limit. Refused callers queue in a sorted set ordered
-by priority, then arrival (the waiters of different concurrency keys interleaved): a call is admitted
-only when its rank is below the number of calls that fit now, and each waiter is told to come
-back when its turn should fit, so wake-ups are spread in priority order instead of stampeding.
+by priority, then arrival (the waiters of different concurrency keys interleaved): a call is
+admitted only when its rank is below the number of calls that fit now, and each waiter is told
+to come back when its turn should fit, so wake-ups are spread in priority order instead of
+stampeding.
 """
 
 from __future__ import annotations

@@ -69,6 +69,9 @@ class ForkRequest:
     audit: NewAudit | None = None
     quota: SubmitQuota | None = None
     """The submitter's quota (a fork is a submit), checked atomically with the insert."""
+    idempotency_key: str | None = None
+    """A retry with this key and the same ``request_hash`` gets the fork made first."""
+    request_hash: str | None = None
 
     @property
     def edits_input(self) -> bool:
@@ -81,8 +84,10 @@ def fork_run(
     settings: Settings,
     source_id: uuid.UUID,
     request: ForkRequest,
-) -> Run:
-    """Create the fork (QUEUED; the caller sends its first message). Raises
+) -> tuple[Run, bool]:
+    """Create the fork (QUEUED; the caller sends its first message when ``created``).
+    Returns ``(run, created)``: ``created`` is ``False`` for a retry with an idempotency key
+    seen before (:class:`IdempotencyConflict` when its request differed). Raises
     :class:`ForkRefused` (naming the request's field) or :class:`RunNotFound`."""
     source = store.get_run(source_id)
     try:
@@ -117,6 +122,8 @@ def fork_run(
         replay_model=request.replay_model,
         submitted_by=request.submitted_by,
         audit=request.audit,
+        idempotency_key=request.idempotency_key,
+        request_hash=request.request_hash,
     )
     return store.fork_run(new, check, quota=request.quota)
 

@@ -11,7 +11,6 @@ checkpoints the call as its step, a durable step records it as a child step at o
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import time
@@ -29,6 +28,7 @@ from runtime.flow import Refusal
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.live import ModelCallCancelled, live_call
 from runtime.llm.retry import prior_attempts, reset_prior_attempts
+from runtime.prompthash import prompt_hash as prompt_hash
 from runtime.task import Task
 
 T = TypeVar("T")
@@ -54,9 +54,10 @@ def estimate_tokens(body: dict[str, Any]) -> int:
     return len(json.dumps(body, separators=(",", ":"), ensure_ascii=False)) // 3 + 1
 
 
-def prompt_hash(body: dict[str, Any]) -> str:
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+def request_hash(task: Task, body: dict[str, Any]) -> str:
+    """:func:`prompt_hash` of the body of the run's model call (incremental on a worker)."""
+    hashes = task.services.hashes
+    return prompt_hash(body) if hashes is None else hashes.hash(task.run_id, body)
 
 
 def strict_budget_refusal(task: Task, request: LlmRequest, body: dict[str, Any]) -> str | None:
@@ -188,7 +189,7 @@ def _live(task: Task, key: str | None) -> Iterator[None]:
             yield
 
 
-def _transient(e: Exception) -> bool:
+def transient_db_error(e: BaseException) -> bool:
     """The database went away (a restart, a dropped connection): worth trying again."""
     return isinstance(e, OperationalError) or (
         isinstance(e, DBAPIError) and e.connection_invalidated
@@ -230,7 +231,7 @@ def record_billed(
             task.store.record_unrecorded_usage(task.run_id, answer.response.usage, answer.cost)
             raise
         except Exception as e:
-            if not _transient(e) or time.monotonic() + delay > give_up:
+            if not transient_db_error(e) or time.monotonic() + delay > give_up:
                 raise
             log.warning(
                 "run=%s the database is away while recording %s (%s); trying again in %.1fs",

@@ -9,6 +9,9 @@ Messages API requires. Tool uses without a finished result are the next work.
 
 from __future__ import annotations
 
+import operator
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,56 +72,123 @@ def _text_of(content: list[JsonObj]) -> str:
     return "".join(b.get("text", "") for b in content if b.get("type") == "text")
 
 
-def replay(run_input: Any, steps: list[Step]) -> Conversation:
-    """The conversation after ``steps`` (ordered by seq) for a run started with ``run_input``."""
-    messages: list[JsonObj] = [{"role": "user", "content": run_input}]
-    pending: dict[str, JsonObj] = {}
-    results: list[JsonObj] = []
+@dataclass(slots=True)
+class _Fold:
+    """The replay's state after some of a run's steps; :meth:`add` takes the next one."""
+
+    messages: list[JsonObj]
+    pending: dict[str, JsonObj] = field(default_factory=dict)
+    results: list[JsonObj] = field(default_factory=list)
     stop: str | None = None
-    turns = 0
-    last_content: list[JsonObj] = []
-    for step in steps:
+    turns: int = 0
+    last_content: list[JsonObj] = field(default_factory=list)
+
+    def add(self, step: Step) -> None:
         if step.kind is StepKind.TOOLSET:
-            continue  # the tools offered, not part of the conversation
-        if step.kind is StepKind.MODEL:
-            if results:
-                messages.append({"role": "user", "content": results})
-                results = []
-            content: list[JsonObj] = step.response or []
-            if messages[-1]["role"] == "assistant":
-                # The previous call paused or ran out of tokens: this one continued the same
-                # assistant message, so the two are one message (roles must alternate).
-                content = [*messages[-1]["content"], *content]
-                messages[-1] = {"role": "assistant", "content": content}
-            else:
-                messages.append({"role": "assistant", "content": content})
-            stop = step.stop_reason
-            turns += 1
-            last_content = content
-            # Only a turn that ended on tool_use asks for tools: a tool_use block in a response
-            # cut off by max_tokens may be truncated and is never executed.
-            pending = (
-                {b["id"]: b for b in content if b.get("type") == "tool_use"}
-                if stop == "tool_use"
-                else {}
-            )
-        elif step.status is not StepStatus.STARTED:
-            pending.pop(step.tool_use_id or "", None)
-            results.append(tool_result_block(step))
-    if results and not pending:
-        messages.append({"role": "user", "content": results})
-    conversation = Conversation(
-        messages=messages,
-        pending=list(pending.values()),
-        stop_reason=stop,
-        model_turns=turns,
-    )
-    if conversation.finished:
+            return  # the tools offered, not part of the conversation
+        if step.kind is not StepKind.MODEL:
+            if step.status is not StepStatus.STARTED:
+                self.pending.pop(step.tool_use_id or "", None)
+                self.results.append(tool_result_block(step))
+            return
+        messages = self.messages
+        if self.results:
+            messages.append({"role": "user", "content": self.results})
+            self.results = []
+        content: list[JsonObj] = step.response or []
+        if messages[-1]["role"] == "assistant":
+            # The previous call paused or ran out of tokens: this one continued the same
+            # assistant message, so the two are one message (roles must alternate). A new
+            # dict: a conversation handed out earlier keeps the message it had.
+            content = [*messages[-1]["content"], *content]
+            messages[-1] = {"role": "assistant", "content": content}
+        else:
+            messages.append({"role": "assistant", "content": content})
+        self.stop = step.stop_reason
+        self.turns += 1
+        self.last_content = content
+        # Only a turn that ended on tool_use asks for tools: a tool_use block in a response
+        # cut off by max_tokens may be truncated and is never executed.
+        self.pending = (
+            {b["id"]: b for b in content if b.get("type") == "tool_use"}
+            if self.stop == "tool_use"
+            else {}
+        )
+
+    def conversation(self) -> Conversation:
+        """The conversation so far, on lists of its own (the fold goes on growing)."""
+        messages = list(self.messages)
+        if self.results and not self.pending:
+            messages.append({"role": "user", "content": list(self.results)})
+        finished = not self.pending and self.stop in FINISHING_STOPS
         return Conversation(
             messages=messages,
-            pending=[],
-            stop_reason=stop,
-            model_turns=turns,
-            final_text=_text_of(last_content),
+            pending=list(self.pending.values()),
+            stop_reason=self.stop,
+            model_turns=self.turns,
+            final_text=_text_of(self.last_content) if finished else None,
         )
-    return conversation
+
+
+def replay(run_input: Any, steps: list[Step]) -> Conversation:
+    """The conversation after ``steps`` (ordered by seq) for a run started with ``run_input``."""
+    fold = _Fold(messages=[{"role": "user", "content": run_input}])
+    for step in steps:
+        fold.add(step)
+    return fold.conversation()
+
+
+@dataclass(slots=True)
+class _Folded:
+    run_input: Any
+    steps: list[Step]
+    fold: _Fold
+
+
+class ReplayCache:
+    """A process's replays of the runs it drives, so a step replays only the rows that are
+    new since this process's last step of the run, not the whole log: the cost of replay at
+    step 1,000 is that of step 10.
+
+    Exact by construction: a replay continues from a cached fold only when the steps it was
+    folded from are, object for object, the first steps of the new list (the step log cache
+    hands the same immutable rows back, see :mod:`db.steplog`); a log read from the database,
+    or any row replaced, means a full replay. Bounded (least recently used first out);
+    thread-safe (a fold in use is taken out of the cache, so two tasks never share one)."""
+
+    def __init__(self, capacity: int = 512) -> None:
+        self.capacity = capacity
+        self._folds: OrderedDict[Any, _Folded] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def replay(self, run_id: Any, run_input: Any, steps: list[Step]) -> Conversation:
+        with self._lock:
+            cached = self._folds.pop(run_id, None)
+        done = len(cached.steps) if cached is not None else 0
+        if (
+            cached is not None
+            and done <= len(steps)
+            and all(map(operator.is_, cached.steps, steps[:done]))
+            and cached.run_input == run_input
+        ):
+            self.hits += 1
+            fold = cached.fold
+        else:
+            self.misses += 1
+            done = 0
+            fold = _Fold(messages=[{"role": "user", "content": run_input}])
+        for step in steps[done:]:
+            fold.add(step)
+        conversation = fold.conversation()
+        if self.capacity > 0:
+            with self._lock:
+                self._folds[run_id] = _Folded(run_input, list(steps), fold)
+                while len(self._folds) > self.capacity:
+                    self._folds.popitem(last=False)
+        return conversation
+
+    def forget(self, run_id: Any) -> None:
+        with self._lock:
+            self._folds.pop(run_id, None)

@@ -29,6 +29,8 @@ from runtime.llm.base import LlmClient
 from runtime.mcp.client import McpClients
 from runtime.metrics import Metrics
 from runtime.pricing import PriceTable
+from runtime.prompthash import PromptHashes
+from runtime.replay import ReplayCache
 from runtime.tracing import run_span
 
 if TYPE_CHECKING:  # runtime.live imports redis (and ssl): not before gevent patches it
@@ -74,6 +76,10 @@ class Services:
     """The live stream's Redis side: text deltas out, cancel flags in (``None``: off)."""
     flow: FlowControl | None = None
     """Fleet-wide admission of model calls (``None``: DAR_MODEL_LIMITS is not set)."""
+    replays: ReplayCache | None = None
+    """This process's replays of the runs it drives (``None``: replay every step in full)."""
+    hashes: PromptHashes | None = None
+    """This process's prompt hashes, incremental per run (``None``: hash every body whole)."""
 
 
 def short(run_id: uuid.UUID) -> str:

@@ -605,7 +605,7 @@ class Execution:
             response=response.content,
             attempt=parent.attempt,
             model=answer.model,
-            prompt_hash=modelcall.prompt_hash(body),
+            prompt_hash=modelcall.request_hash(self.task, body),
             usage=response.usage,
             cost_usd=answer.cost,
             latency_ms=answer.latency_ms,

@@ -119,7 +119,7 @@ TAMPERING = (
     (checker.TOKENS, "UPDATE run SET tokens_used = tokens_used + 1 WHERE id = :run"),
     (checker.SEQ, "UPDATE run_step SET seq = seq + 100 WHERE run_id = :run AND seq = 1"),
     # The durable run's first effect happens twice; a second decision enters the audit trail;
-    # tokens billed for it go missing from its counters.
+    # its step rows disagree with the tokens the API billed.
     (
         checker.EFFECTS,
         "INSERT INTO chaos_effect (run_id, key, kind, execution) "
@@ -133,7 +133,9 @@ TAMPERING = (
     ),
     (
         checker.BILLED,
-        "UPDATE run_step SET input_tokens = input_tokens - 7 "
+        # More tokens on the rows than the API billed: never explained by a call a fault cut
+        # (taking 7 away was, when one of the run's calls billed exactly 7 tokens).
+        "UPDATE run_step SET input_tokens = input_tokens + 7 "
         "WHERE run_id = :durable AND step_key LIKE '%/llm:0'",
     ),
     (

@@ -366,6 +366,97 @@ def test_cancel_a_running_run(tab: Tab, console: Console) -> None:
     assert len([s for s in steps if s["kind"] == "STEP"]) < 80, "stopped early"
 
 
+def test_fork_from_a_step_with_an_edited_tool_result_and_land_on_the_fork(
+    tab: Tab, console: Console
+) -> None:
+    page = tab.page
+    original = console.submit("acme-tickets", "Which acme tickets are overdue?")
+    console.wait_status(original, "SUCCEEDED")
+    sign_in(tab, OPS, f"/runs/{original}")
+    page.locator("body[data-status='SUCCEEDED']").wait_for()
+    rows = page.locator("#timeline tbody tr")
+    assert rows.locator("button.fork").count() == 3, "every completed step is a fork point"
+
+    # A refusal is shown on the form, the field the API named marked: not swallowed.
+    page.get_by_role("button", name="Fork from step 3").click()
+    form = page.locator("#fork-panel")
+    assert form.is_visible()
+    assert "copies steps 1 to 2" in form.locator("#fork-explain").inner_text()
+    assert_every_control_labelled(tab)
+    form.get_by_label("Token budget (empty: the original's)").fill("999999999999")
+    form.get_by_role("button", name="Fork run").click()
+    error = form.locator("#fork-error")
+    error.filter(has_text="Invalid request (HTTP 400): tokenBudget").wait_for()
+    assert form.locator("#fork-budget[aria-invalid='true']").count() == 1
+    assert page.url.endswith(f"/runs/{original}"), "no fork, no navigation"
+
+    # What if the tool had found nothing? Edit step 2's result, fork from step 3.
+    form.get_by_label("Token budget (empty: the original's)").fill("")
+    form.get_by_label("Edit the result of").select_option(label="step 2: TOOL list_tickets")
+    form.get_by_label("New result (JSON, or plain text)").fill("[]")
+    form.get_by_label("Replay the model").check()
+    tab.shot("fork-form")
+    form.get_by_role("button", name="Fork run").click()
+    page.wait_for_url(re.compile(r"/runs/(?!" + original + r")[0-9a-f-]{36}$"))
+    fork_id = page.url.rsplit("/", 1)[1]
+    page.locator("body[data-status='SUCCEEDED']").wait_for(timeout=45_000)
+    facts = page.locator("#facts").inner_text()
+    assert f"Forked from\n{original[:8]} at step 3 (replaying the model)" in facts, facts
+    origins = page.locator("#timeline tbody tr[data-seq]").evaluate_all(
+        "rs => rs.filter(r => r.dataset.seq).map(r => [r.dataset.seq, r.dataset.origin])"
+    )
+    assert origins == [["1", "copied"], ["2", "edited"], ["3", ""]]
+    fork = console.call("GET", f"/api/runs/{fork_id}")
+    assert fork["forkedFrom"] == {"runId": original, "seq": 3, "replayModel": True}
+    assert fork["submittedBy"] == "ops"
+    (event,) = console.call("GET", f"/api/runs/{original}")["audit"]
+    assert event["detail"]["fork"] == fork_id, "one fork made, by this form"
+    tab.shot("run-fork")
+
+
+def test_diff_view_shows_the_first_differing_step(tab: Tab, console: Console) -> None:
+    page = tab.page
+    original = console.submit("acme-tickets", "Which acme tickets are overdue?")
+    console.wait_status(original, "SUCCEEDED")
+    fork_id = console.call(
+        "POST",
+        f"/api/runs/{original}/fork",
+        {"fromSeq": 3, "toolResult": {"seq": 2, "output": "no tickets"}},
+    )["id"]
+    console.wait_status(fork_id, *TERMINAL)
+
+    sign_in(tab, OPS, f"/runs/{fork_id}")
+    page.locator("#diff-original").click()
+    page.wait_for_url(re.compile(f"/runs/{original}/diff/{fork_id}$"))
+    page.locator("body[data-first-different-seq='2']").wait_for()
+    assert page.locator("#first-diff").inner_text() == "First difference at step 2: output."
+    first = page.locator("#diff-steps tbody.first")
+    assert first.get_attribute("data-seq") == "2"
+    assert first.is_visible()
+    assert first.locator("td.changed").count() == 2, "the output cell of A and of B"
+    assert first.locator("tr.side-b").inner_text().count("edited") == 1
+    copied = page.locator("#seq-1")
+    assert "copied" in copied.locator("tr.side-b").inner_text()
+    assert "copied" not in copied.locator("tr.side-a").inner_text()
+    assert "same" in copied.locator("td.differences").inner_text()
+    kinds = page.locator("#diff-steps tbody tr.side-a td:nth-of-type(1)").all_inner_texts()
+    assert kinds == ["MODEL", "TOOL", "MODEL"]
+    assert page.locator("#diff-runs").inner_text().count("Forked from") == 1
+    assert_every_control_labelled(tab)
+    tab.shot("diff")
+
+    # From any run's page: another run's id, or the start of it.
+    page.goto(f"/runs/{original}")
+    page.locator("body[data-ready='1']").wait_for()
+    page.get_by_label("Compare with run").fill("ffffffff")
+    page.get_by_role("button", name="Compare").click()
+    page.locator("#compare-error").filter(has_text="no run starts with ffffffff").wait_for()
+    page.get_by_label("Compare with run").fill(fork_id[:8])
+    page.get_by_role("button", name="Compare").click()
+    page.wait_for_url(re.compile(f"/runs/{original}/diff/{fork_id}$"))
+    page.locator("body[data-first-different-seq='2']").wait_for()
+
+
 def test_a_read_only_token_sees_no_actions_and_a_forged_request_is_refused(
     tab: Tab, console: Console
 ) -> None:

@@ -467,7 +467,7 @@ def test_bad_keys_and_priorities_are_named(
 
 def test_a_fork_keeps_the_key_and_the_priority(runtime: Runtime) -> None:
     run, _ = _keyed(runtime, "acme 1", "acme", priority=3)
-    fork = runtime.store.fork_run(
+    fork, _ = runtime.store.fork_run(
         NewFork(run.id, 1, run.input, run.model, token_budget=1000, timeout_seconds=60),
         lambda _run, _steps: [],
     )

@@ -105,6 +105,18 @@ def test_run_page_names_only_a_valid_run_id(client: FlaskClient) -> None:
     assert client.get("/runs/%3Cscript%3E").status_code == 404
 
 
+def test_diff_page_names_both_runs_and_is_a_shell_too(client: FlaskClient) -> None:
+    a, b = uuid.uuid4(), uuid.uuid4()
+    response = client.get(f"/runs/{a}/diff/{b}")
+    assert response.status_code == 200
+    assert "script-src 'self'" in response.headers["Content-Security-Policy"]
+    page = response.get_data(as_text=True)
+    assert f'data-run-a="{a}" data-run-b="{b}"' in page
+    assert f'href="/runs/{b}/diff/{a}"' in page, "swap A and B"
+    assert "<script>" not in page
+    assert client.get(f"/runs/{a}/diff/%3Cscript%3E").status_code == 404
+
+
 def test_static_files_ship_with_the_package(client: FlaskClient) -> None:
     for path in (
         "/static/console/console.js",
@@ -152,6 +164,7 @@ def test_whoami_with_tokens(runtime: Runtime, celery: Celery) -> None:
     admin = client.get("/api/whoami", headers=_bearer("a")).get_json()
     assert admin["can"] == {
         "submit": True,
+        "fork": True,
         "cancel": True,
         "resume": True,
         "resolve": True,

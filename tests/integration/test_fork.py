@@ -76,7 +76,10 @@ def nine_step_run(runtime: Runtime, llm: ScriptedLlm) -> Run:
 
 
 def fork(runtime: Runtime, source: uuid.UUID, **kwargs: Any) -> Run:
-    return fork_run(runtime.store, runtime.agents, runtime.settings, source, ForkRequest(**kwargs))
+    run, _ = fork_run(
+        runtime.store, runtime.agents, runtime.settings, source, ForkRequest(**kwargs)
+    )
+    return run
 
 
 def drive(runtime: Runtime, run: Run) -> tuple[Run, list[Step]]:

@@ -5,21 +5,26 @@ shown as copied with the original's cost apart."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
 import pytest
+import redis
 from flask.testing import FlaskClient
 from sqlalchemy import text
 from werkzeug.serving import make_server
+from werkzeug.test import TestResponse
 
 from api import create_app
 from api.auth import hash_token
 from api.cli import main
 from db.records import Dispatch, Run, RunStatus
 from runtime.bootstrap import Runtime
+from runtime.config import Settings
 from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import tool
 from tasks.celery_app import make_celery
@@ -198,6 +203,173 @@ def test_a_fork_after_a_step_in_flight_is_a_conflict(
     assert client.post(url, json={"fromSeq": 2}, headers=auth("alice")).status_code == 201
     missing = client.post(f"/api/runs/{uuid.uuid4()}/fork", json={"fromSeq": 1})
     assert missing.status_code in (401, 404)
+
+
+# -- Idempotency-Key -------------------------------------------------------------------------
+
+
+def fork_with_key(
+    client: FlaskClient, run_id: uuid.UUID | str, body: dict[str, Any], key: str, who: str = "alice"
+) -> TestResponse:
+    return client.post(
+        f"/api/runs/{run_id}/fork", json=body, headers={**auth(who), "Idempotency-Key": key}
+    )
+
+
+def forks_of(runtime: Runtime, run_id: uuid.UUID) -> list[uuid.UUID]:
+    with runtime.engine.connect() as conn:
+        rows = conn.execute(text("SELECT id FROM run WHERE forked_from_run = :id"), {"id": run_id})
+        return [r.id for r in rows]
+
+
+def test_a_retried_fork_with_the_same_key_is_the_same_fork_without_a_second_message(
+    client: FlaskClient,
+    runtime: Runtime,
+    llm: ScriptedLlm,
+    redis_client: redis.Redis,
+    settings: Settings,
+) -> None:
+    original = three_steps(runtime, llm)
+    body = {"fromSeq": 3, "toolResult": {"seq": 2, "output": "rain"}, "tokenBudget": 5000}
+    first = fork_with_key(client, original.id, body, "fork-1")
+    assert first.status_code == 201, first.get_json()
+    fork_id = first.get_json()["id"]
+    assert redis_client.llen(settings.queue) == 1
+
+    reordered = {"tokenBudget": 5000, "toolResult": {"output": "rain", "seq": 2}, "fromSeq": 3}
+    again = fork_with_key(client, original.id, reordered, "fork-1")
+    assert again.status_code == 200, again.get_json()
+    assert again.get_json() == first.get_json()
+    assert again.headers["Location"] == first.headers["Location"]
+    assert forks_of(runtime, original.id) == [uuid.UUID(fork_id)]
+    assert redis_client.llen(settings.queue) == 1, "no second message"
+    source = client.get(f"/api/runs/{original.id}", headers=auth("alice")).get_json()
+    assert [e["action"] for e in source["audit"]] == ["fork"], "one fork, audited once"
+
+    # The retry reports the fork's current status, as a submit's retry does.
+    llm.then_text("Rainy.", 10, 1)
+    assert drive(runtime, fork_id).status is RunStatus.SUCCEEDED
+    later = fork_with_key(client, original.id, body, "fork-1")
+    assert (later.status_code, later.get_json()["status"]) == (200, "SUCCEEDED")
+    # Another key is another fork.
+    other = fork_with_key(client, original.id, body, "fork-2")
+    assert other.status_code == 201
+    assert other.get_json()["id"] != fork_id
+    assert redis_client.llen(settings.queue) == 2
+
+
+@pytest.mark.parametrize("reuse", ["another body", "another run", "a submit's key"])
+def test_a_fork_key_reused_for_another_request_is_422(
+    client: FlaskClient,
+    runtime: Runtime,
+    llm: ScriptedLlm,
+    redis_client: redis.Redis,
+    settings: Settings,
+    reuse: str,
+) -> None:
+    original = three_steps(runtime, llm)
+    if reuse == "a submit's key":
+        first = client.post(
+            "/api/runs", json={"input": "q"}, headers={**auth("alice"), "Idempotency-Key": "k1"}
+        )
+    else:
+        first = fork_with_key(client, original.id, {"fromSeq": 3}, "k1")
+    assert first.status_code == 201, first.get_json()
+    queued = redis_client.llen(settings.queue)
+    if reuse == "another run":
+        llm.then_text("Sunny.")
+        other, dispatch = submit(runtime.store, "weather?", tenant="shop")
+        drive_to_end(runtime.driver(), dispatch)
+        response = fork_with_key(client, other.id, {"fromSeq": 3}, "k1")
+    else:
+        response = fork_with_key(client, original.id, {"fromSeq": 2}, "k1")
+    assert response.status_code == 422, response.get_json()
+    error = response.get_json()["error"]
+    assert error["code"] == "idempotency_key_reused"
+    assert "'k1'" in error["message"]
+    assert first.get_json()["id"] in error["message"]
+    assert len(forks_of(runtime, original.id)) == (0 if reuse == "a submit's key" else 1)
+    assert redis_client.llen(settings.queue) == queued
+
+
+def test_the_openapi_document_states_the_fork_idempotency_key(client: FlaskClient) -> None:
+    fork = client.get("/api/openapi.json").get_json()["paths"]["/api/runs/{run_id}/fork"]["post"]
+    (header,) = [p for p in fork["parameters"] if p["in"] == "header"]
+    assert header["name"] == "Idempotency-Key"
+    assert header["schema"] == {"type": "string", "minLength": 1, "maxLength": 200}
+    assert {"200", "201", "422"} <= fork["responses"].keys()
+
+
+@pytest.mark.parametrize("key", ["", "k" * 201])
+def test_a_bad_fork_idempotency_key_is_400(
+    client: FlaskClient, runtime: Runtime, llm: ScriptedLlm, key: str
+) -> None:
+    original = three_steps(runtime, llm)
+    response = fork_with_key(client, original.id, {"fromSeq": 3}, key)
+    assert response.status_code == 400
+    assert response.get_json()["error"]["field"] == "Idempotency-Key"
+    assert forks_of(runtime, original.id) == []
+
+
+def test_concurrent_forks_with_one_key_make_one_fork(
+    client: FlaskClient, runtime: Runtime, llm: ScriptedLlm
+) -> None:
+    """Two submitters of one tenant (root's fork lands in the run's tenant: their quota locks
+    do not serialise them) send the same fork at the same moment: the key's unique index
+    does. To make the moment certain, an uncommitted run holding the key makes both wait at
+    the insert, both having seen no run with it; it is rolled back, one fork is made and
+    the other request finds it."""
+    original = three_steps(runtime, llm)
+    with runtime.engine.connect() as blocker:
+        blocker.execute(
+            text(
+                "INSERT INTO run (id, agent, input, model, max_steps, token_budget, deadline_at,"
+                " dispatch_token, tenant, idempotency_key) SELECT gen_random_uuid(), agent,"
+                " input, model, max_steps, token_budget, deadline_at, gen_random_uuid(), tenant,"
+                " 'together' FROM run WHERE id = :id"
+            ),
+            {"id": original.id},
+        )
+
+        def post(who: str) -> tuple[int, str]:
+            response = fork_with_key(client, original.id, {"fromSeq": 3}, "together", who)
+            return response.status_code, response.get_json().get("id")
+
+        with ThreadPoolExecutor(2) as pool:
+            results = pool.map(post, ["alice", "root"])
+            deadline = time.monotonic() + 10
+            while waiting_on_locks(runtime) < 2:
+                assert time.monotonic() < deadline, "both requests wait at the insert"
+                time.sleep(0.05)
+            blocker.rollback()
+            codes = sorted(results)
+    assert [code for code, _ in codes] == [200, 201]
+    assert codes[0][1] == codes[1][1]
+    assert forks_of(runtime, original.id) == [uuid.UUID(codes[0][1])]
+
+
+def waiting_on_locks(runtime: Runtime) -> int:
+    with runtime.engine.connect() as conn:
+        return int(
+            conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock'"
+                )
+            ).scalar_one()
+        )
+
+
+def test_a_retried_fork_gets_its_run_not_429(
+    client: FlaskClient, runtime: Runtime, llm: ScriptedLlm
+) -> None:
+    original = three_steps(runtime, llm)
+    runtime.settings = replace(runtime.settings, submit_rate_per_minute=1)
+    first = fork_with_key(client, original.id, {"fromSeq": 3}, "k1")
+    assert first.status_code == 201
+    again = fork_with_key(client, original.id, {"fromSeq": 3}, "k1")
+    assert (again.status_code, again.get_json()["id"]) == (200, first.get_json()["id"])
+    assert fork_with_key(client, original.id, {"fromSeq": 3}, "k2").status_code == 429
 
 
 # -- the CLI --------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from db.records import ApprovalStatus, Dispatch, Run, RunStatus, StepKind, StepOrigin, StepStatus
+from db.records import ApprovalStatus, Dispatch, RunStatus, StepKind, StepOrigin, StepStatus
 from runtime.bootstrap import Runtime
 from runtime.durable import DurableAgent, Steps, durable_agent
 from runtime.fork import ForkRefused, ForkRequest, fork_run
@@ -100,7 +100,7 @@ def original(tester: DurableTester, model: FakeModel, order: dict[str, Any] = OR
 
 def fork(tester: DurableTester, source: uuid.UUID, **kwargs: Any) -> RunResult:
     runtime = tester.runtime
-    run: Run = fork_run(
+    run, _ = fork_run(
         runtime.store, runtime.agents, runtime.settings, source, ForkRequest(**kwargs)
     )
     return tester._drive(Dispatch(run.id, run.dispatch_token))
@@ -202,6 +202,63 @@ def test_replay_model_answers_steps_llm_from_the_recording(
     done = tester.approve(waiting.run_id)
     assert_run(done).completed().output({"receipt": [1, 20]})
     assert tester.runtime.store.get_run(done.run_id).tokens_used == 0
+
+
+def test_a_copied_failed_step_a_resumed_fork_runs_again_is_the_forks_own(
+    tester: DurableTester, model: FakeModel, shop: Shop, runtime: Runtime
+) -> None:
+    """Resuming a failed fork retries its failed steps, copied ones included: the fork
+    executes such a step itself, so the row is its own (not "copied", billed to it, what the
+    original paid no longer shown apart) and the fork compensates it like any of its own."""
+    declined = {"card": "declined"}
+
+    @durable_agent("fork-retry")
+    def pay(order: dict[str, Any], steps: Steps) -> str:
+        def effect(what: str, arg: Any) -> Any:
+            shop.log.append((steps.run_id, what, arg))
+            return arg
+
+        def charge() -> str:
+            if declined["card"]:
+                raise RuntimeError(f"card {declined['card']}")
+            return str(effect("charge", "20 EUR"))
+
+        quote = steps.llm("quote", lambda m: m.complete_json("price?"))
+        charged = steps.run("charge", charge, compensate=lambda a: effect("refund", a))
+        if order.get("fail_ship"):
+            raise RuntimeError("ship failed")
+        return f"{charged} for {quote}"
+
+    runtime.agents.register(pay)
+    model.respond_with_json(20, input_tokens=300, output_tokens=30)
+    first = tester.run(pay, {})
+    assert_run(first).failed()
+    charge = next(s for s in first.steps if s.step_key == "charge:0")
+    assert charge.status is StepStatus.ERROR
+    after_all = max(s.seq for s in first.steps) + 1
+    failed = fork(tester, first.run_id, from_seq=after_all, input={"fail_ship": True})
+    assert_run(failed).failed()
+    copied = next(s for s in failed.steps if s.step_key == "charge:0")
+    assert (copied.status, copied.origin) == (StepStatus.ERROR, StepOrigin.COPIED)
+
+    declined["card"] = ""
+    dispatch = runtime.store.resume_failed(failed.run_id)
+    resumed = tester._drive(dispatch)
+    assert_run(resumed).failed().compensated("charge")
+    assert shop.by(resumed.run_id) == [("charge", "20 EUR"), ("refund", "20 EUR")], (
+        "the fork charged, so the fork refunds"
+    )
+    own = next(s for s in resumed.steps if s.step_key == "charge:0")
+    assert (own.status, own.origin, own.original_tokens, own.original_cost_usd) == (
+        StepStatus.DONE,
+        None,
+        None,
+        None,
+    )
+    quote = next(s for s in resumed.steps if s.step_key == "quote:0/llm:0")
+    assert quote.origin is StepOrigin.COPIED, "a step the fork did not run stays copied"
+    assert "not compensated, copied" not in (resumed.error or "")
+    assert model.calls == 1
 
 
 def test_a_fork_point_inside_a_step_is_refused(

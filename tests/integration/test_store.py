@@ -222,3 +222,40 @@ def test_a_run_that_keeps_killing_its_worker_ends_failed(
     assert failed.error is not None
     assert f"{limit} times" in failed.error
     assert llm.requests == []
+
+
+def test_a_claim_that_meets_a_database_outage_sends_its_message_again_soon(
+    runtime: Runtime, llm: ScriptedLlm
+) -> None:
+    """PostgreSQL refusing connections (a restart, "too many clients") at the claim: the
+    message comes back in seconds with the same token, instead of the run waiting for the
+    reaper's sweep; the run is untouched and the next delivery claims it."""
+    from db.engine import make_engine
+    from db.store import RunStore
+    from runtime.driver import CLAIM_RETRY_SECONDS, Driver
+    from runtime.task import Outcome
+
+    register_agent(runtime.agents)
+    run, dispatch = submit(runtime.store)
+    unreachable = make_engine("postgresql://postgres@127.0.0.1:1/postgres", pool_size=1)
+    try:
+        down = Driver(
+            store=RunStore(unreachable),
+            agents=runtime.agents,
+            llm=llm,
+            settings=runtime.settings,
+            worker="worker-A",
+        )
+        result = down.drive(dispatch.run_id, dispatch.token)
+    finally:
+        unreachable.dispose()
+    assert result.outcome is Outcome.WAITING
+    assert result.dispatch is not None
+    assert (result.dispatch.run_id, result.dispatch.token) == (run.id, dispatch.token)
+    low, high = CLAIM_RETRY_SECONDS
+    assert low <= result.dispatch.delay_seconds <= high
+    assert runtime.store.get_run(run.id).status is RunStatus.QUEUED
+    llm.then_text("done")
+    again = runtime.driver(worker="worker-A").drive(run.id, result.dispatch.token)
+    assert again.outcome is Outcome.CONTINUE  # the model step ran and was checkpointed
+    assert [s.step_key for s in runtime.store.steps(run.id)] == ["model:1"]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from db.records import Step, StepKind, StepStatus, Usage
-from runtime.replay import model_step_key, replay, tool_step_key
+from runtime.replay import ReplayCache, model_step_key, replay, tool_step_key
 
 RUN_ID = uuid.UUID("00000000-0000-4000-8000-000000000001")
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -432,3 +432,78 @@ def test_last_turn_has_tool_use() -> None:
     log2.model([use("toolu_1")], "tool_use")
     log2.tool("toolu_1", "list_tickets")
     assert not replay(QUESTION, log2.steps).last_turn_has_tool_use, "the results came after"
+
+
+# -- the per-process cache: a step replays only its new rows -----------------------------
+
+
+def _long_log() -> Log:
+    """Every kind of row in turn: parallel tools, a tool that is STARTED then DONE (the row
+    replaced under its key), an error, a paused turn continued, the final answer."""
+    log = Log()
+    log.model([use("toolu_1"), use("toolu_2")], "tool_use")
+    log.tool("toolu_1", "list_tickets", output="a")
+    log.tool("toolu_2", "list_tickets", output="b")
+    log.model([text("thinking")], "pause_turn")
+    log.model([use("toolu_3")], "tool_use")
+    log.tool("toolu_3", "list_tickets", status=StepStatus.ERROR, output="boom")
+    log.model([use("toolu_4")], "tool_use")
+    log.tool("toolu_4", "list_tickets", status=StepStatus.STARTED)
+    log.model([text("done")], "end_turn")
+    return log
+
+
+def _growing(log: Log) -> list[list[Step]]:
+    """The step lists a worker sees, step after step; a STARTED row is replaced by its DONE
+    row in place (same key, same seq), as the step log cache does."""
+    out: list[list[Step]] = []
+    current: list[Step] = []
+    for step in log.steps:
+        current = [*current, step]
+        out.append(current)
+        if step.status is StepStatus.STARTED:
+            done = dataclasses.replace(step, status=StepStatus.DONE, response="late")
+            current = [*current[:-1], done]
+            out.append(current)
+    return out
+
+
+def test_the_cache_replays_every_prefix_exactly_as_a_full_replay() -> None:
+    cache = ReplayCache()
+    for steps in _growing(_long_log()):
+        assert cache.replay(RUN_ID, QUESTION, steps) == replay(QUESTION, steps)
+    assert cache.hits >= 8, "a growing log continues from the cached fold"
+    assert cache.misses == 2, "the first step, and the STARTED row replaced by its DONE row"
+
+
+def test_a_conversation_handed_out_is_not_changed_by_later_steps() -> None:
+    cache = ReplayCache()
+    lists = _growing(_long_log())
+    handed = [cache.replay(RUN_ID, QUESTION, steps) for steps in lists]
+    snapshots = [copy.deepcopy(c) for c in handed]
+    for steps in lists:  # the same steps again, and more, through the same cache
+        cache.replay(RUN_ID, QUESTION, steps)
+    assert handed == snapshots
+
+
+def test_rows_read_again_from_the_database_are_replayed_in_full() -> None:
+    cache = ReplayCache()
+    log = _long_log()
+    cache.replay(RUN_ID, QUESTION, log.steps[:4])
+    reread = [dataclasses.replace(s) for s in log.steps[:6]]  # equal rows, new objects
+    reread[1] = dataclasses.replace(reread[1], response="changed by an operator")
+    assert cache.replay(RUN_ID, QUESTION, reread) == replay(QUESTION, reread)
+    assert cache.misses == 2
+
+
+def test_runs_do_not_share_folds_and_the_cache_is_bounded() -> None:
+    cache = ReplayCache(capacity=2)
+    log = _long_log()
+    other = uuid.UUID(int=2)
+    cache.replay(RUN_ID, QUESTION, log.steps[:3])
+    assert cache.replay(other, "another question", log.steps[:3]) == replay(
+        "another question", log.steps[:3]
+    )
+    cache.replay(uuid.UUID(int=3), QUESTION, log.steps[:1])
+    assert cache.replay(RUN_ID, QUESTION, log.steps[:4]) == replay(QUESTION, log.steps[:4])
+    assert cache.misses == 4, "the oldest run's fold was dropped"

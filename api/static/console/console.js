@@ -78,14 +78,16 @@ function flash(message, isError) {
 // -- the API --------------------------------------------------------------------------------
 
 class ApiError extends Error {
-  constructor(status, message) {
+  constructor(status, message, code, field) {
     super(message);
     this.status = status;
+    this.code = code || null;
+    this.field = field || null;
   }
 }
 
-async function api(method, path, payload) {
-  const headers = { Accept: "application/json" };
+async function api(method, path, payload, extraHeaders) {
+  const headers = { Accept: "application/json", ...(extraHeaders || {}) };
   const token = sessionStorage.getItem(TOKEN_KEY);
   if (token) headers.Authorization = `Bearer ${token}`;
   const init = { method, headers, credentials: "omit", cache: "no-store" };
@@ -97,9 +99,10 @@ async function api(method, path, payload) {
   const text = await response.text();
   const data = text ? JSON.parse(text) : null;
   if (!response.ok) {
-    const message = data && data.error ? data.error.message : `HTTP ${response.status}`;
+    const error = (data && data.error) || {};
+    const message = error.message || `HTTP ${response.status}`;
     if (response.status === 401) showLogin(message);
-    throw new ApiError(response.status, message);
+    throw new ApiError(response.status, message, error.code, error.field);
   }
   return data;
 }
@@ -374,6 +377,12 @@ function renderHeader(run, steps, refresh) {
   fact(dl, "Deadline", run.deadlineAt);
   fact(dl, "Submitted", `${run.createdAt} by ${run.submittedBy || "anonymous"}`);
   if (run.finishedAt) fact(dl, "Finished", run.finishedAt);
+  if (run.forkedFrom && run.forkedFrom.runId) {
+    const original = run.forkedFrom.runId;
+    fact(dl, "Forked from", runLink(original), ` at step ${run.forkedFrom.seq}`,
+      run.forkedFrom.replayModel ? " (replaying the model)" : "", " · ",
+      h("a", { id: "diff-original", href: diffPath(original, run.id) }, "diff with original"));
+  }
   if (run.error) fact(dl, "Error", h("span", { class: "error" }, run.error));
 
   const stepCount = steps.filter((s) => s.kind !== "AUDIT").length;
@@ -412,8 +421,10 @@ function renderHeader(run, steps, refresh) {
   }
 }
 
-/** The waterfall: one row per step, its bar placed by start and length on the run's axis. */
-function renderTimeline(run, steps) {
+/** The waterfall: one row per step, its bar placed by start and length on the run's axis.
+ *  With `onFork`, each step a fork can start from has a "Fork from here" button. */
+function renderTimeline(run, steps, onFork) {
+  const points = onFork ? forkPoints(steps) : new Set();
   const t0 = Date.parse(run.createdAt);
   const ends = steps.map((s) => Date.parse(s.finishedAt || s.startedAt));
   const tEnd = Math.max(t0 + 1, run.finishedAt ? Date.parse(run.finishedAt) : Date.now(), ...ends);
@@ -437,13 +448,29 @@ function renderTimeline(run, steps) {
     if (s.attempt > 1) notes.push(h("span", { class: "note retry" }, `attempt ${s.attempt}`));
     if (s.status === "RETRYING") notes.push(h("span", { class: "note retry" }, "retrying"));
     if (s.resolution) notes.push(h("span", { class: "note" }, `resolution: ${s.resolution}`));
+    if (s.origin) {
+      notes.push(h("span", {
+        class: "note origin",
+        title: `${s.origin} from the original run, which paid ${s.originalTokens ?? 0} tokens, `
+          + `${usd(s.originalCostUsd)}; this run paid nothing for it`,
+      }, s.origin));
+    }
     if (s.kind === "AUDIT" && (s.action === "resume" || s.action === "resolve")) {
       notes.push(h("span", { class: "note resumed" }, "resumed here"));
     }
     const label = s.kind === "AUDIT"
       ? `${s.action} by ${s.actor}`
       : s.toolName ? `${s.stepKey} (${s.toolName})` : s.stepKey;
-    tbody.append(h("tr", { class: `row k-${s.kind}`, "data-kind": s.kind, "data-status": s.status },
+    let fork = "";
+    if (points.has(s.seq)) {
+      fork = h("button", { type: "button", class: "secondary fork", "data-seq": s.seq,
+        "aria-label": `Fork from step ${s.seq}` }, "Fork from here");
+      fork.addEventListener("click", () => onFork(s.seq));
+    }
+    tbody.append(h("tr", {
+      class: `row k-${s.kind}`, "data-kind": s.kind, "data-status": s.status,
+      "data-seq": s.seq ?? "", "data-origin": s.origin || "",
+    },
       h("td", { class: "num" }, s.seq ?? ""),
       h("td", {}, h("span", { class: `kind k-${s.kind}` }, s.kind)),
       h("td", {}, label, " ", notes),
@@ -453,6 +480,7 @@ function renderTimeline(run, steps) {
       h("td", {}, s.worker || ""),
       h("td", { class: "track" }, bar, h("span", { class: "sr-only" },
         `starts at ${(start / 1000).toFixed(2)} s, lasts ${duration} ms`)),
+      h("td", { class: "fork-cell" }, fork),
     ));
   }
 }
@@ -575,11 +603,14 @@ function runPage() {
   const id = body.dataset.runId;
   const path = `/api/runs/${encodeURIComponent(id)}`;
   let stop = null;
+  const forkPanel = me.can.fork ? setupFork(id) : null;
+  setupCompare(id);
   const load = async () => {
     const [run, steps, conversation] = await Promise.all([
       api("GET", path), api("GET", `${path}/timeline`), api("GET", `${path}/conversation`)]);
     renderHeader(run, steps, refresh);
-    renderTimeline(run, steps);
+    if (forkPanel) forkPanel.update(run, steps);
+    renderTimeline(run, steps, forkPanel ? forkPanel.open : null);
     renderConversation(conversation);
     const approvalPanel = $("#approval-panel");
     if (run.status === "WAITING") {
@@ -672,6 +703,284 @@ function runPage() {
     poll();
   };
   load().then(poll, (e) => { if (!(e instanceof ApiError)) flash(e.message, true); poll(); });
+}
+
+// -- forks ----------------------------------------------------------------------------------
+
+const COMPLETED = new Set(["DONE", "ERROR", "REJECTED"]);
+const EDITABLE = new Set(["TOOL", "STEP", "SIDE_EFFECT"]);
+const UUID_RE = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
+const REFUSALS = {
+  400: "Invalid request", 403: "Not allowed", 404: "Not found", 409: "Conflict",
+  422: "Idempotency key reused", 429: "Rate limited",
+};
+
+function diffPath(a, b) {
+  return `/runs/${encodeURIComponent(a)}/diff/${encodeURIComponent(b)}`;
+}
+
+/** The seqs a fork may start from (as the API decides, checked again there): every step
+ *  before it completed, and not inside a durable step (between it and its nested steps). */
+function forkPoints(steps) {
+  const rows = steps.filter((s) => s.kind !== "AUDIT" && s.seq !== null)
+    .sort((x, y) => x.seq - y.seq);
+  const nestedEnd = new Map(); // step key -> the last seq nested in it
+  for (const s of rows) {
+    const parts = s.stepKey.split("/");
+    for (let i = 1; i < parts.length; i++) {
+      const parent = parts.slice(0, i).join("/");
+      nestedEnd.set(parent, Math.max(nestedEnd.get(parent) || 0, s.seq));
+    }
+  }
+  const points = new Set();
+  for (const [i, s] of rows.entries()) {
+    if (rows.slice(0, i).some((c) => !COMPLETED.has(c.status))) break;
+    const inside = rows.slice(0, i).some((c) => s.seq <= (nestedEnd.get(c.stepKey) || 0));
+    if (!inside) points.add(s.seq);
+  }
+  return points;
+}
+
+/** A fresh Idempotency-Key (crypto.randomUUID needs a secure context; this does not). */
+function newKey() {
+  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return `console-fork-${[...bytes].map((b) => b.toString(16).padStart(2, "0")).join("")}`;
+}
+
+/** JSON when it parses, else the text as it is. */
+function jsonOrText(text) {
+  try { return JSON.parse(text); } catch { return text; }
+}
+
+function refusal(e) {
+  if (!(e instanceof ApiError)) return e.message;
+  return `${REFUSALS[e.status] || "Refused"} (HTTP ${e.status}): ${e.message}`;
+}
+
+/** The "fork from here" form: open(seq) shows it for a fork point; update(run, steps) keeps
+ *  what it offers in step with the page. It posts to the fork API with an Idempotency-Key
+ *  made when it opens (a double click or a retried post makes one fork), then goes to the
+ *  new run. Refusals stay on the form, the field named by the API marked invalid. */
+function setupFork(runId) {
+  const panel = $("#fork-panel");
+  const form = $("#fork-form");
+  const f = form.elements;
+  const error = $("#fork-error");
+  let run = null;
+  let steps = [];
+  let key = null;
+
+  const describe = () => {
+    const n = Number(f.fromSeq.value);
+    const step = steps.find((s) => s.seq === n);
+    $("#fork-explain").textContent = n > 1
+      ? `The fork copies steps 1 to ${n - 1} of this run (they do not run again and bill `
+        + `nothing) and runs again from step ${n}${step ? ` (${step.kind} ${step.stepKey})` : ""}.`
+      : "The fork starts over from the first step.";
+    const chosen = f.editSeq.value;
+    const select = clear(f.editSeq);
+    select.append(h("option", { value: "" }, "no step (no edit)"));
+    for (const s of steps) {
+      if (s.seq === null || s.seq >= n || !EDITABLE.has(s.kind) || !COMPLETED.has(s.status)) {
+        continue;
+      }
+      select.append(h("option", { value: s.seq },
+        `step ${s.seq}: ${s.kind} ${s.toolName || s.stepKey}`));
+    }
+    f.editSeq.value = [...select.options].some((o) => o.value === chosen) ? chosen : "";
+    f.editOutput.disabled = !f.editSeq.value;
+  };
+  const reset = () => {
+    error.textContent = "";
+    for (const el of form.querySelectorAll("[aria-invalid]")) el.removeAttribute("aria-invalid");
+  };
+  const open = (seq) => {
+    reset();
+    key = newKey();
+    f.fromSeq.value = String(seq);
+    f.fromSeq.max = String(Math.max(1, ...steps.map((s) => s.seq || 0)) + 1);
+    describe();
+    panel.hidden = false;
+    $("#fork-title").textContent = `Fork from step ${seq}`;
+    $("#fork-title").focus();
+    panel.scrollIntoView({ block: "nearest" });
+  };
+  f.fromSeq.addEventListener("input", describe);
+  f.editSeq.addEventListener("change", () => { f.editOutput.disabled = !f.editSeq.value; });
+  $("#fork-close").addEventListener("click", () => { panel.hidden = true; });
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    reset();
+    const payload = { fromSeq: Number(f.fromSeq.value) };
+    const input = f.input.value;
+    if (input.trim()) {
+      if (typeof run.input === "string") {
+        payload.input = input;
+      } else {
+        try {
+          payload.input = JSON.parse(input);
+        } catch {
+          f.input.setAttribute("aria-invalid", "true");
+          error.textContent = "input: this run is a durable function: its input is JSON";
+          return;
+        }
+      }
+    }
+    if (f.model.value.trim()) payload.model = f.model.value.trim();
+    if (f.tokenBudget.value) payload.tokenBudget = Number(f.tokenBudget.value);
+    if (f.editSeq.value) {
+      payload.toolResult = { seq: Number(f.editSeq.value), output: jsonOrText(f.editOutput.value) };
+    }
+    if (f.replayModel.checked) payload.replayModel = true;
+    const button = $("#fork-submit");
+    button.disabled = true;
+    try {
+      const created = await api("POST", `/api/runs/${encodeURIComponent(runId)}/fork`, payload,
+        { "Idempotency-Key": key });
+      window.location.assign(`/runs/${encodeURIComponent(created.id)}`);
+    } catch (e) {
+      if (e instanceof ApiError && e.status === 401) return;
+      const fields = { fromSeq: "fromSeq", input: "input", model: "model",
+        tokenBudget: "tokenBudget", toolResult: "editOutput", replayModel: "replayModel" };
+      if (e.field && fields[e.field]) f[fields[e.field]].setAttribute("aria-invalid", "true");
+      error.textContent = refusal(e);
+    } finally {
+      button.disabled = false;
+    }
+  });
+  return {
+    open,
+    update(latest, latestSteps) {
+      run = latest;
+      steps = latestSteps;
+      if (!panel.hidden && document.activeElement !== f.editSeq) describe();
+    },
+  };
+}
+
+/** "Compare with run": a full id, or the start of one that names exactly one run. */
+function setupCompare(runId) {
+  const form = $("#compare-form");
+  const error = $("#compare-error");
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    error.textContent = "";
+    const other = form.elements.other.value.trim().toLowerCase();
+    try {
+      let target = other;
+      if (!UUID_RE.test(other)) {
+        const q = new URLSearchParams({ idPrefix: other, limit: "2" });
+        const found = (await api("GET", `/api/runs?${q}`)).items;
+        if (found.length !== 1) {
+          error.textContent = found.length
+            ? `more than one run starts with ${other}: give more of the id`
+            : `no run starts with ${other}`;
+          return;
+        }
+        target = found[0].id;
+      }
+      window.location.assign(diffPath(runId, target));
+    } catch (e) {
+      if (!(e instanceof ApiError && e.status === 401)) error.textContent = refusal(e);
+    }
+  });
+}
+
+// -- comparing two runs ---------------------------------------------------------------------
+
+const DIFF_CELLS = ["kind", "stepKey", "toolName", "status", "input", "output", "tokens",
+  "costUsd"];
+
+function runSummary(label, r) {
+  const dl = h("dl", { class: "facts" });
+  fact(dl, "Run", runLink(r.id, r.id));
+  fact(dl, "Status", badge(r.status));
+  fact(dl, "Agent", r.agent);
+  fact(dl, "Model", r.model);
+  fact(dl, "Tokens", r.tokensUsed.toLocaleString("en"));
+  fact(dl, "Cost", usd(r.costUsd));
+  if (r.forkedFrom && r.forkedFrom.runId) {
+    fact(dl, "Forked from", runLink(r.forkedFrom.runId), ` at step ${r.forkedFrom.seq}`);
+  }
+  fact(dl, "Input", h("pre", {}, json(r.input)));
+  if (r.result !== null && r.result !== undefined) fact(dl, "Result", h("pre", {}, json(r.result)));
+  if (r.error) fact(dl, "Error", h("span", { class: "error" }, r.error));
+  return h("section", { class: "card side", "aria-label": `Run ${label}` }, h("h2", {}, label), dl);
+}
+
+function sideCells(side, differences) {
+  if (!side) return [h("td", { colspan: DIFF_CELLS.length, class: "missing" }, "no step")];
+  const changed = (...fields) => (fields.some((x) => differences.includes(x)) ? "changed" : null);
+  const small = (value) => {
+    if (value === null || value === undefined) return "";
+    const hash = value.promptHash || value.inputHash;  // what a model call or a step is keyed on
+    if (hash && Object.keys(value).length === 1) {
+      return h("code", { class: "hash", title: hash },
+        `${value.promptHash ? "prompt" : "input"} ${hash.slice(0, 10)}…`);
+    }
+    return h("pre", { class: "small" }, json(value));
+  };
+  const billed = side.billedTokens !== side.tokens
+    ? h("span", { class: "muted block" }, `billed ${side.billedTokens}`) : "";
+  return [
+    h("td", { class: changed("kind") }, h("span", { class: `kind k-${side.kind}` }, side.kind)),
+    h("td", { class: changed("stepKey") }, h("code", {}, side.stepKey)),
+    h("td", { class: changed("toolName") }, side.toolName || ""),
+    h("td", { class: changed("status", "error") }, side.status,
+      side.origin ? h("span", { class: "note origin" }, side.origin) : "",
+      side.error ? h("span", { class: "error block" }, side.error) : ""),
+    h("td", { class: changed("input") }, small(side.input)),
+    h("td", { class: changed("output") }, small(side.output)),
+    h("td", { class: `num ${changed("tokens") || ""}` }, side.tokens.toLocaleString("en"), billed),
+    h("td", { class: `num ${changed("costUsd") || ""}` }, usd(side.costUsd)),
+  ];
+}
+
+function renderDiff(d) {
+  clear($("#diff-runs")).append(runSummary("A", d.a), runSummary("B", d.b));
+  const summary = clear($("#diff-summary"));
+  summary.append(h("p", {}, d.runDifferences.length
+    ? `The runs differ in: ${d.runDifferences.join(", ")}.`
+    : "Same agent, input, model, status and result."));
+  const first = d.steps.find((r) => r.seq === d.firstDifferentSeq);
+  summary.append(first
+    ? h("p", { id: "first-diff" }, "First difference at ",
+      h("a", { href: `#seq-${first.seq}` }, `step ${first.seq}`),
+      `: ${first.differences.join(", ")}.`)
+    : h("p", { id: "first-diff" }, "The steps are the same."));
+  const table = $("#diff-steps");
+  for (const old of [...table.tBodies]) old.remove();
+  for (const r of d.steps) {
+    const cls = r.same ? "same" : r.seq === d.firstDifferentSeq ? "differs first" : "differs";
+    const tbody = h("tbody", { id: `seq-${r.seq}`, class: cls, "data-seq": r.seq });
+    tbody.append(
+      h("tr", { class: "side-a" },
+        h("th", { scope: "rowgroup", rowspan: 2, class: "num" }, r.seq),
+        h("th", { scope: "row" }, "A"),
+        sideCells(r.a, r.differences),
+        h("td", { rowspan: 2, class: "differences" },
+          r.same ? "same" : r.differences.join(", "))),
+      h("tr", { class: "side-b" }, h("th", { scope: "row" }, "B"), sideCells(r.b, r.differences)),
+    );
+    table.append(tbody);
+  }
+  $("#diff-empty").hidden = d.steps.length > 0;
+}
+
+function diffPage() {
+  const a = body.dataset.runA;
+  const b = body.dataset.runB;
+  let scrolled = false;
+  watch(async () => {
+    const d = await api("GET", `/api/runs/${encodeURIComponent(a)}/diff/${encodeURIComponent(b)}`);
+    renderDiff(d);
+    body.dataset.firstDifferentSeq = d.firstDifferentSeq ?? "none";
+    if (!scrolled && d.firstDifferentSeq !== null) {
+      scrolled = true;
+      $(`#seq-${d.firstDifferentSeq}`).scrollIntoView({ block: "center" });
+    }
+    return !(TERMINAL.has(d.a.status) && TERMINAL.has(d.b.status));
+  }, 2000);
 }
 
 // -- approvals inbox ------------------------------------------------------------------------
@@ -824,7 +1133,7 @@ function overviewPage() {
 
 const PAGES = {
   runs: runsPage, run: runPage, approvals: approvalsPage, attention: attentionPage,
-  overview: overviewPage,
+  overview: overviewPage, diff: diffPage,
 };
 let started = false;
 
