@@ -340,20 +340,23 @@ def _runs(args: argparse.Namespace) -> int:
 
 
 def _waiting(args: argparse.Namespace) -> int:
-    """Runs parked on a timer (a rate limit, a retry backoff), with what they wait for."""
+    """Runs parked on a timer (a rate limit, a concurrency key's slots, a retry backoff),
+    with what they wait for, their key and priority."""
     rows = []
     for status in ("QUEUED", "RUNNING"):
         page = api_call(args.api, "GET", f"/api/runs?limit={args.limit}&status={status}")
         rows += [r for r in page["items"] if r.get("waitReason")]
     print(
         _table(
-            ["ID", "STATUS", "AGENT", "MODEL", "WAITING FOR", "UNTIL"],
+            ["ID", "STATUS", "AGENT", "MODEL", "KEY", "PRIO", "WAITING FOR", "UNTIL"],
             [
                 [
                     r["id"],
                     r["status"],
                     r["agent"],
                     r.get("model") or "",
+                    (r.get("concurrencyKey") or "-")[:30],
+                    r.get("priority", 0),
                     r["waitReason"][:70],
                     (r.get("runAt") or "")[:19],
                 ]
@@ -382,6 +385,8 @@ def _submit(args: argparse.Namespace) -> int:
         ("tokenBudget", args.token_budget),
         ("timeoutSeconds", args.timeout_seconds),
         ("maxSteps", args.max_steps),
+        ("concurrencyKey", args.key),
+        ("priority", args.priority),
     ):
         if value is not None:
             body[key] = value
@@ -725,7 +730,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--waiting",
         action="store_true",
-        help="only runs parked on a timer (rate limit, retry), with their wait reason",
+        help="only runs parked on a timer (rate limit, concurrency key, retry), with their "
+        "wait reason, key and priority",
     )
 
     p = api_command("submit", _submit, "submit a run; prints its id")
@@ -733,6 +739,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the input is JSON (durable functions)")
     p.add_argument("--agent", help="agent to run (default: the server's DAR_DEFAULT_AGENT)")
     p.add_argument("--model", help="model (default: the agent's, else DAR_DEFAULT_MODEL)")
+    p.add_argument(
+        "--key", help="concurrency key (at most DAR_KEY_CONCURRENCY of its runs in steps)"
+    )
+    p.add_argument("--priority", type=int, help="higher first among waiting runs (default 0)")
     p.add_argument("--token-budget", type=int, help="tokens (default: DAR_DEFAULT_TOKEN_BUDGET)")
     p.add_argument(
         "--timeout-seconds", type=int, help="run deadline in seconds (default: server's)"

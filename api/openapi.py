@@ -341,6 +341,10 @@ def openapi_document(
                         "404": _error("No such run"),
                         "409": _error("Not FAILED or TIMED_OUT, or already compensated"),
                         "415": _error("Body is not JSON"),
+                        "429": _error(
+                            "The token has DAR_TOKEN_MAX_ACTIVE_RUNS runs in flight (a resumed "
+                            "run is in flight again); Retry-After says when to try again"
+                        ),
                     },
                 }
             },
@@ -593,6 +597,8 @@ def openapi_document(
                         "unrecordedTokens": {"type": "integer"},
                         "unrecordedCostUsd": {"type": "number"},
                         "waitReason": NULLABLE_STR,
+                        "concurrencyKey": NULLABLE_STR,
+                        "priority": {"type": "integer"},
                         "cancelRequested": {"type": "boolean"},
                         "result": {},
                         "error": NULLABLE_STR,

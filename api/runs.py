@@ -119,6 +119,8 @@ def submit() -> tuple[Response, int, dict[str, str]]:
                 request_hash=sub.request_hash,
                 submitted_by=principal.name if principal else None,
                 tenant=principal.tenant if principal else "",
+                concurrency_key=sub.concurrency_key,
+                priority=sub.priority,
             ),
             quota=submit_quota(settings) if principal is not None else None,
         )

@@ -18,6 +18,7 @@ from jsonschema.exceptions import ValidationError
 
 from api.errors import ApiError, invalid
 from runtime.config import Settings
+from runtime.keys import MAX_KEY_CHARS, PRIORITY_RANGE
 
 JsonObj = dict[str, Any]
 
@@ -123,6 +124,25 @@ def submission_schema(
             },
             "maxSteps": _whole(1, MAX_STEPS, f"at most {MAX_STEPS}"),
             "agent": agent,
+            "concurrencyKey": {
+                **_text(
+                    "must be a non-blank string naming who the run counts against (a tenant, "
+                    f"a customer, a repository; {TEXT_RULE}, at most {MAX_KEY_CHARS} "
+                    "characters): at most DAR_KEY_CONCURRENCY runs of one key are inside a "
+                    "step at once; null or absent for none",
+                    max_length=MAX_KEY_CHARS,
+                    non_blank=True,
+                ),
+                "type": ["string", "null"],
+            },
+            "priority": {
+                "type": ["integer", "null"],
+                "minimum": PRIORITY_RANGE[0],
+                "maximum": PRIORITY_RANGE[1],
+                "description": f"must be a whole number from {PRIORITY_RANGE[0]} to "
+                f"{PRIORITY_RANGE[1]}: higher goes first among runs waiting for a key slot or "
+                "a model's rate limit; null or absent for 0",
+            },
         },
     }
 

@@ -31,6 +31,8 @@ def run_json(run: Run) -> dict[str, Any]:
         "unrecordedTokens": run.unrecorded_tokens,
         "unrecordedCostUsd": float(run.unrecorded_cost_usd),
         "waitReason": run.wait_reason,
+        "concurrencyKey": run.concurrency_key,
+        "priority": run.priority,
         "cancelRequested": run.cancel_requested,
         "result": run.result,
         "error": run.error,

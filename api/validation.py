@@ -34,6 +34,8 @@ SUBMIT_FIELDS = (
     "model",
     "maxSteps",
     "agent",
+    "concurrencyKey",
+    "priority",
 )
 
 
@@ -81,6 +83,8 @@ class Submission:
     timeout_seconds: int
     request_hash: str
     cost_budget_usd: Decimal | None = None
+    concurrency_key: str | None = None
+    priority: int = 0
 
 
 def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegistry) -> Submission:
@@ -118,6 +122,8 @@ def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegi
         timeout_seconds=timeout,
         request_hash=request_hash(body),
         cost_budget_usd=Decimal(str(cost_budget)) if cost_budget is not None else None,
+        concurrency_key=body.get("concurrencyKey"),
+        priority=whole(body.get("priority")) or 0,
     )
 
 

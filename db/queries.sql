@@ -12,10 +12,11 @@
 -- Idempotency keys are scoped to the tenant: another tenant's key is another key.
 INSERT INTO run (id, agent, input, model, max_steps, token_budget, cost_budget_usd,
                  deadline_at, dispatch_token, idempotency_key, request_hash, submitted_by,
-                 tenant, timeout_seconds)
+                 tenant, timeout_seconds, concurrency_key, priority)
 VALUES (:id, :agent, CAST(:input AS jsonb), :model, :max_steps, :token_budget,
         :cost_budget_usd, now() + make_interval(secs => :timeout_seconds), :token,
-        :idempotency_key, :request_hash, :submitted_by, :tenant, :timeout_seconds)
+        :idempotency_key, :request_hash, :submitted_by, :tenant, :timeout_seconds,
+        :concurrency_key, :priority)
 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING *;
 
@@ -166,12 +167,16 @@ WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RU
 -- A timer is not progress: claims_without_progress is reset only when step rows were
 -- recorded with it (:progress). model_attempts carries the attempts of the step in flight.
 -- Fenced.
+-- An admission wait (a key slot or a model's limit refused the step before it began) hands
+-- back the claim's count too: waiting for capacity is not a claim that stopped its worker.
 UPDATE run
 SET run_at = now() + make_interval(secs => :delay_seconds),
     dispatched_at = now(),
     dispatch_token = :next_token,
     locked_by = NULL, locked_until = NULL,
-    claims_without_progress = CASE WHEN :progress THEN 0 ELSE claims_without_progress END,
+    claims_without_progress = CASE WHEN :progress THEN 0
+                                   WHEN :admission THEN GREATEST(claims_without_progress - 1, 0)
+                                   ELSE claims_without_progress END,
     model_attempts = :model_attempts,
     wait_reason = :reason,
     updated_at = now()
@@ -418,17 +423,18 @@ FROM run_step WHERE run_id = :id ORDER BY seq;
 SELECT * FROM run WHERE id = :id FOR SHARE;
 
 -- create_fork_run --
--- A new QUEUED run forked from :source at :from_seq, in the source's tenant. With an
+-- A new QUEUED run forked from :source at :from_seq, in the source's tenant, with the
+-- source's concurrency key and priority (a fork competes for the same key's slots). With an
 -- idempotency key that exists already in that tenant (a concurrent retry committed first)
 -- nothing is inserted and no row is returned, as create_run.
 INSERT INTO run (id, agent, input, model, max_steps, token_budget, cost_budget_usd,
                  deadline_at, dispatch_token, submitted_by, tenant, timeout_seconds,
                  forked_from_run, forked_from_seq, replay_model, idempotency_key,
-                 request_hash)
+                 request_hash, concurrency_key, priority)
 SELECT :id, s.agent, CAST(:input AS jsonb), :model, s.max_steps, :token_budget,
        s.cost_budget_usd, now() + make_interval(secs => :timeout_seconds), :token,
        :submitted_by, s.tenant, :timeout_seconds, s.id, :from_seq, :replay_model,
-       :idempotency_key, :request_hash
+       :idempotency_key, :request_hash, s.concurrency_key, s.priority
 FROM run s WHERE s.id = :source
 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING *;
@@ -553,6 +559,28 @@ SET run_at = LEAST(run_at, now()), dispatched_at = 'epoch',
     locked_until = CASE WHEN locked_until IS NULL THEN NULL
                         ELSE LEAST(locked_until, now() - interval '1 millisecond') END
 WHERE id = :id AND status IN ('QUEUED', 'RUNNING');
+
+-- wake_run --
+-- A concurrency-key slot freed: the first run waiting for it goes now instead of at its
+-- fallback timer. Only a run still parked (no lease, timer in the future) is woken; a new
+-- dispatch token makes its timer's message stale. With :send false the reaper's next sweep
+-- sends it (the waker cannot send: it is unwinding from an error).
+UPDATE run
+SET run_at = now(), dispatch_token = gen_random_uuid(),
+    dispatched_at = CASE WHEN :send THEN now() ELSE 'epoch' END
+WHERE id = :id AND status IN ('QUEUED', 'RUNNING') AND locked_by IS NULL AND run_at > now()
+RETURNING id, dispatch_token;
+
+-- count_waiting_by_key --
+-- The "runs waiting by concurrency key" gauge: the :top keys with the most runs parked for
+-- a key slot, and the total over every key (so the rest can be summed, not labelled).
+WITH w AS (
+    SELECT concurrency_key AS key, count(*) AS n FROM run
+    WHERE concurrency_key IS NOT NULL AND status IN ('QUEUED', 'RUNNING')
+      AND locked_by IS NULL AND wait_reason LIKE 'concurrency key %'
+    GROUP BY concurrency_key
+)
+SELECT key, n, sum(n) OVER () AS total FROM w ORDER BY n DESC, key LIMIT :top;
 
 -- mark_undispatched --
 -- The message for this token could not be sent (broker down): let the next sweep send it.

@@ -132,6 +132,10 @@ class Run:
     forked_from_seq: int | None = None
     replay_model: bool = False
     """A fork answering model steps from the original's recorded responses while they match."""
+    concurrency_key: str | None = None
+    """At most DAR_KEY_CONCURRENCY runs of one key are inside a step at once."""
+    priority: int = 0
+    """Higher first, among the runs waiting for a key slot or a model's rate limit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +198,8 @@ class NewRun:
     request_hash: str | None = None
     submitted_by: str | None = None
     tenant: str = ""
+    concurrency_key: str | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)

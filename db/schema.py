@@ -96,6 +96,10 @@ run = Table(
     Column("replay_model", Boolean, nullable=False, server_default=text("false")),
     # The number of the run's last event in run_event (kept by triggers, migration 0010).
     Column("event_seq", BigInteger, nullable=False, server_default=text("0")),
+    # Flow control (migration 0011): at most DAR_KEY_CONCURRENCY runs of one key inside a
+    # step at once; priority orders the runs waiting for a key slot or a model's limits.
+    Column("concurrency_key", Text),
+    Column("priority", Integer, nullable=False, server_default=text("0")),
     CheckConstraint(
         "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES) + ")",
         name="run_status_ck",
@@ -125,6 +129,13 @@ Index(
     run.c.submitted_by,
     run.c.created_at,
     postgresql_where=text("submitted_by IS NOT NULL"),
+)
+
+# The "runs waiting by concurrency key" gauge counts live keyed runs only.
+Index(
+    "run_concurrency_key_idx",
+    run.c.concurrency_key,
+    postgresql_where=text("concurrency_key IS NOT NULL AND status IN ('QUEUED', 'RUNNING')"),
 )
 
 run_step = Table(

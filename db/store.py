@@ -109,6 +109,8 @@ def _run(row: Mapping[Any, Any]) -> Run:
         forked_from_run=row["forked_from_run"],
         forked_from_seq=row["forked_from_seq"],
         replay_model=row["replay_model"],
+        concurrency_key=row["concurrency_key"],
+        priority=row["priority"],
     )
 
 
@@ -274,6 +276,8 @@ class RunStore:
             "request_hash": new.request_hash,
             "submitted_by": new.submitted_by,
             "tenant": new.tenant,
+            "concurrency_key": new.concurrency_key,
+            "priority": new.priority,
         }
         with self.engine.begin() as conn:
             if quota is not None and new.submitted_by is not None:
@@ -355,6 +359,13 @@ class RunStore:
     def count_runs_by_status(self) -> dict[str, int]:
         with self._statement() as conn:
             return {r.status: r.n for r in conn.execute(Q["count_runs_by_status"])}
+
+    def count_waiting_by_key(self, top: int) -> tuple[list[tuple[str, int]], int]:
+        """The ``top`` concurrency keys with the most runs waiting for a slot, and the total
+        waiting over every key."""
+        with self._statement() as conn:
+            rows = conn.execute(Q["count_waiting_by_key"], {"top": top}).all()
+        return [(r.key, int(r.n)) for r in rows], int(rows[0].total) if rows else 0
 
     def count_runs(self, *, tenant: str | None = None, agent: str | None = None) -> dict[str, int]:
         """Runs by status, for one tenant and agent (``None``: all)."""
@@ -496,13 +507,17 @@ class RunStore:
         *,
         reason: str,
         model_attempts: int = 0,
+        admission: bool = False,
     ) -> Dispatch:
         """Park the run on a durable timer and release the lease; nothing recorded, so it
         is not progress. ``model_attempts`` persists the attempts of the model step in flight.
-        Fenced."""
+        ``admission``: the step was refused capacity before it began, so this claim does not
+        count as one without progress either. Fenced."""
         token = uuid.uuid4()
         try:
-            self._schedule(None, claim, delay_seconds, token, reason, False, model_attempts)
+            self._schedule(
+                None, claim, delay_seconds, token, reason, False, model_attempts, admission
+            )
         except LeaseLost:
             self.step_logs.forget(claim.run_id)
             raise
@@ -518,6 +533,7 @@ class RunStore:
         reason: str | None,
         progress: bool,
         model_attempts: int,
+        admission: bool = False,
     ) -> None:
         params = {
             **_fence(claim),
@@ -525,6 +541,7 @@ class RunStore:
             "next_token": token,
             "reason": reason,
             "progress": progress,
+            "admission": admission,
             "model_attempts": model_attempts,
         }
         if conn is None:
@@ -1082,6 +1099,15 @@ class RunStore:
         with self._statement() as conn:
             rows = conn.execute(Q["run_event_seqs"], {"ids": list(run_ids)}).all()
         return {r.id: int(r.event_seq) for r in rows}
+
+    def wake(self, run_id: uuid.UUID, *, send: bool = True) -> Dispatch | None:
+        """A run parked for a concurrency-key slot goes now: the message to send (``send``),
+        or ``None`` (not parked any more; or ``send`` false: the reaper sends it)."""
+        with self._statement() as conn:
+            row = conn.execute(Q["wake_run"], {"id": run_id, "send": send}).first()
+        if row is None or not send:
+            return None
+        return Dispatch(row.id, row.dispatch_token)
 
     def mark_undispatched(self, dispatch: Dispatch) -> None:
         with self._statement() as conn:

@@ -157,7 +157,9 @@ def _model_step(
     wait = modelcall.admit(task, request, body)
     if wait is not None:  # flow control: a durable timer, holding nothing
         attempts = task.claim.run.model_attempts
-        return task.schedule(wait.delay_seconds, wait.reason, model_attempts=attempts)
+        return task.schedule(
+            wait.delay_seconds, wait.reason, model_attempts=attempts, admission=True
+        )
     try:
         answer = modelcall.send(task, request, body, key=key)
     except RetryLater as e:

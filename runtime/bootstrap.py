@@ -19,6 +19,7 @@ from runtime.config import Settings
 from runtime.driver import Driver
 from runtime.flow import LEASE_MARGIN_SECONDS, FlowControl, parse_model_limits
 from runtime.heartbeat import Heartbeat
+from runtime.keys import KeyGate, parse_key_overrides
 from runtime.llm.base import LlmClient
 from runtime.llm.demo import DemoModel
 from runtime.mcp.client import McpClients
@@ -118,6 +119,7 @@ class Runtime:
         cls, settings: Settings, *, llm: LlmClient | None = None, pool_size: int = 10
     ) -> Runtime:
         parse_model_limits(settings.model_limits_json)  # a bad DAR_MODEL_LIMITS fails at start
+        parse_key_overrides(settings.key_concurrency_overrides_json)  # and bad key limits
         # Up to 2 * pool_size - 1 connections, plus the heartbeat's one: a worker process
         # stays within 2 * pool_size (20 by default) whatever its concurrency. All of them
         # in the pool, none as overflow: under load an overflow connection is opened and
@@ -164,6 +166,7 @@ class Runtime:
             metrics.watch(self.pricing)
         flow = self.flow_control(metrics)
         return Driver(
+            keys=self.key_gate(metrics),
             metrics=metrics,
             store=self.store,
             agents=self.agents,
@@ -202,6 +205,26 @@ class Runtime:
             metrics=metrics,
         )
 
+    def key_gate(self, metrics: Metrics | None = None) -> KeyGate | None:
+        """Concurrency-key slots in Redis (DAR_KEY_CONCURRENCY and its overrides); ``None``
+        when no key has a limit."""
+        overrides = parse_key_overrides(self.settings.key_concurrency_overrides_json)
+        if self.settings.key_concurrency <= 0 and not any(overrides.values()):
+            return None
+        import redis
+
+        client = redis.Redis.from_url(
+            self.settings.require_redis_url(), socket_timeout=2.0, socket_connect_timeout=2.0
+        )
+        return KeyGate(
+            client,
+            default_limit=self.settings.key_concurrency,
+            overrides=overrides,
+            lease_seconds=self.settings.lease_seconds,
+            fallback_seconds=self.settings.key_recheck_seconds,
+            metrics=metrics,
+        )
+
     def submit(
         self,
         agent: str,
@@ -212,6 +235,8 @@ class Runtime:
         timeout_seconds: int | None = None,
         max_steps: int | None = None,
         idempotency_key: str | None = None,
+        concurrency_key: str | None = None,
+        priority: int = 0,
     ) -> tuple[Run, Dispatch]:
         """Store a new run (from Python). Send the returned dispatch to start it
         (``tasks.dispatch.send_drive``), or drive it yourself with :meth:`driver`."""
@@ -226,6 +251,8 @@ class Runtime:
                 token_budget=token_budget or self.settings.default_token_budget,
                 timeout_seconds=timeout_seconds or self.settings.default_timeout_seconds,
                 idempotency_key=idempotency_key,
+                concurrency_key=concurrency_key,
+                priority=priority,
             )
         )
         return run, Dispatch(run.id, run.dispatch_token)

@@ -96,6 +96,14 @@ class Settings:
     submit_rate_per_minute: int = 0
     model_limits_json: str | None = None
     token_max_active_runs: int = 0
+    key_concurrency: int = 0
+    """DAR_KEY_CONCURRENCY: at most this many runs of one concurrencyKey inside a step at
+    once (0: no limit)."""
+    key_concurrency_overrides_json: str | None = None
+    """DAR_KEY_CONCURRENCY_OVERRIDES: per-key limits, JSON {"key": n} (runtime.keys)."""
+    key_recheck_seconds: float = 30.0
+    """DAR_KEY_RECHECK_SECONDS: a run waiting for its key's slot is woken when one frees; if
+    that wake is lost (its waker was killed) it asks again after this long."""
     max_page_size: int = 200
     retention_days: float = 30.0
     retention_interval_seconds: float = 3600.0
@@ -174,6 +182,9 @@ class Settings:
             submit_rate_per_minute=_int(e, "DAR_SUBMIT_RATE_PER_MINUTE", 0),
             model_limits_json=e.get("DAR_MODEL_LIMITS") or None,
             token_max_active_runs=_int(e, "DAR_TOKEN_MAX_ACTIVE_RUNS", 0),
+            key_concurrency=_int(e, "DAR_KEY_CONCURRENCY", 0),
+            key_concurrency_overrides_json=e.get("DAR_KEY_CONCURRENCY_OVERRIDES") or None,
+            key_recheck_seconds=_num(e, "DAR_KEY_RECHECK_SECONDS", 30.0, minimum=0.5),
             max_page_size=_int(e, "DAR_MAX_PAGE_SIZE", 200, minimum=1),
             retention_days=_num(e, "DAR_RETENTION_DAYS", 30.0),
             retention_interval_seconds=_num(e, "DAR_RETENTION_INTERVAL_SECONDS", 3600, minimum=1),

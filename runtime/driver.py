@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import DBAPIError
@@ -35,6 +36,7 @@ from runtime.durable.execution import Execution
 from runtime.faults import crash_point
 from runtime.flow import FlowControl
 from runtime.heartbeat import Heartbeat
+from runtime.keys import KeyGate, KeyWait, Slot
 from runtime.llm.base import LlmClient
 from runtime.logctx import log_context
 from runtime.mcp.client import McpClients
@@ -79,6 +81,7 @@ class Driver:
         mcp: McpClients | None = None,
         live: LiveChannel | None = None,
         flow: FlowControl | None = None,
+        keys: KeyGate | None = None,
     ) -> None:
         self.store = store
         self.agents = agents
@@ -98,6 +101,9 @@ class Driver:
             lease_seconds=settings.lease_seconds,
             interval_seconds=settings.heartbeat_seconds,
         )
+        self.keys = keys
+        if keys is not None:  # key slots live exactly as long as the leases of their steps
+            self.heartbeat.also_renew(keys.renew)
 
     # -- entry points -------------------------------------------------------------------
 
@@ -142,7 +148,50 @@ class Driver:
     # -- one step -----------------------------------------------------------------------
 
     def execute(self, claim: Claim, token: uuid.UUID | None = None) -> StepResult:
-        """One step of the claimed run; ``token`` is the one its message carried."""
+        """One step of the claimed run; ``token`` is the one its message carried. A run with
+        a concurrency key takes a slot of its key first (:mod:`runtime.keys`), or waits for
+        one on a durable timer, holding nothing."""
+        run = claim.run
+        if self.keys is None or run.concurrency_key is None:
+            return self._execute(claim, token)
+        got = self.keys.acquire(
+            run.concurrency_key,
+            run.id,
+            claim.epoch,
+            priority=run.priority,
+            submitted_at=run.created_at.timestamp(),
+        )
+        if got is None:  # no limit for this key, or Redis is away (fail open)
+            return self._execute(claim, token)
+        if isinstance(got, KeyWait):  # woken when a slot frees; the timer is the fallback
+            dispatch = self.store.schedule(
+                claim,
+                got.delay_seconds,
+                reason=got.reason,
+                model_attempts=run.model_attempts,
+                admission=True,
+            )
+            send = got.delay_seconds <= self.settings.max_countdown_seconds
+            return StepResult(Outcome.WAITING, dispatch=dispatch if send else None)
+        try:
+            result = self._execute(claim, token)
+        except BaseException:
+            self._release(got, continuing=False, send=False)
+            raise
+        wakes = self._release(got, continuing=result.outcome is Outcome.CONTINUE)
+        return replace(result, wakes=wakes) if wakes else result
+
+    def _release(self, slot: Slot, *, continuing: bool, send: bool = True) -> tuple[Dispatch, ...]:
+        """Give a key slot back; the run it wakes, as a message to send (``send`` false: for
+        the reaper's next sweep to send, as the step is unwinding from an error)."""
+        assert self.keys is not None
+        woken = self.keys.release(slot, continuing=continuing)
+        if woken is None:
+            return ()
+        dispatch = self.store.wake(woken, send=send)
+        return (dispatch,) if dispatch is not None else ()
+
+    def _execute(self, claim: Claim, token: uuid.UUID | None) -> StepResult:
         run = claim.run
         services = Services(
             store=self.store,

@@ -17,9 +17,13 @@ The buckets (one Redis hash per configured model limit) refill continuously at l
 second up to the limit. In-flight calls are members of a sorted set scored by their expiry
 (now + the model timeout + a margin): a worker killed while it holds admission never leaks a
 concurrency slot, its slot expires; the tokens it took are spent, and the bucket refills.
-Refused callers queue in a sorted set ordered by priority, then arrival: a call is admitted
-only when its rank is below the number of calls that fit now, and each waiter is told to come
-back when its turn should fit, so wake-ups are spread in priority order instead of stampeding.
+The caller's input estimate is deliberately high (3 characters a token); the bucket scales it
+by the ratio of used to estimated input learned at each settle, so that waiters are paced at
+what calls really take, not at 3/4 of the limit. Refused callers queue in a sorted set ordered
+by priority, then arrival (the waiters of different concurrency keys interleaved): a call is
+admitted only when its rank is below the number of calls that fit now, and each waiter is told
+to come back when its turn should fit, so wake-ups are spread in priority order instead of
+stampeding.
 """
 
 from __future__ import annotations
@@ -140,7 +144,11 @@ class Grant:
     limit: ModelLimit
     lease: str
     input_tokens: int
+    """Input tokens taken from the bucket: the caller's estimate scaled by the ratio of
+    used to estimated tokens learned from earlier calls."""
     output_tokens: int
+    estimated_input: int = 0
+    """The caller's estimate, from which the ratio is learned at :meth:`FlowControl.settle`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,10 +163,17 @@ class Refusal:
         return f"rate limit: {LIMIT_NAMES[self.limit]} for {self.model}"
 
 
-# KEYS: 1 bucket hash, 2 in-flight zset, 3 waiters zset, 4 waiters' deadlines zset
+# KEYS: 1 bucket hash, 2 in-flight zset, 3 waiters zset, 4 waiters' deadlines zset, 5 the
+# concurrency keys' virtual clocks (hash)
 # ARGV: 1-3 configured limits (requests, input, output per minute; 0 = none), 4 max
 # concurrent, 5-6 cost (input, output), 7 lease id, 8 lease ttl s, 9 waiter id, 10 waiter
-# score, 11 waiter grace s
+# priority, 11 waiter grace s, 12 the waiter's concurrency key ('' for none), 13 the spacing
+# in ms between one key's waiters
+#
+# A new waiter's score is -priority * 1e13 + its arrival in ms. A keyed waiter arrives, in
+# this order, no earlier than its key's virtual clock, which each waiter of the key pushes
+# one spacing further: the waiters of a key that queued 200 calls at once are spread out, and
+# a key arriving later slots in between them (round-robin across keys, Zhang's VirtualClock).
 _ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -167,6 +182,9 @@ local stale = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[1
 for _, w in ipairs(stale) do redis.call('ZREM', KEYS[3], w); redis.call('ZREM', KEYS[4], w) end
 local dims = {'requests', 'input', 'output'}
 local cost = {1, tonumber(ARGV[5]), tonumber(ARGV[6])}
+-- the caller's input estimate is deliberately high: scale it by what calls really used
+local ratio = tonumber(redis.call('HGET', KEYS[1], 'ratio:input') or '1')
+cost[2] = math.ceil(cost[2] * ratio)
 local caps, levels = {}, {}
 local last = tonumber(redis.call('HGET', KEYS[1], 'ts') or now)
 local fits = 1e18
@@ -192,8 +210,20 @@ if maxc > 0 then
   local free = maxc - redis.call('ZCARD', KEYS[2])
   if free < fits then fits = math.max(free, 0); binding = 'concurrent' end
 end
-local rank = redis.call('ZRANK', KEYS[3], ARGV[9])
-if not rank then rank = redis.call('ZCARD', KEYS[3]) end
+local score = redis.call('ZSCORE', KEYS[3], ARGV[9])
+local arrival = nil
+local rank
+if score then
+  rank = redis.call('ZRANK', KEYS[3], ARGV[9])
+else
+  arrival = now * 1000
+  if ARGV[12] ~= '' then
+    local vc = tonumber(redis.call('HGET', KEYS[5], ARGV[12]) or '0')
+    if vc > arrival then arrival = vc end
+  end
+  score = -tonumber(ARGV[10]) * 1e13 + arrival
+  rank = redis.call('ZCOUNT', KEYS[3], '-inf', '(' .. score)
+end
 -- Only waiters ahead that are due back by now hold their place; one not yet due does not
 -- block capacity that is free now.
 local ahead = 0
@@ -211,7 +241,7 @@ if ahead < fits then
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[8]), ARGV[7])
   redis.call('EXPIRE', KEYS[2], 3600)
   redis.call('ZREM', KEYS[3], ARGV[9]); redis.call('ZREM', KEYS[4], ARGV[9])
-  return {1, '', '0'}
+  return {1, '', '0', tostring(cost[2])}
 end
 local wait, why = 0, binding
 for i, d in ipairs(dims) do
@@ -227,14 +257,19 @@ for i, d in ipairs(dims) do
   if caps[i] > 0 then redis.call('HSET', KEYS[1], 'lvl:' .. d, levels[i]) end
 end
 redis.call('EXPIRE', KEYS[1], 3600)
-redis.call('ZADD', KEYS[3], 'NX', tonumber(ARGV[10]), ARGV[9])
+redis.call('ZADD', KEYS[3], 'NX', score, ARGV[9])
+if arrival and ARGV[12] ~= '' then
+  redis.call('HSET', KEYS[5], ARGV[12], arrival + tonumber(ARGV[13]))
+  redis.call('EXPIRE', KEYS[5], 3600)
+end
 redis.call('ZADD', KEYS[4], now + wait, ARGV[9])
 redis.call('EXPIRE', KEYS[3], 3600); redis.call('EXPIRE', KEYS[4], 3600)
 return {0, why, tostring(wait)}
 """
 
 # KEYS: 1 bucket hash, 2 in-flight zset. ARGV: 1-3 configured limits, 4-6 refund (requests,
-# input, output; negative takes more), 7 lease id.
+# input, output; negative takes more), 7 lease id, 8 the caller's input estimate (0: not
+# billed, learn nothing), 9 the input tokens the call used.
 _SETTLE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -251,6 +286,12 @@ for i, d in ipairs({'requests', 'input', 'output'}) do
   end
 end
 redis.call('HSET', KEYS[1], 'ts', now)
+local est = tonumber(ARGV[8])
+if est > 0 then
+  local r = tonumber(redis.call('HGET', KEYS[1], 'ratio:input') or '1')
+  r = 0.7 * r + 0.3 * tonumber(ARGV[9]) / est
+  redis.call('HSET', KEYS[1], 'ratio:input', math.max(0.2, math.min(2.0, r)))
+end
 return 1
 """
 
@@ -325,7 +366,13 @@ class FlowControl:
 
     def _keys(self, limit: ModelLimit) -> list[str]:
         base = f"{self.prefix}:{{{limit.match}}}"
-        return [f"{base}:bucket", f"{base}:inflight", f"{base}:waiters", f"{base}:due"]
+        return [
+            f"{base}:bucket",
+            f"{base}:inflight",
+            f"{base}:waiters",
+            f"{base}:due",
+            f"{base}:vclock",
+        ]
 
     def _fail_open(self, action: str, e: Exception) -> None:
         if self.metrics is not None:
@@ -349,17 +396,20 @@ class FlowControl:
         *,
         waiter: str,
         priority: int = 0,
+        key: str | None = None,
     ) -> Grant | Refusal | None:
         """A :class:`Grant` to hold until :meth:`settle`, a :class:`Refusal` (come back
-        after its delay), or ``None``: no limit applies, or Redis is unreachable."""
+        after its delay), or ``None``: no limit applies, or Redis is unreachable. Refused
+        callers queue by ``priority`` (higher first), then arrival; the callers of each
+        concurrency ``key`` are interleaved with other keys' round-robin."""
         limit = limit_for(self.limits, model)
         if limit is None:
             return None
         lease = uuid.uuid4().hex
-        # Higher priority first, then first come: the score of a new waiter.
-        score = -priority * 1e13 + time.time() * 1000
+        # one key's waiters are spaced by about one request's share of the limit
+        spacing = 60_000 / limit.requests_per_minute if limit.requests_per_minute else 250.0
         try:
-            ok, why, wait = self._admit(
+            ok, why, wait, *charged = self._admit(
                 keys=self._keys(limit),
                 args=[
                     limit.requests_per_minute,
@@ -371,8 +421,10 @@ class FlowControl:
                     lease,
                     self.lease_seconds,
                     waiter,
-                    score,
+                    priority,
                     WAITER_GRACE_SECONDS,
+                    key or "",
+                    spacing,
                 ],
             )
         except _redis_error() as e:
@@ -383,7 +435,8 @@ class FlowControl:
                 self.metrics.flow_admitted.labels(model).inc()
                 self.metrics.flow_granted.labels(model, "input").inc(input_tokens)
                 self.metrics.flow_granted.labels(model, "output").inc(max_tokens)
-            return Grant(limit, lease, input_tokens, max_tokens)
+            taken = int(charged[0]) if charged else input_tokens
+            return Grant(limit, lease, taken, max_tokens, estimated_input=input_tokens)
         dim = why.decode() if isinstance(why, bytes) else str(why)
         if self.metrics is not None:
             self.metrics.flow_refused.labels(model, dim).inc()
@@ -416,6 +469,8 @@ class FlowControl:
                     grant.input_tokens - used_in,
                     grant.output_tokens - used_out,
                     grant.lease,
+                    grant.estimated_input if billed else 0,
+                    used_in,
                 ],
             )
             learned = learned_limits(headers)

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from db.records import Claim
@@ -38,6 +38,13 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._also: list[Callable[[], None]] = []
+
+    def also_renew(self, renew: Callable[[], None]) -> None:
+        """Call ``renew`` at every beat too (slots bounded by the lease, e.g. concurrency
+        keys), so they live exactly as long as the leases of the steps holding them."""
+        if renew not in self._also:
+            self._also.append(renew)
 
     @contextlib.contextmanager
     def hold(self, claim: Claim) -> Iterator[HeldLease]:
@@ -66,6 +73,11 @@ class Heartbeat:
                 if h.claim.run_id in taken and not h.lost.is_set():
                     log.warning("run=%s lease lost: another worker took it over", h.claim.run_id)
                     h.lost.set()
+        for renew in self._also:
+            try:
+                renew()
+            except Exception:
+                log.exception("renewing slots with the leases failed; will retry")
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):

@@ -87,8 +87,13 @@ class Metrics:
         self.flow_fail_open = Counter(
             "dar_flow_fail_open",
             "Flow-control decisions skipped because Redis was unreachable (calls went ahead "
-            "unadmitted), by action (admit, settle).",
+            "unadmitted), by action (admit, settle, key).",
             ["action"],
+            registry=registry,
+        )
+        self.key_refused = Counter(
+            "dar_key_waits",
+            "Steps refused a concurrency-key slot (DAR_KEY_CONCURRENCY) and put on a timer.",
             registry=registry,
         )
 
@@ -118,6 +123,10 @@ class Metrics:
         self.run_duration.labels(status).observe(max(0.0, seconds))
 
 
+TOP_KEYS = 20
+"""Concurrency keys named in ``dar_runs_waiting_by_key``; the others are summed."""
+
+
 class FleetCollector(Collector):
     """Gauges read from PostgreSQL when scraped: true for the whole fleet."""
 
@@ -136,6 +145,18 @@ class FleetCollector(Collector):
         for role, n in sorted(self.store.count_pending_approvals().items()):
             approvals.add_metric([role], n)
         yield approvals
+        waiting = GaugeMetricFamily(
+            "dar_runs_waiting_by_key",
+            f"Runs waiting for a slot of their concurrency key, for the {TOP_KEYS} keys with "
+            'the most waiting (the rest summed under key="(other)"): a bounded label set.',
+            labels=["key"],
+        )
+        top, total = self.store.count_waiting_by_key(TOP_KEYS)
+        for key, n in top:
+            waiting.add_metric([key], n)
+        if total > sum(n for _, n in top):
+            waiting.add_metric(["(other)"], total - sum(n for _, n in top))
+        yield waiting
         yield GaugeMetricFamily(
             "dar_stale_leases",
             "RUNNING runs whose lease has lapsed: a worker died and the run awaits the reaper.",

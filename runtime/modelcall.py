@@ -107,7 +107,8 @@ def admit(task: Task, request: LlmRequest, body: dict[str, Any]) -> Wait | None:
         estimate_tokens(body),
         request.max_tokens,
         waiter=str(run.id),
-        priority=getattr(run, "priority", 0),
+        priority=run.priority,
+        key=run.concurrency_key,
     )
     if isinstance(decision, Refusal):
         return Wait(decision.delay_seconds, decision.reason)

@@ -56,6 +56,8 @@ class StepResult:
     outcome: Outcome
     dispatch: Dispatch | None = None
     status: RunStatus | None = None
+    wakes: tuple[Dispatch, ...] = ()
+    """Runs woken because this step freed their concurrency-key slot: send these too."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,7 @@ class Task:
         *,
         rows: list[NewStep] | None = None,
         model_attempts: int = 0,
+        admission: bool = False,
     ) -> StepResult:
         """A durable timer: record ``rows`` (if any), release the lease, come back in
         ``delay_seconds``. No thread and no lease wait; a countdown message is sent when the
@@ -171,7 +174,11 @@ class Task:
             )
         else:
             dispatch = self.store.schedule(
-                self.claim, delay_seconds, reason=reason, model_attempts=model_attempts
+                self.claim,
+                delay_seconds,
+                reason=reason,
+                model_attempts=model_attempts,
+                admission=admission,
             )
         send = delay_seconds <= self.settings.max_countdown_seconds
         return StepResult(Outcome.WAITING, dispatch=dispatch if send else None)

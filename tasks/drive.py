@@ -131,6 +131,8 @@ def register_tasks(app: Celery) -> None:
             return "LEASE_LOST"
         if result.dispatch is not None:
             send_drive(app, state.runtime.store, result.dispatch)
+        for woken in result.wakes:  # runs waiting for the concurrency-key slot just freed
+            send_drive(app, state.runtime.store, woken)
         return str(result.outcome)
 
     @app.task(name=REAP, ignore_result=True, shared=False)

@@ -187,8 +187,23 @@ def test_runs_waiting_shows_what_each_run_waits_for(
             ),
             {"id": uuid.UUID(waiting)},
         )
+    code, out, _ = dar(capsys, "submit", "hi", "--key", "acme-co", "--priority", "4", "--api", api)
+    assert code == 0
+    keyed = out.strip()
+    with runtime.engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE run SET run_at = now() + interval '30 seconds',"
+                " wait_reason = 'concurrency key acme-co: 2 of 2 in steps' WHERE id = :id"
+            ),
+            {"id": uuid.UUID(keyed)},
+        )
     code, out, _ = dar(capsys, "runs", "--waiting", "--api", api)
     assert code == 0
     assert waiting in out
     assert "rate limit: input tokens/min for claude-x" in out
     assert other not in out
+    line = next(ln for ln in out.splitlines() if keyed in ln)
+    assert "acme-co" in line
+    assert " 4 " in line
+    assert "concurrency key acme-co: 2 of 2 in steps" in line

@@ -15,7 +15,7 @@ SUFFIXES = {"counter": ("_total",), "histogram": ("_count", "_sum", "_bucket"), 
 
 
 class _Counts:
-    """Stands in for the store's two counting queries (no database in a unit test)."""
+    """Stands in for the store's counting queries (no database in a unit test)."""
 
     def count_runs_by_status(self) -> dict[str, int]:
         return {}
@@ -25,6 +25,9 @@ class _Counts:
 
     def count_pending_approvals(self) -> dict[str, int]:
         return {}
+
+    def count_waiting_by_key(self, top: int) -> tuple[list[tuple[str, int]], int]:
+        return [], 0
 
 
 def _exported() -> set[str]:

@@ -1,0 +1,502 @@
+"""Concurrency keys against real PostgreSQL and Redis: at most N runs of a key inside a step,
+waiters woken in priority order when a slot frees, slots that never leak when their holder
+dies, a busy key that cannot starve a quiet one (real worker threads), the API fields, and
+model-limit waiters of different keys interleaved round-robin."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import replace
+from datetime import datetime
+from typing import Any
+
+import pytest
+import redis
+from flask.testing import FlaskClient
+from prometheus_client import CollectorRegistry
+
+import api
+from db.records import Dispatch, NewFork, NewRun, Run, RunStatus, Usage
+from runtime.bootstrap import Runtime
+from runtime.config import Settings
+from runtime.driver import Driver, Outcome
+from runtime.flow import FlowControl, ModelLimit, Refusal
+from runtime.keys import KeyGate, KeyWait, Slot
+from runtime.llm.base import LlmRequest, LlmResponse
+from runtime.metrics import FleetCollector, Metrics
+from runtime.testkit import SimulatedCrash
+from tasks.celery_app import make_celery
+from tests.support import drive_to_end, register_agent
+
+MODEL = "claude-sonnet-4-5"
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"dar-test-keys:{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def rclient(redis_url: str, prefix: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        for key in client.scan_iter(f"{prefix}:*"):
+            client.delete(key)
+        for key in client.scan_iter("dar:keys:*"):
+            client.delete(key)
+        client.close()
+
+
+def _gate(client: redis.Redis, prefix: str, limit: int, lease: float = 30) -> KeyGate:
+    return KeyGate(
+        client,
+        default_limit=limit,
+        overrides={"vip": 0, "solo": 1},
+        lease_seconds=lease,
+        fallback_seconds=30,
+        prefix=prefix,
+    )
+
+
+def _take(gate: KeyGate, key: str, run: uuid.UUID, *, priority: int = 0, at: float = 0) -> Any:
+    return gate.acquire(key, run, 1, priority=priority, submitted_at=at or time.time())
+
+
+# -- the gate ----------------------------------------------------------------------------------
+
+
+def test_a_full_key_refuses_with_a_reason_and_a_freed_slot_wakes_the_first_waiter(
+    rclient: redis.Redis, prefix: str
+) -> None:
+    gate = _gate(rclient, prefix, 2)
+    r1, r2, r3, r4 = (uuid.uuid4() for _ in range(4))
+    s1 = _take(gate, "acme", r1, at=1)
+    s2 = _take(gate, "acme", r2, at=2)
+    assert isinstance(s1, Slot)
+    assert isinstance(s2, Slot)
+    wait = _take(gate, "acme", r3, at=3)
+    assert isinstance(wait, KeyWait)
+    assert wait.reason == "concurrency key acme: 2 of 2 in steps"
+    assert isinstance(_take(gate, "acme", r4, at=4), KeyWait)
+    assert gate.in_steps("acme") == 2
+    # another key, an override without limit and an override of 1 are not affected
+    assert isinstance(_take(gate, "other", uuid.uuid4()), Slot)
+    assert _take(gate, "vip", uuid.uuid4()) is None
+    assert gate.limit("solo") == 1
+    # a slot freed wakes the oldest waiter; a newcomer cannot take its place meanwhile
+    assert gate.release(s1, continuing=False) == r3
+    assert isinstance(_take(gate, "acme", uuid.uuid4(), at=5), KeyWait)
+    assert isinstance(_take(gate, "acme", r3, at=3), Slot)
+    # the next release wakes the next waiter, not the one already woken
+    assert gate.release(s2, continuing=False) == r4
+
+
+def test_a_holder_continuing_ahead_of_every_waiter_wakes_nobody(
+    rclient: redis.Redis, prefix: str
+) -> None:
+    gate = _gate(rclient, prefix, 1)
+    old, young = uuid.uuid4(), uuid.uuid4()
+    slot = _take(gate, "acme", old, at=1)
+    assert isinstance(slot, Slot)
+    assert isinstance(_take(gate, "acme", young, at=2), KeyWait)
+    # the old run's next step follows at once and it is ahead: waking `young` would only
+    # find the slot taken again
+    assert gate.release(slot, continuing=True) is None
+    again = gate.acquire("acme", old, 2, priority=0, submitted_at=1)
+    assert isinstance(again, Slot)
+    # its last step: the waiter is woken
+    assert gate.release(again, continuing=False) == young
+
+
+def test_priority_orders_the_waiters_of_a_key(rclient: redis.Redis, prefix: str) -> None:
+    gate = _gate(rclient, prefix, 1)
+    holder, low, high = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    slot = _take(gate, "acme", holder, at=1)
+    assert isinstance(slot, Slot)
+    assert isinstance(_take(gate, "acme", low, at=2), KeyWait)
+    assert isinstance(_take(gate, "acme", high, priority=5, at=3), KeyWait)
+    assert gate.release(slot, continuing=False) == high
+
+
+def test_a_worker_killed_holding_a_slot_leaks_nothing(
+    rclient: redis.Redis, prefix: str, redis_url: str
+) -> None:
+    """A real process takes a slot and is SIGKILLed in its step: the slot lapses with the
+    lease it is bounded by, and the key admits again."""
+    script = f"""
+import os, signal, time, uuid, redis
+from runtime.keys import KeyGate, Slot
+gate = KeyGate(redis.Redis.from_url({redis_url!r}), default_limit=1, overrides={{}},
+    lease_seconds=1.5, prefix={prefix!r})
+got = gate.acquire("acme", uuid.uuid4(), 1, priority=0, submitted_at=time.time())
+assert isinstance(got, Slot), got
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], check=False, timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    gate = _gate(rclient, prefix, 1)
+    assert gate.in_steps("acme") == 1
+    assert isinstance(_take(gate, "acme", uuid.uuid4()), KeyWait)
+    time.sleep(1.6)
+    assert gate.in_steps("acme") == 0
+    assert isinstance(_take(gate, "acme", uuid.uuid4()), Slot)
+
+
+def test_the_heartbeat_keeps_a_long_steps_slot(rclient: redis.Redis, prefix: str) -> None:
+    gate = _gate(rclient, prefix, 1, lease=1.0)
+    slot = _take(gate, "acme", uuid.uuid4())
+    assert isinstance(slot, Slot)
+    for _ in range(4):  # two leases long, renewed as the heartbeat would
+        time.sleep(0.5)
+        gate.renew()
+    assert gate.in_steps("acme") == 1
+    time.sleep(1.1)  # not renewed any more: lapsed
+    assert gate.in_steps("acme") == 0
+
+
+def test_losing_redis_fails_open() -> None:
+    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5)
+    metrics = Metrics(CollectorRegistry())
+    gate = KeyGate(dead, default_limit=1, overrides={}, lease_seconds=5, metrics=metrics)
+    assert _take(gate, "acme", uuid.uuid4()) is None
+    assert metrics.flow_fail_open.labels("key")._value.get() == 1
+
+
+# -- through the engine ------------------------------------------------------------------------
+
+
+class SlowModel:
+    """Answers every request after ``delay`` seconds; counts the calls in flight per key (the
+    key is the first word of the run's input) and raises ``SimulatedCrash`` for input
+    ``crash``."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.lock = threading.Lock()
+        self.in_flight: Counter[str] = Counter()
+        self.most: Counter[str] = Counter()
+        self.calls = 0
+        self.crash_entered = threading.Event()
+        self.crash_go = threading.Event()
+
+    def send(self, request: LlmRequest) -> LlmResponse:
+        first = request.messages[0]["content"]
+        text = first if isinstance(first, str) else first[0]["text"]
+        key = text.split()[0]
+        if key == "crash":
+            self.crash_entered.set()
+            self.crash_go.wait(10)
+            raise SimulatedCrash("the worker died in the model call")
+        with self.lock:
+            self.calls += 1
+            self.in_flight[key] += 1
+            self.most[key] = max(self.most[key], self.in_flight[key])
+        try:
+            time.sleep(self.delay)
+        finally:
+            with self.lock:
+                self.in_flight[key] -= 1
+        content = [{"type": "text", "text": "done"}]
+        return LlmResponse(content, "end_turn", Usage(10, 5), MODEL)
+
+
+def _keyed(rt: Runtime, text: str, key: str | None, *, priority: int = 0) -> tuple[Run, Dispatch]:
+    run, _ = rt.store.create_run(
+        NewRun(
+            agent="test-agent",
+            input=text,
+            model=MODEL,
+            max_steps=10,
+            token_budget=10_000,
+            timeout_seconds=600,
+            concurrency_key=key,
+            priority=priority,
+        )
+    )
+    return run, Dispatch(run.id, run.dispatch_token)
+
+
+@pytest.fixture
+def keyed(settings: Settings, rclient: redis.Redis) -> Iterator[Runtime]:
+    s = replace(settings, key_concurrency=2, key_recheck_seconds=30)
+    rt = Runtime.build(s, llm=SlowModel(0.02), pool_size=8)
+    register_agent(rt.agents)
+    try:
+        yield rt
+    finally:
+        rt.close()
+
+
+class Fleet:
+    """Worker threads taking messages from one FIFO queue, as Celery workers take them from
+    the broker: a countdown message waits in a timer heap, and a reaper thread re-sends the
+    runs the database says are due (lost wakes, lapsed leases, timers)."""
+
+    def __init__(self, driver: Driver, threads: int) -> None:
+        self.driver = driver
+        self.inbox: queue.Queue[Dispatch | None] = queue.Queue()
+        self.timers: list[tuple[float, int, Dispatch]] = []
+        self.lock = threading.Lock()
+        self.seq = itertools.count()
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._work, daemon=True) for _ in range(threads)]
+        self.threads.append(threading.Thread(target=self._clock, daemon=True))
+
+    def send(self, d: Dispatch) -> None:
+        if d.delay_seconds:
+            with self.lock:
+                heapq.heappush(self.timers, (time.monotonic() + d.delay_seconds, next(self.seq), d))
+        else:
+            self.inbox.put(d)
+
+    def _work(self) -> None:
+        while (d := self.inbox.get()) is not None:
+            try:
+                result = self.driver.drive(d.run_id, d.token)
+            except SimulatedCrash:
+                continue  # the process "died": nothing sent, the reaper finds the run
+            except BaseException as e:  # pragma: no cover - reported by the test
+                self.errors.append(e)
+                continue
+            for nxt in (result.dispatch, *result.wakes):
+                if nxt is not None:
+                    self.send(nxt)
+
+    def _clock(self) -> None:
+        store = self.driver.store
+        last_sweep = 0.0
+        while not self.stop.wait(0.02):
+            now = time.monotonic()
+            with self.lock:
+                while self.timers and self.timers[0][0] <= now:
+                    self.inbox.put(heapq.heappop(self.timers)[2])
+            if now - last_sweep >= 0.5:
+                last_sweep = now
+                for d in store.redispatch_due(redispatch_after=30):
+                    self.inbox.put(d)
+
+    def __enter__(self) -> Fleet:
+        self.driver.heartbeat.start()  # renews leases and key slots, as in a worker
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for _ in self.threads:
+            self.inbox.put(None)
+        for t in self.threads:
+            t.join(timeout=10)
+        self.driver.heartbeat.stop()
+
+
+def _finished(rt: Runtime, runs: list[Run]) -> dict[uuid.UUID, datetime]:
+    done: dict[uuid.UUID, datetime] = {}
+    for r in runs:
+        got = rt.store.get_run(r.id)
+        if got.finished_at is not None:
+            assert got.status is RunStatus.SUCCEEDED, (got.status, got.error)
+            done[r.id] = got.finished_at
+    return done
+
+
+def test_a_busy_key_cannot_starve_a_quiet_one(keyed: Runtime) -> None:
+    """Key A queues 200 runs before key B's 5, on four worker threads taking messages in
+    order: with two slots per key, B's runs all finish while most of A's still wait."""
+    model = keyed.llm
+    assert isinstance(model, SlowModel)
+    driver = keyed.driver()
+    a = [_keyed(keyed, f"A {i}", "A") for i in range(200)]
+    b = [_keyed(keyed, f"B {i}", "B") for i in range(5)]
+    with Fleet(driver, threads=4) as fleet:
+        for _, d in [*a, *b]:
+            fleet.send(d)
+        deadline = time.monotonic() + 120
+        seen_reason = None
+        while time.monotonic() < deadline:
+            done_b = _finished(keyed, [r for r, _ in b])
+            if seen_reason is None:
+                waiting = [keyed.store.get_run(r.id) for r, _ in a[-3:]]
+                seen_reason = next((w.wait_reason for w in waiting if w.wait_reason), None)
+            if len(done_b) == len(b):
+                break
+            time.sleep(0.05)
+        done_a_when_b_done = _finished(keyed, [r for r, _ in a])
+        while time.monotonic() < deadline:
+            done_a = _finished(keyed, [r for r, _ in a])
+            if len(done_a) == len(a):
+                break
+            time.sleep(0.2)
+    assert not fleet.errors, fleet.errors
+    assert len(done_b) == len(b), "B's runs did not finish"
+    assert len(done_a) == len(a), f"A's backlog did not drain: {len(done_a)} of {len(a)}"
+    assert max(done_b.values()) < max(done_a.values())
+    # B finished while A's backlog was still mostly waiting
+    assert len(done_a_when_b_done) < 100, len(done_a_when_b_done)
+    assert seen_reason is not None
+    assert seen_reason.startswith("concurrency key A: "), seen_reason
+    print(f"\nA finished when B was: {len(done_a_when_b_done)}; reason seen: {seen_reason}")
+    # the cap held fleet-wide, and every run called the model exactly once
+    assert model.most["A"] <= 2
+    assert model.most["B"] <= 2
+    assert model.calls == 205
+    # waiting for a slot is not a claim without progress (no run failed for it)
+    assert all(keyed.store.get_run(r.id).status is RunStatus.SUCCEEDED for r, _ in a)
+
+
+def test_a_step_dying_with_a_base_exception_gives_its_slot_to_the_next_run(
+    settings: Settings, rclient: redis.Redis
+) -> None:
+    """A BaseException (the engine catches none) unwinds a step holding the key's only slot
+    while another run waits for it: the slot is given back and the waiter made due for the
+    reaper (the dying worker sends nothing)."""
+    s = replace(settings, key_concurrency=1)
+    model = SlowModel(0.0)
+    rt = Runtime.build(s, llm=model, pool_size=4)
+    register_agent(rt.agents)
+    try:
+        driver = rt.driver()
+        _, d1 = _keyed(rt, "crash now", "acme")
+        waiter, d2 = _keyed(rt, "acme later", "acme")
+        died: list[BaseException] = []
+
+        def doomed() -> None:
+            try:
+                driver.drive(d1.run_id, d1.token)
+            except BaseException as e:
+                died.append(e)
+
+        holder = threading.Thread(target=doomed)
+        holder.start()
+        assert model.crash_entered.wait(10)
+        assert driver.keys is not None
+        assert driver.keys.in_steps("acme") == 1
+        result = driver.drive(d2.run_id, d2.token)
+        assert result.outcome is Outcome.WAITING
+        assert rt.store.get_run(waiter.id).wait_reason == "concurrency key acme: 1 of 1 in steps"
+        assert rt.store.redispatch_due(redispatch_after=3600) == []
+        model.crash_go.set()
+        holder.join(10)
+        assert len(died) == 1
+        assert isinstance(died[0], SimulatedCrash)
+        assert driver.keys.in_steps("acme") == 0
+        due = rt.store.redispatch_due(redispatch_after=3600)
+        assert [d.run_id for d in due] == [waiter.id]
+        assert drive_to_end(driver, due[0])[-1] is Outcome.FINISHED
+        assert rt.store.get_run(waiter.id).status is RunStatus.SUCCEEDED
+    finally:
+        rt.close()
+
+
+def test_the_gauge_counts_waiting_runs_by_key_with_bounded_labels(keyed: Runtime) -> None:
+    driver = keyed.driver()
+    for key, n in (("A", 4), ("B", 3)):
+        for i in range(n):
+            _, d = _keyed(keyed, f"{key} {i}", key)
+            # nothing finishes: the first two claim a slot each and are abandoned mid-step
+            claim = keyed.store.claim(d.run_id, d.token, "w", 30)
+            assert claim is not None
+            assert driver.keys is not None
+            got = driver.keys.acquire(key, d.run_id, claim.epoch, priority=0, submitted_at=i)
+            if isinstance(got, KeyWait):
+                keyed.store.schedule(claim, 30, reason=got.reason, admission=True)
+    top, total = keyed.store.count_waiting_by_key(1)
+    assert top == [("A", 2)]
+    assert total == 3
+    registry = CollectorRegistry()
+    registry.register(FleetCollector(keyed.store))
+    assert registry.get_sample_value("dar_runs_waiting_by_key", {"key": "A"}) == 2
+    assert registry.get_sample_value("dar_runs_waiting_by_key", {"key": "B"}) == 1
+
+
+# -- the API -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def client(runtime: Runtime) -> FlaskClient:
+    app = api.create_app(runtime=runtime, celery=make_celery(runtime.settings, register=False))
+    return app.test_client()
+
+
+def test_submit_takes_a_key_and_a_priority_and_get_shows_them(client: FlaskClient) -> None:
+    r = client.post("/api/runs", json={"input": "hi", "concurrencyKey": "acme", "priority": 7})
+    assert r.status_code == 201, r.get_data(as_text=True)
+    run = client.get(f"/api/runs/{r.get_json()['id']}").get_json()
+    assert run["concurrencyKey"] == "acme"
+    assert run["priority"] == 7
+    plain = client.post("/api/runs", json={"input": "hi"}).get_json()
+    run = client.get(f"/api/runs/{plain['id']}").get_json()
+    assert run["concurrencyKey"] is None
+    assert run["priority"] == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({"concurrencyKey": "k" * 201}, "concurrencyKey", "201 characters; the limit is 200"),
+        ({"concurrencyKey": "  "}, "concurrencyKey", "non-blank string"),
+        ({"concurrencyKey": 5}, "concurrencyKey", "non-blank string"),
+        ({"priority": "high"}, "priority", "whole number from -1000 to 1000"),
+        ({"priority": 1.5}, "priority", "whole number from -1000 to 1000"),
+        ({"priority": 1001}, "priority", "whole number from -1000 to 1000"),
+        ({"priority": True}, "priority", "whole number from -1000 to 1000"),
+    ],
+)
+def test_bad_keys_and_priorities_are_named(
+    client: FlaskClient, body: dict[str, Any], field: str, words: str
+) -> None:
+    r = client.post("/api/runs", json={"input": "hi", **body})
+    assert r.status_code == 400
+    error = r.get_json()["error"]
+    assert error["field"] == field
+    assert words in error["message"]
+
+
+def test_a_fork_keeps_the_key_and_the_priority(runtime: Runtime) -> None:
+    run, _ = _keyed(runtime, "acme 1", "acme", priority=3)
+    fork, _ = runtime.store.fork_run(
+        NewFork(run.id, 1, run.input, run.model, token_budget=1000, timeout_seconds=60),
+        lambda _run, _steps: [],
+    )
+    assert (fork.concurrency_key, fork.priority) == ("acme", 3)
+
+
+# -- model-limit waiters across keys -----------------------------------------------------------
+
+
+def test_model_limit_waiters_of_different_keys_are_interleaved(
+    rclient: redis.Redis, prefix: str
+) -> None:
+    metrics = Metrics(CollectorRegistry())
+    flow = FlowControl(
+        rclient,
+        (ModelLimit("claude-*", max_concurrent=1),),
+        lease_seconds=60,
+        metrics=metrics,
+        prefix=prefix,
+    )
+    held = flow.admit(MODEL, 10, 10, waiter="holder")
+    assert held is not None
+    assert not isinstance(held, Refusal)
+    for i in range(5):
+        assert isinstance(flow.admit(MODEL, 10, 10, waiter=f"A{i}", key="A"), Refusal)
+    assert isinstance(flow.admit(MODEL, 10, 10, waiter="B0", key="B"), Refusal)
+    assert isinstance(flow.admit(MODEL, 10, 10, waiter="B1", key="B"), Refusal)
+    order = [w.decode() for w in rclient.zrange(flow._keys(held.limit)[2], 0, -1)]
+    assert order[:4] == ["A0", "B0", "A1", "B1"], order
+    # priority still comes first
+    assert isinstance(flow.admit(MODEL, 10, 10, waiter="urgent", priority=1, key="A"), Refusal)
+    assert rclient.zrange(flow._keys(held.limit)[2], 0, 0) == [b"urgent"]
