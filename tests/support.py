@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
+import redis
 from sqlalchemy import Engine, text
 
 from db.records import Dispatch, NewRun, Run
@@ -15,7 +18,27 @@ from runtime.driver import Driver, Outcome
 from runtime.testkit import SimulatedCrash
 from runtime.tools import Tool
 
-__all__ = ["SimulatedCrash", "drive_to_end", "expire_lease", "register_agent", "submit"]
+__all__ = [
+    "SimulatedCrash",
+    "drive_to_end",
+    "expire_lease",
+    "redis_scope",
+    "register_agent",
+    "submit",
+]
+
+
+@contextlib.contextmanager
+def redis_scope(url: str, *patterns: str) -> Iterator[redis.Redis]:
+    """A Redis client for a test; the keys matching ``patterns`` are deleted afterwards."""
+    client = redis.Redis.from_url(url)
+    try:
+        yield client
+    finally:
+        for pattern in patterns:
+            for key in client.scan_iter(pattern):
+                client.delete(key)
+        client.close()
 
 
 def submit(

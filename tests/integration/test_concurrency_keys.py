@@ -36,7 +36,7 @@ from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.metrics import FleetCollector, Metrics
 from runtime.testkit import SimulatedCrash
 from tasks.celery_app import make_celery
-from tests.support import drive_to_end, register_agent
+from tests.support import drive_to_end, redis_scope, register_agent
 
 MODEL = "claude-sonnet-4-5"
 
@@ -48,15 +48,8 @@ def prefix() -> str:
 
 @pytest.fixture
 def rclient(redis_url: str, prefix: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    try:
+    with redis_scope(redis_url, f"{prefix}:*", "dar:keys:*") as client:
         yield client
-    finally:
-        for key in client.scan_iter(f"{prefix}:*"):
-            client.delete(key)
-        for key in client.scan_iter("dar:keys:*"):
-            client.delete(key)
-        client.close()
 
 
 def _gate(client: redis.Redis, prefix: str, limit: int, lease: float = 30) -> KeyGate:

@@ -27,7 +27,7 @@ from runtime.llm.base import LlmError, LlmRequest
 from runtime.llm.scripted import ScriptedLlm
 from runtime.metrics import Metrics
 from tests.fakes.messages_api import FakeMessagesApi, RateLimit
-from tests.support import drive_to_end, register_agent, submit
+from tests.support import drive_to_end, redis_scope, register_agent, submit
 
 MODEL = "claude-sonnet-4-5"
 
@@ -39,13 +39,8 @@ def prefix() -> str:
 
 @pytest.fixture
 def rclient(redis_url: str, prefix: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    try:
+    with redis_scope(redis_url, f"{prefix}:*") as client:
         yield client
-    finally:
-        for key in client.scan_iter(f"{prefix}:*"):
-            client.delete(key)
-        client.close()
 
 
 def _flow(client: redis.Redis, prefix: str, *limits: ModelLimit, lease: float = 60) -> FlowControl:
