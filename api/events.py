@@ -194,7 +194,14 @@ class EventStream:
     def _batch(self, read_durable: bool) -> list[tuple[Order, str, str, dict[str, Any]]]:
         out: list[tuple[Order, str, str, dict[str, Any]]] = []
         if read_durable or any(e.base > self.durable for e in self.pending):
-            for row in self.store.run_events_after(self.run_id, self.durable):
+            rows = self.store.run_events_after(self.run_id, self.durable)
+            # Redis after PostgreSQL: a worker publishes a step's last delta before it commits
+            # the step, so every delta ordered before the events just read is in Redis now.
+            # Read the other way round (or not at all, when only PostgreSQL changed), the last
+            # delta could arrive after its step's events were sent, and be dropped as
+            # superseded.
+            self._read_live()
+            for row in rows:
                 name, data = durable_event(row)
                 out.append(((row["n"], 0, 0), f"{self.tag}.{row['n']}", name, data))
         limit = max([self.durable, *(o[0] for o, *_ in out)])

@@ -390,3 +390,53 @@ def test_the_stream_is_authorised_like_every_api_route(claude: Runtime) -> None:
     assert resp.status_code == 200
     names = [e.name for e in parse_sse(resp.get_data(as_text=True).splitlines())]
     assert names == ["run.status", "run.finished"]
+
+
+def test_a_delta_published_before_its_step_commits_is_never_dropped(claude: Runtime) -> None:
+    """A worker publishes a step's last delta, then commits the step. A reader woken by the
+    durable change alone (the hub has not flagged Redis yet) must still send that delta,
+    before the step's events: sent after them it would be dropped as superseded."""
+    from decimal import Decimal
+
+    from api.eventhub import EventHub
+    from api.events import Cursor, EventStream
+    from db.records import ModelCheckpoint, Usage
+
+    live = claude.live
+    assert live is not None
+    run, dispatch = submit(claude.store)
+    stream = EventStream(
+        claude.store,
+        live,
+        run.id,
+        Cursor((0, 0, 0)),
+        claude.settings,
+        hub=EventHub(claude.store, live, 1.0),
+    )
+    assert [name for _, _, name, _ in stream._batch(read_durable=True)] == ["run.status"]
+    stream.durable, stream.last = 1, (1, 0, 0)  # as the stream does once it sent event 1
+    live.publish(
+        run.id,
+        {"type": "text.delta", "key": "model:1", "attempt": 1, "base": 1, "text": "Hello"},
+    )
+    claim = claude.store.claim(run.id, dispatch.token, "worker-A", 30)
+    assert claim is not None
+    claude.store.checkpoint_model(
+        claim,
+        ModelCheckpoint(
+            seq=1,
+            step_key="model:1",
+            model=MODEL,
+            prompt_hash="h",
+            request=None,
+            response=[{"type": "text", "text": "Hello"}],
+            stop_reason="end_turn",
+            usage=Usage(3, 1),
+            cost_usd=Decimal(0),
+            latency_ms=1,
+            request_id=None,
+        ),
+    )
+    names = [name for _, _, name, _ in stream._batch(read_durable=True)]
+    assert "text.delta" in names, names
+    assert names.index("text.delta") < names.index("step.started"), names
