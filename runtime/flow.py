@@ -342,6 +342,32 @@ def learned_limits(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> li
     return out
 
 
+class FailOpenAlarm:
+    """Redis is away and a limit is let go: each time is counted
+    (``dar_flow_fail_open_total{action}``), and logged loudly, but at most once every 10 s,
+    not a line per model call or step."""
+
+    def __init__(self, metrics: Metrics | None, event: str, what: str) -> None:
+        self.metrics = metrics
+        self.event = event
+        self.what = what
+        self._last = 0.0
+
+    def __call__(self, action: str, e: Exception) -> None:
+        if self.metrics is not None:
+            self.metrics.flow_fail_open.labels(action).inc()
+        now = time.monotonic()
+        if now - self._last >= 10.0:
+            self._last = now
+            log.error(
+                "%s (%s: %s)",
+                self.what,
+                type(e).__name__,
+                e,
+                extra={"event": self.event, "action": action},
+            )
+
+
 class FlowControl:
     """Admission against fleet-wide model limits held in Redis (see the module docstring)."""
 
@@ -362,7 +388,12 @@ class FlowControl:
         self._admit = client.register_script(_ADMIT)
         self._settle = client.register_script(_SETTLE)
         self._learn = client.register_script(_LEARN)
-        self._last_alarm = 0.0
+        self._fail_open = FailOpenAlarm(
+            metrics,
+            "flow.fail_open",
+            "flow control unavailable: model calls go ahead unadmitted and rely on retries "
+            "of 429s until Redis is back",
+        )
 
     def _keys(self, limit: ModelLimit) -> list[str]:
         base = f"{self.prefix}:{{{limit.match}}}"
@@ -373,20 +404,6 @@ class FlowControl:
             f"{base}:due",
             f"{base}:vclock",
         ]
-
-    def _fail_open(self, action: str, e: Exception) -> None:
-        if self.metrics is not None:
-            self.metrics.flow_fail_open.labels(action).inc()
-        now = time.monotonic()
-        if now - self._last_alarm >= 10.0:  # loud, but not a line per model call
-            self._last_alarm = now
-            log.error(
-                "flow control unavailable (%s: %s): model calls go ahead unadmitted and "
-                "rely on retries of 429s until Redis is back",
-                type(e).__name__,
-                e,
-                extra={"event": "flow.fail_open", "action": action},
-            )
 
     def admit(
         self,

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from runtime.config import ConfigError
+from runtime.flow import FailOpenAlarm
 from runtime.metrics import Metrics
 
 if TYPE_CHECKING:  # redis is imported when a gate is built (see runtime.flow)
@@ -211,7 +211,11 @@ class KeyGate:
         self._release = client.register_script(_RELEASE)
         self._renew = client.register_script(_RENEW)
         self._held: dict[str, Slot] = {}
-        self._last_alarm = 0.0
+        self._fail_open = FailOpenAlarm(
+            metrics,
+            "keys.fail_open",
+            "concurrency keys unavailable: steps go ahead without a key slot until Redis is back",
+        )
 
     def limit(self, key: str) -> int:
         """The key's limit; ``0``: none."""
@@ -220,20 +224,6 @@ class KeyGate:
     def _keys(self, key: str) -> list[str]:
         base = f"{self.prefix}:{{{key}}}"
         return [f"{base}:held", f"{base}:waiters", f"{base}:due"]
-
-    def _fail_open(self, action: str, e: Exception) -> None:
-        if self.metrics is not None:
-            self.metrics.flow_fail_open.labels(action).inc()
-        now = time.monotonic()
-        if now - self._last_alarm >= 10.0:
-            self._last_alarm = now
-            log.error(
-                "concurrency keys unavailable (%s: %s): steps go ahead without a key slot "
-                "until Redis is back",
-                type(e).__name__,
-                e,
-                extra={"event": "keys.fail_open", "action": action},
-            )
 
     def acquire(
         self, key: str, run_id: uuid.UUID, epoch: int, *, priority: int, submitted_at: float
