@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import operator
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.lru import TakeOut
+
 _PLACEHOLDER = "\ufdd0dar-messages\ufdd0"  # a noncharacter: never in a real request
+_QUOTED = json.dumps(_PLACEHOLDER, ensure_ascii=False)
 
 
 def _canonical(value: Any) -> str:
@@ -48,21 +49,16 @@ class PromptHashes:
     else starts afresh. Bounded; thread-safe."""
 
     def __init__(self, capacity: int = 512) -> None:
-        self.capacity = capacity
-        self._prefixes: OrderedDict[Any, _Prefix] = OrderedDict()
-        self._lock = threading.Lock()
+        self._prefixes: TakeOut[Any, _Prefix] = TakeOut(capacity)
 
     def hash(self, run_id: Any, body: dict[str, Any]) -> str:
         messages = body.get("messages")
         if not isinstance(messages, list):
             return prompt_hash(body)
-        head, sep, tail = _canonical({**body, "messages": _PLACEHOLDER}).partition(
-            json.dumps(_PLACEHOLDER, ensure_ascii=False)
-        )
+        head, sep, tail = _canonical({**body, "messages": _PLACEHOLDER}).partition(_QUOTED)
         if not sep or _PLACEHOLDER in head or _PLACEHOLDER in tail:
             return prompt_hash(body)
-        with self._lock:
-            cached = self._prefixes.pop(run_id, None)
+        cached = self._prefixes.take(run_id)
         done = len(cached.messages) if cached is not None else 0
         if (
             cached is not None
@@ -81,9 +77,5 @@ class PromptHashes:
         for i in range(stable, len(messages)):
             digest.update(("," if i else "").encode() + _canonical(messages[i]).encode())
         digest.update(("]" + tail).encode())
-        if self.capacity > 0:
-            with self._lock:
-                self._prefixes[run_id] = _Prefix(head, messages[:stable], state)
-                while len(self._prefixes) > self.capacity:
-                    self._prefixes.popitem(last=False)
+        self._prefixes.put(run_id, _Prefix(head, messages[:stable], state))
         return str(digest.hexdigest())

@@ -10,12 +10,11 @@ Messages API requires. Tool uses without a finished result are the next work.
 from __future__ import annotations
 
 import operator
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from db.records import Step, StepKind, StepStatus
+from runtime.lru import TakeOut
 
 JsonObj = dict[str, Any]
 
@@ -157,20 +156,17 @@ class ReplayCache:
     thread-safe (a fold in use is taken out of the cache, so two tasks never share one)."""
 
     def __init__(self, capacity: int = 512) -> None:
-        self.capacity = capacity
-        self._folds: OrderedDict[Any, _Folded] = OrderedDict()
-        self._lock = threading.Lock()
+        self._folds: TakeOut[Any, _Folded] = TakeOut(capacity)
         self.hits = 0
         self.misses = 0
 
     def replay(self, run_id: Any, run_input: Any, steps: list[Step]) -> Conversation:
-        with self._lock:
-            cached = self._folds.pop(run_id, None)
+        cached = self._folds.take(run_id)
         done = len(cached.steps) if cached is not None else 0
         if (
             cached is not None
             and done <= len(steps)
-            and all(map(operator.is_, cached.steps, steps[:done]))
+            and all(map(operator.is_, cached.steps, steps))
             and cached.run_input == run_input
         ):
             self.hits += 1
@@ -182,13 +178,5 @@ class ReplayCache:
         for step in steps[done:]:
             fold.add(step)
         conversation = fold.conversation()
-        if self.capacity > 0:
-            with self._lock:
-                self._folds[run_id] = _Folded(run_input, list(steps), fold)
-                while len(self._folds) > self.capacity:
-                    self._folds.popitem(last=False)
+        self._folds.put(run_id, _Folded(run_input, list(steps), fold))
         return conversation
-
-    def forget(self, run_id: Any) -> None:
-        with self._lock:
-            self._folds.pop(run_id, None)
