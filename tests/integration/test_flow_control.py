@@ -157,13 +157,14 @@ def test_the_fake_api_enforces_buckets_with_headers() -> None:
     with FakeMessagesApi(
         default_responder=True, rate_limits={"claude-*": RateLimit(requests_per_minute=2)}
     ) as fake:
-        client = AnthropicClient(base_url=fake.url, api_key="k", timeout_seconds=5)
         request = LlmRequest(MODEL, 50, [{"role": "user", "content": "hi"}])
-        first = client.send(request)
-        assert ("anthropic-ratelimit-requests-limit", "2") in first.rate_limits
-        client.send(request)
-        with pytest.raises(LlmError) as e:
+        # closed on the way out: its pooled sockets are not left for the collector
+        with AnthropicClient(base_url=fake.url, api_key="k", timeout_seconds=5) as client:
+            first = client.send(request)
+            assert ("anthropic-ratelimit-requests-limit", "2") in first.rate_limits
             client.send(request)
+            with pytest.raises(LlmError) as e:
+                client.send(request)
         assert e.value.status == 429
         assert e.value.retry_after is not None
         assert e.value.retry_after >= 1
