@@ -9,6 +9,7 @@ from celery import Celery
 from db.records import Dispatch
 from db.store import RunStore
 from tasks.celery_app import DRIVE_RUN
+from tasks.publish import publisher
 
 log = logging.getLogger(__name__)
 
@@ -17,11 +18,15 @@ def send_drive(app: Celery, store: RunStore, dispatch: Dispatch) -> bool:
     """Send the message for ``dispatch``. When the broker is down the run is marked
     undispatched, so the reaper's next sweep sends it; nothing is lost either way."""
     try:
-        app.send_task(
-            DRIVE_RUN,
-            args=[str(dispatch.run_id), str(dispatch.token)],
-            countdown=dispatch.delay_seconds or None,
-        )
+        lean = None if dispatch.delay_seconds else publisher(app, DRIVE_RUN)
+        if lean is not None:
+            lean.send(str(dispatch.run_id), str(dispatch.token))
+        else:
+            app.send_task(
+                DRIVE_RUN,
+                args=[str(dispatch.run_id), str(dispatch.token)],
+                countdown=dispatch.delay_seconds or None,
+            )
         return True
     except Exception as e:  # kombu/redis raise a variety of connection errors
         log.warning(
