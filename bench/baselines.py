@@ -82,9 +82,13 @@ def raw_checkpoint(env: BenchEnv, threads: int, seconds: float) -> dict[str, Any
 
 
 def _start_chains(fleet: HopFleet, env: BenchEnv, chains: int, hops: int) -> list[Any]:
-    runs = env.create_runs([spec()] * chains)
-    for d in runs:
+    """Each chain stored, then its first message sent, one after the other (as the runtime's
+    runs are submitted)."""
+    runs = []
+    for _ in range(chains):
+        [d] = env.create_runs([spec()])
         fleet.app.send_task(HOP_TASK, args=[str(d.run_id), str(d.token), 1, hops])
+        runs.append(d)
     return runs
 
 

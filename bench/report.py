@@ -326,9 +326,8 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
     dg = sections.get("diagnose")
     if dg:
         labels = {
-            "no_worker_events": "runtime, worker task events off",
+            "worker_events": "runtime, worker task events on (Flower)",
             "log_warning": "runtime, DAR_LOG_LEVEL=WARNING",
-            "both": "runtime, both",
             "hop": "bare hop",
         }
         sp = dg["steps_per_s"]

@@ -38,15 +38,18 @@ from tasks.dispatch import send_drive
 def submit(
     env: BenchEnv, fleet: RuntimeFleet, specs: list[str], *, spread_s: float = 0.0
 ) -> list[uuid.UUID]:
-    """Store every run first, then send their messages: together, or evenly over
-    ``spread_s`` seconds (runs that started at different times, as in steady operation)."""
-    dispatches = env.create_runs(specs)
+    """Submit each run as the API does (store it, send its message): all at once, or evenly
+    over ``spread_s`` seconds (runs that started at different times, as in steady
+    operation)."""
     t0 = time.monotonic()
-    for i, d in enumerate(dispatches):
+    ids: list[uuid.UUID] = []
+    for i, s in enumerate(specs):
         if spread_s:
-            time.sleep(max(0.0, t0 + spread_s * i / len(dispatches) - time.monotonic()))
+            time.sleep(max(0.0, t0 + spread_s * i / len(specs) - time.monotonic()))
+        [d] = env.create_runs([s])
         send_drive(fleet.app, env.store, d)
-    return [d.run_id for d in dispatches]
+        ids.append(d.run_id)
+    return ids
 
 
 def step_gaps(rows: list[dict[str, Any]], *, subtract_model: bool = True) -> list[dict[str, Any]]:
