@@ -89,6 +89,10 @@ class Settings:
     cancel_grace_seconds: float = 5.0
     """After a step's timeout: how long it has to stop on its context's ``cancelled`` before
     it is treated as still running (in doubt)."""
+    started_row_after_seconds: float = 0.25
+    """An idempotent step's ``STARTED`` row is written only once it has run this long (0:
+    before it runs, like every other step's). Running it again after a crash is allowed
+    either way; the row is for the timeline and the live stream."""
     llm_factory: str | None = None
     metrics_port: int = 0
     metrics_addr: str = "127.0.0.1"
@@ -175,6 +179,7 @@ class Settings:
             prices_json=e.get("DAR_PRICES") or None,
             max_tool_output_chars=_int(e, "DAR_MAX_TOOL_OUTPUT_CHARS", 50_000, minimum=100),
             cancel_grace_seconds=_num(e, "DAR_CANCEL_GRACE_SECONDS", 5.0, minimum=0),
+            started_row_after_seconds=_num(e, "DAR_STARTED_ROW_AFTER_MS", 250, minimum=0) / 1000,
             llm_factory=e.get("DAR_LLM_FACTORY") or None,
             metrics_port=_int(e, "DAR_METRICS_PORT", 0),
             metrics_addr=_get(e, "DAR_METRICS_ADDR", "127.0.0.1"),

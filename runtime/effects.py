@@ -5,7 +5,11 @@ of the agent loop, a durable ``steps.run`` / ``@step`` body, an approved action,
 compensation. The rule, written once:
 
 1. The step is written ``STARTED`` (fenced) before its code runs; its key is its idempotency
-   key (``ctx.idempotency_key``).
+   key (``ctx.idempotency_key``). An idempotent step's row is written only if it is still
+   running after ``DAR_STARTED_ROW_AFTER_MS`` (250 ms): rule 2 runs it again after a crash
+   whether or not the row exists, so the row tells the timeline and the live stream what is
+   in progress and nothing else, and a quick idempotent call (most tool calls) costs one
+   commit, not two.
 2. A step found ``STARTED`` when a task begins is *in doubt*: its worker stopped between the
    effect and the record. It runs again only when it is declared idempotent, or an operator
    authorised exactly one more execution (``resolve`` with ``retry``); else its ``reconcile``
@@ -106,21 +110,28 @@ def execute(task: Task, effect: Effect, recorded: Step | None) -> Verdict:
         if decided is not None:
             return decided
     task.ensure_lease()
-    task.store.start_step(
-        task.claim,
-        NewStep(
-            seq=effect.seq,
-            step_key=effect.key,
-            kind=effect.kind,
-            status=StepStatus.STARTED,
-            attempt=effect.attempt,
-            tool_name=effect.tool_name,
-            tool_use_id=effect.tool_use_id,
-            input_hash=effect.input_hash,
-        ),
+    row = NewStep(
+        seq=effect.seq,
+        step_key=effect.key,
+        kind=effect.kind,
+        status=StepStatus.STARTED,
+        attempt=effect.attempt,
+        tool_name=effect.tool_name,
+        tool_use_id=effect.tool_use_id,
+        input_hash=effect.input_hash,
     )
+    # Only a step that runs on the step pool anyway (it has a timeout: every tool does) can be
+    # watched while it runs; one without runs inline on the task's thread, its row first.
+    after = task.settings.started_row_after_seconds
+    deferred = (
+        Deferred(after, task, row)
+        if effect.idempotent and effect.timeout_seconds is not None and after > 0
+        else None
+    )
+    if deferred is None:
+        task.store.start_step(task.claim, row)
     crash_point("after_tool_start")
-    verdict = _run(task, effect, context)
+    verdict = _run(task, effect, context, deferred)
     crash_point("after_tool_effect")
     if (
         isinstance(verdict, Raised)
@@ -213,7 +224,25 @@ def _reconciled(task: Task, effect: Effect, context: ToolContext) -> Verdict | N
     return None
 
 
-def _run(task: Task, effect: Effect, context: ToolContext) -> Verdict:
+@dataclass(frozen=True)
+class Deferred:
+    """The ``STARTED`` row of an idempotent step, written once it has run ``after`` seconds."""
+
+    after: float
+    task: Task
+    row: NewStep
+
+    def write(self, context: ToolContext) -> None:
+        try:
+            self.task.store.start_step(self.task.claim, self.row)
+        except BaseException:
+            context.cancelled.set()  # the lease is gone: the code may stop, its result is moot
+            raise
+
+
+def _run(
+    task: Task, effect: Effect, context: ToolContext, deferred: Deferred | None = None
+) -> Verdict:
     """The step's own code, with its timeout and cancellation. A crash (a ``BaseException``:
     a lost lease, a simulated crash, a durable function unwinding) propagates.
 
@@ -221,13 +250,15 @@ def _run(task: Task, effect: Effect, context: ToolContext) -> Verdict:
     flag) sets ``ctx.cancelled``: the code may stop early; the guard ends the run after."""
     channel = task.services.live
     if channel is None:
-        return _run_limited(task, effect, context)
+        return _run_limited(task, effect, context, deferred)
     with channel.watch(task.run_id) as watched:
         watched.aborts.append(context.cancelled.set)
-        return _run_limited(task, effect, context)
+        return _run_limited(task, effect, context, deferred)
 
 
-def _run_limited(task: Task, effect: Effect, context: ToolContext) -> Verdict:
+def _run_limited(
+    task: Task, effect: Effect, context: ToolContext, deferred: Deferred | None
+) -> Verdict:
     started = time.monotonic()
 
     def took() -> int:
@@ -247,7 +278,12 @@ def _run_limited(task: Task, effect: Effect, context: ToolContext) -> Verdict:
     )
     future = _pool.submit(contextvars.copy_context().run, effect.fn, context)
     # (The code's own TimeoutError is an exception like any other: done-ness decides.)
-    concurrent.futures.wait([future], timeout=timeout)
+    if (
+        deferred is not None
+        and not concurrent.futures.wait([future], timeout=min(deferred.after, timeout)).done
+    ):
+        deferred.write(context)
+    concurrent.futures.wait([future], timeout=max(0.0, started + timeout - time.monotonic()))
     late = not future.done()
     if late:
         if future.cancel():  # never started (the pool was busy): it never will

@@ -118,9 +118,6 @@ class DrivePublisher:
     def send(self, run_id: str, token: str) -> None:
         self._client.lpush(self.queue, self.message(run_id, token))
 
-    def close(self) -> None:
-        self._client.close()
-
 
 _lock = threading.Lock()
 

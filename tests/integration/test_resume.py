@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from db.errors import LeaseLost
 from db.records import RunStatus, StepKind, StepStatus
 from runtime.bootstrap import Runtime
@@ -13,6 +15,10 @@ from tests.support import SimulatedCrash, drive_to_end, expire_lease, register_a
 
 
 def test_resumed_run_does_not_repeat_model_calls(runtime: Runtime, llm: ScriptedLlm) -> None:
+    # The seed's scenario finds the tool STARTED after the crash: its row is written first
+    # (an idempotent tool's otherwise waits DAR_STARTED_ROW_AFTER_MS; the crash before that
+    # row is test_deferred_started's).
+    runtime.settings = replace(runtime.settings, started_row_after_seconds=0)
     llm.then_tool_use("toolu_1", "lookup", {"q": "x"}, 100, 20).then_text("done", 150, 5)
     executed: list[str] = []
 
