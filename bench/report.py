@@ -78,12 +78,16 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
     if lat:
         dbos = lat.get("dbos_p50_ms")
         p50 = lat["runtime_p50_ms"]
+        # Target 1 (issue 13): <= 1.3x the bare hop with its checkpoint; DBOS, which takes no
+        # broker hop at all, is printed beside it as the reference.
         add(
             "a",
             "step overhead p50, ms",
             p50,
             "bare hop p50",
             lat["hop_p50_ms"],
+            "<= 1.3 x hop",
+            lat["ratio_to_hop_p50"] <= 1.3,
             ratio=lat["ratio_to_hop_p50"],
         )
         if dbos:
@@ -91,10 +95,8 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
                 "a",
                 "step overhead p50, ms",
                 p50,
-                "DBOS p50",
+                "DBOS p50 (reference)",
                 dbos,
-                f"<= DBOS ({dbos:.1f})",
-                p50 <= dbos,
                 ratio=lat["ratio_to_dbos_p50"],
             )
         add("a", "step overhead p99, ms", lat["runtime_p99_ms"], "bare hop p99", lat["hop_p99_ms"])
@@ -196,8 +198,17 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
 
     inf = sections.get("inflight")
     if inf:
+        hop2 = ((tp or {}).get("by_processes") or {}).get(2) or (
+            (tp or {}).get("by_processes") or {}
+        ).get("2")
+        # Target 3: >= 90% of ideal for 2,000 runs with a 10 s model, and with a 1 s model
+        # up to 0.8x the bare hop's rate (2 processes); a level whose ideal rate is above
+        # that asks more of the host than the broker's own floor and is shown unjudged.
+        cap = 0.8 * hop2["hop_steps_per_s"] if hop2 else None
         for lv in inf["levels"]:
-            big = lv["runs"] >= 500
+            judged = (lv["runs"] >= 2000 and lv["model_latency_ms"] >= 10_000) or (
+                cap is not None and lv["ideal_steps_per_s"] <= cap
+            )
             add(
                 "c",
                 f"steps/s, {lv['runs']} in flight, {lv['model_latency_ms']} ms model, "
@@ -205,8 +216,8 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
                 lv["steps_per_s"],
                 "ideal in_flight/latency",
                 lv["ideal_steps_per_s"],
-                ">= 0.90 x ideal" if big else "",
-                (lv["ratio_to_ideal"] >= 0.9) if big else None,
+                ">= 0.90 x ideal" if judged else "(above 0.8x hop)",
+                (lv["ratio_to_ideal"] >= 0.9) if judged else None,
                 nd=0,
             )
             if "window_steps_per_s" in lv:
@@ -237,9 +248,6 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
             (inf["largest_level_at_90pct"] or 0) >= 2000,
             nd=0,
         )
-        hop2 = ((tp or {}).get("by_processes") or {}).get(2) or (
-            (tp or {}).get("by_processes") or {}
-        ).get("2")
         big = [lv for lv in inf["levels"] if lv["runs"] >= 500]
         if hop2 and big:
             add(

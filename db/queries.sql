@@ -417,6 +417,22 @@ SELECT run_id, seq, step_key, kind, status, tool_name, tool_use_id, model, promp
        origin, original_tokens, original_cost_usd
 FROM run_step WHERE run_id = :id ORDER BY seq;
 
+-- list_steps_since --
+-- A worker's copy of the log catching up (db/steplog.py): the rows written under lease epoch
+-- :since or later, the columns of list_steps, each beside the run's number of rows (one row
+-- of NULLs beside it when none qualify), in seq order.
+SELECT c.total, s.*
+FROM (SELECT count(*) AS total FROM run_step WHERE run_id = :id) c
+LEFT JOIN LATERAL (
+    SELECT run_id, seq, step_key, kind, status, tool_name, tool_use_id, model, prompt_hash,
+           response, stop_reason, input_tokens, output_tokens, cache_creation_input_tokens,
+           cache_read_input_tokens, cost_usd, latency_ms, request_id, error, resolution,
+           attempt, input_hash, compensation, worker, lease_epoch, started_at, finished_at,
+           origin, original_tokens, original_cost_usd
+    FROM run_step WHERE run_id = :id AND lease_epoch >= :since
+) s ON true
+ORDER BY s.seq;
+
 -- lock_run_for_fork --
 -- The run to fork, held (shared) for the fork's transaction: no checkpoint of it commits
 -- while its steps are read and copied, so the copy is one consistent moment of its history.

@@ -146,6 +146,9 @@ class Claim:
     worker: str
     epoch: int
     db_now: datetime
+    status_changes: int | None = None
+    """The run's count of status changes when claimed (``run.status_changes``): see
+    :mod:`db.steplog`. ``None``: unknown, the step log is read whole."""
 
     @property
     def run_id(self) -> uuid.UUID:

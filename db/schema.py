@@ -100,6 +100,9 @@ run = Table(
     # step at once; priority orders the runs waiting for a key slot or a model's limits.
     Column("concurrency_key", Text),
     Column("priority", Integer, nullable=False, server_default=text("0")),
+    # How many times the status changed (the status trigger, migration 0012): a worker's copy
+    # of the step log catches up by epoch only while this has not moved (db/steplog.py).
+    Column("status_changes", BigInteger, nullable=False, server_default=text("0")),
     CheckConstraint(
         "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES) + ")",
         name="run_status_ck",

@@ -52,7 +52,15 @@ from db.records import (
 )
 from db.steplog import StepLogCache
 
-_HOT = ("claim_run", "list_steps", "record_step", "start_step", "finish_run", "schedule_run")
+_HOT = (
+    "claim_run",
+    "list_steps",
+    "list_steps_since",
+    "record_step",
+    "start_step",
+    "finish_run",
+    "schedule_run",
+)
 """The statements of a step, run through :mod:`db.fastpath`."""
 
 
@@ -317,18 +325,33 @@ class RunStore:
         return _run(row)
 
     def steps(
-        self, run_id: uuid.UUID, *, token: uuid.UUID | None = None, epoch: int | None = None
+        self,
+        run_id: uuid.UUID,
+        *,
+        token: uuid.UUID | None = None,
+        epoch: int | None = None,
+        status_changes: int | None = None,
     ) -> list[Step]:
-        """The run's steps in order. A worker passes the token its message carried and its
-        lease epoch: when this process handed the run on with that token itself, nothing is
-        read (see :mod:`db.steplog`)."""
-        if epoch is not None:
-            cached = self.step_logs.get(run_id, token, epoch)
-            if cached is not None:
-                return cached
+        """The run's steps in order. A worker passes the token its message carried, its
+        lease epoch and the run's count of status changes (its claim's): when this process
+        handed the run on with that token itself, nothing is read; when it has an older
+        copy of the log, only the rows written since are (see :mod:`db.steplog`)."""
+        if epoch is None:
+            return [_step(r) for r in self._fast.all("list_steps", {"id": run_id})]
+        logs = self.step_logs
+        cached = logs.get(run_id, token, epoch, status_changes)
+        if cached is not None:
+            return cached
+        since = logs.since(run_id, status_changes)
+        if since is not None:
+            rows = self._fast.all("list_steps_since", {"id": run_id, "since": since})
+            changed = [_step(r) for r in rows if r["seq"] is not None]
+            total = rows[0]["total"] if rows else 0
+            merged = logs.caught_up(run_id, since, epoch, changed, total)
+            if merged is not None:
+                return merged
         steps = [_step(r) for r in self._fast.all("list_steps", {"id": run_id})]
-        if epoch is not None:
-            self.step_logs.loaded(run_id, epoch, steps)
+        logs.loaded(run_id, epoch, steps, status_changes)
         return steps
 
     def list_runs(
@@ -411,7 +434,13 @@ class RunStore:
         if row is None:
             return None
         run = _run(row)
-        return Claim(run=run, worker=worker, epoch=run.lease_epoch, db_now=row["db_now"])
+        return Claim(
+            run=run,
+            worker=worker,
+            epoch=run.lease_epoch,
+            db_now=row["db_now"],
+            status_changes=row["status_changes"],
+        )
 
     def claim(
         self, run_id: uuid.UUID, token: uuid.UUID, worker: str, lease_s: float

@@ -223,7 +223,9 @@ class Driver:
                         f"{self.settings.max_claims_without_progress})"
                     ),
                 )
-            task.steps = self.store.steps(run.id, token=token, epoch=claim.epoch)
+            task.steps = self.store.steps(
+                run.id, token=token, epoch=claim.epoch, status_changes=claim.status_changes
+            )
             if run.claims_without_progress > 1:
                 log.info("run=%s resumed at seq=%d", short(run.id), self._resume_seq(task.steps))
             try:

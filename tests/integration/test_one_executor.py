@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -17,7 +18,15 @@ from db.records import Dispatch, NewStep, RunStatus, Step, StepKind, StepStatus,
 from db.store import RunStore
 from examples.order_refund import build as build_refund
 from runtime.bootstrap import Runtime
-from runtime.durable import Model, Steps, StepTimeout, durable_agent, idempotent, step
+from runtime.durable import (
+    Model,
+    StepError,
+    Steps,
+    StepTimeout,
+    durable_agent,
+    idempotent,
+    step,
+)
 from runtime.durable.errors import InfrastructureError
 from runtime.heartbeat import Heartbeat
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
@@ -610,15 +619,24 @@ class _CheckedStore(RunStore):
     """Every log served from the process's copy is compared with the database's."""
 
     served: int = 0
+    caught_up: int = 0
 
     def steps(
-        self, run_id: uuid.UUID, *, token: uuid.UUID | None = None, epoch: int | None = None
+        self,
+        run_id: uuid.UUID,
+        *,
+        token: uuid.UUID | None = None,
+        epoch: int | None = None,
+        status_changes: int | None = None,
     ) -> list[Step]:
-        hits = self.step_logs.hits
-        got = super().steps(run_id, token=token, epoch=epoch)
+        hits, catch_ups = self.step_logs.hits, self.step_logs.catch_ups
+        got = super().steps(run_id, token=token, epoch=epoch, status_changes=status_changes)
         if self.step_logs.hits > hits:
             _CheckedStore.served += 1
             assert got == super().steps(run_id), "the copy differs from the database"
+        if self.step_logs.catch_ups > catch_ups:
+            _CheckedStore.caught_up += 1
+            assert got == super().steps(run_id), "the caught-up copy differs from the database"
         return got
 
 
@@ -661,6 +679,154 @@ def test_the_next_step_reads_no_log_when_this_process_handed_the_run_on(
     assert _drive(runtime, dispatch2) is RunStatus.SUCCEEDED
     assert checked.get_run(run_id).result == "abhi"
     assert _CheckedStore.served >= 3
+
+
+def test_a_run_moving_between_two_processes_reads_only_what_the_other_wrote(
+    runtime: Runtime,
+) -> None:
+    """Two processes (two stores, two copies of each log) take a run's steps in turn. Each
+    copy catches up with the rows the other wrote and equals the database's log every time
+    (``_CheckedStore``); an approval decided meanwhile (a write no worker made) makes the
+    next step read the whole log."""
+    stores = [_CheckedStore(runtime.engine), _CheckedStore(runtime.engine)]
+    drivers = [
+        replace(runtime, store=store).driver(worker=f"worker-{name}")
+        for store, name in zip(stores, "AB", strict=True)
+    ]
+
+    @tool(idempotent=True)
+    def lookup(q: str, ctx: ToolContext) -> str:
+        """Look up."""
+        return q.upper()
+
+    llm = runtime.llm
+    assert isinstance(llm, ScriptedLlm)
+    for i in range(6):
+        llm.then_tool_use(f"toolu_{i}", "lookup", {"q": f"x{i}"})
+    llm.then_text("done")
+    register_agent(runtime.agents, lookup)
+    run, dispatch = submit(stores[0])
+    _CheckedStore.caught_up = 0
+    current: Dispatch | None = dispatch
+    turn = 0
+    while current is not None:
+        current = drivers[turn % 2].drive(current.run_id, current.token).dispatch
+        turn += 1
+    assert stores[0].get_run(run.id).status is RunStatus.SUCCEEDED
+    assert len(stores[0].steps(run.id)) == 13
+    assert _CheckedStore.caught_up == turn - 2, "every task after each process's first"
+    for store in stores:
+        logs = store.step_logs
+        assert logs.caught_up_wrong == 0
+        # Each catch-up reads the other process's step and this process's own last one.
+        assert logs.caught_up_rows <= 2 * logs.catch_ups
+
+    # A durable function parked for an approval: the decision rewrites a step row and the
+    # run's status; the process that parked it must not trust its copy afterwards.
+    @durable_agent("gated", approval_roles=["ops"])
+    def gated(_: object, steps: Steps) -> str:
+        a = steps.run("a", lambda: "a", type=str)
+        b = steps.approval("ops", 3600).run("b", lambda: "b", type=str)
+        c = steps.run("c", lambda: "c", type=str)
+        return a + b + c
+
+    run_id, current = _start(replace(runtime, store=stores[0]), gated)
+    turn = 0
+    while current is not None:
+        stores[0].make_due_now(current.run_id)
+        current = drivers[turn % 2].drive(current.run_id, current.token).dispatch
+        turn += 1
+        if current is None and stores[0].get_run(run_id).status is RunStatus.WAITING:
+            (approval,) = stores[0].list_approvals(run_id=run_id)
+            from db.records import ApprovalStatus
+
+            current = stores[1].decide_approval(
+                approval.id, ApprovalStatus.APPROVED, decided_by="ops"
+            )
+    final = stores[0].get_run(run_id)
+    assert final.result == "abc", final.error
+
+
+def test_a_write_whose_commit_this_process_did_not_see_is_read_again(runtime: Runtime) -> None:
+    """A copy holds its own last epoch's rows only as far as it applied them (a commit whose
+    answer was lost): catching up re-reads that epoch's rows too."""
+    stores = [_CheckedStore(runtime.engine), _CheckedStore(runtime.engine)]
+    a, b = (
+        replace(runtime, store=store).driver(worker=f"worker-{name}")
+        for store, name in zip(stores, "AB", strict=True)
+    )
+
+    @tool(idempotent=True)
+    def lookup(q: str, ctx: ToolContext) -> str:
+        """Look up."""
+        return q.upper()
+
+    llm = runtime.llm
+    assert isinstance(llm, ScriptedLlm)
+    llm.then_tool_use("toolu_0", "lookup", {"q": "x"}).then_text("done")
+    register_agent(runtime.agents, lookup)
+    run, dispatch = submit(stores[0])
+    first = a.drive(dispatch.run_id, dispatch.token)  # the model step, A's copy follows it
+    assert first.dispatch is not None
+    copy = stores[0].step_logs._logs[run.id]
+    (model_row,) = copy.rows.values()
+    # As if A's commit of the model step had not been seen: its copy holds an older version.
+    copy.rows[model_row.step_key] = replace(model_row, stop_reason="stale")
+    second = b.drive(run.id, first.dispatch.token)  # the tool step, on B
+    assert second.dispatch is not None
+    _CheckedStore.caught_up = 0
+    third = a.drive(run.id, second.dispatch.token)  # the last model step, on A again
+    assert _CheckedStore.caught_up == 1, "A caught up, and its copy equals the database's"
+    assert third.dispatch is not None
+    drive_to_end(a, third.dispatch)
+    assert stores[0].get_run(run.id).status is RunStatus.SUCCEEDED
+
+
+def test_a_resumed_run_does_not_catch_up_a_copy_made_before_it_failed(
+    runtime: Runtime,
+) -> None:
+    """A resume rewrites a step row written under an older epoch (ERROR -> RETRYING) without
+    any worker's epoch: the run's status changed meanwhile, so the copy is not caught up."""
+    stores = [_CheckedStore(runtime.engine), _CheckedStore(runtime.engine)]
+    a, b = (
+        replace(runtime, store=store).driver(worker=f"worker-{name}")
+        for store, name in zip(stores, "AB", strict=True)
+    )
+    calls = {"a": 0, "end": 0}
+
+    def flaky() -> str:
+        calls["a"] += 1
+        if calls["a"] == 1:
+            raise RuntimeError("a failed")
+        return "a"
+
+    @durable_agent("resumable")
+    def resumable(_: object, steps: Steps) -> str:
+        try:
+            first = steps.run("a", flaky, type=str)
+        except StepError:
+            first = "-"
+        second = steps.run("b", lambda: "b", type=str)
+        calls["end"] += 1
+        if calls["end"] == 1:
+            raise RuntimeError("the end failed")
+        return first + second
+
+    run_id, dispatch = _start(replace(runtime, store=stores[0]), resumable)
+    one = a.drive(run_id, dispatch.token)  # a: ERROR (epoch 1, A)
+    assert one.dispatch is not None
+    two = b.drive(run_id, one.dispatch.token)  # b: DONE (epoch 2, B)
+    assert two.dispatch is not None
+    three = a.drive(run_id, two.dispatch.token)  # the function raises: FAILED (epoch 3, A)
+    assert three.dispatch is None
+    assert stores[0].get_run(run_id).status is RunStatus.FAILED
+    resumed = stores[0].resume_failed(run_id)  # a: ERROR -> RETRYING, no worker's epoch
+    # B's copy (epoch 2) survived; A's went with the end of the run.
+    drive_to_end(b, resumed)
+    final = stores[0].get_run(run_id)
+    assert final.result == "ab", final.error
+    assert calls["a"] == 2
+    assert stores[1].step_logs.caught_up_wrong == 0
 
 
 def test_a_message_this_process_did_not_send_reads_the_log(runtime: Runtime) -> None:
