@@ -216,7 +216,7 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
                 lv["steps_per_s"],
                 "ideal in_flight/latency",
                 lv["ideal_steps_per_s"],
-                ">= 0.90 x ideal" if judged else "(above 0.8x hop)",
+                ">= 0.90 x ideal" if judged else "(above 0.8x hop)" if cap is not None else "",
                 (lv["ratio_to_ideal"] >= 0.9) if judged else None,
                 nd=0,
             )
