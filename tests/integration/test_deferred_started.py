@@ -13,7 +13,6 @@ import pytest
 from db.errors import LeaseLost
 from db.records import RunStatus, StepStatus
 from runtime.bootstrap import Runtime
-from runtime.config import Settings
 from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import ToolContext, tool
 from tests.support import SimulatedCrash, drive_to_end, expire_lease, register_agent, submit
@@ -34,30 +33,37 @@ def _wait_for_row(runtime: Runtime, run_id: uuid.UUID, key: str, timeout: float)
     return None
 
 
-def test_a_quick_idempotent_tool_writes_one_row_at_its_end(
-    runtime: Runtime, llm: ScriptedLlm
-) -> None:
+def _status_seen_by_a_quick_tool(
+    runtime: Runtime, llm: ScriptedLlm, *, idempotent: bool
+) -> tuple[uuid.UUID, list[StepStatus | None]]:
+    """Run one quick tool call; the status of its own row that the tool read while running."""
     seen: list[StepStatus | None] = []
     run_ids: list[uuid.UUID] = []
 
-    @tool(idempotent=True)
-    def lookup(ctx: ToolContext) -> str:
-        """A quick read."""
+    @tool(idempotent=idempotent)
+    def quick(ctx: ToolContext) -> str:
+        """A quick call."""
         seen.append(_row_status(runtime, run_ids[0], "toolu_q"))
-        return "found"
+        return "done"
 
-    register_agent(runtime.agents, lookup)
-    llm.then_tool_use("toolu_q", "lookup").then_text("ok")
+    register_agent(runtime.agents, quick)
+    llm.then_tool_use("toolu_q", "quick").then_text("ok")
     run, dispatch = submit(runtime.store)
     run_ids.append(run.id)
     drive_to_end(runtime.driver(), dispatch)
+    return run.id, seen
 
+
+def test_a_quick_idempotent_tool_writes_one_row_at_its_end(
+    runtime: Runtime, llm: ScriptedLlm
+) -> None:
+    run_id, seen = _status_seen_by_a_quick_tool(runtime, llm, idempotent=True)
     assert seen == [None], "no STARTED row while a quick idempotent tool runs"
-    tool_row = runtime.store.steps(run.id)[1]
+    tool_row = runtime.store.steps(run_id)[1]
     assert tool_row.status is StepStatus.DONE
     assert tool_row.finished_at is not None
     assert tool_row.started_at <= tool_row.finished_at
-    assert runtime.store.get_run(run.id).status is RunStatus.SUCCEEDED
+    assert runtime.store.get_run(run_id).status is RunStatus.SUCCEEDED
 
 
 def test_a_slow_idempotent_tool_shows_as_started_while_it_runs(
@@ -87,41 +93,13 @@ def test_a_slow_idempotent_tool_shows_as_started_while_it_runs(
 def test_a_non_idempotent_tool_is_started_before_it_runs(
     runtime: Runtime, llm: ScriptedLlm
 ) -> None:
-    seen: list[StepStatus | None] = []
-    run_ids: list[uuid.UUID] = []
-
-    @tool()
-    def send(ctx: ToolContext) -> str:
-        """Sends something."""
-        seen.append(_row_status(runtime, run_ids[0], "toolu_n"))
-        return "sent"
-
-    register_agent(runtime.agents, send)
-    llm.then_tool_use("toolu_n", "send").then_text("ok")
-    run, dispatch = submit(runtime.store)
-    run_ids.append(run.id)
-    drive_to_end(runtime.driver(), dispatch)
+    _, seen = _status_seen_by_a_quick_tool(runtime, llm, idempotent=False)
     assert seen == [StepStatus.STARTED]
 
 
-def test_zero_writes_every_row_first(
-    runtime: Runtime, llm: ScriptedLlm, settings: Settings
-) -> None:
+def test_zero_writes_every_row_first(runtime: Runtime, llm: ScriptedLlm) -> None:
     runtime.settings = replace(runtime.settings, started_row_after_seconds=0)
-    seen: list[StepStatus | None] = []
-    run_ids: list[uuid.UUID] = []
-
-    @tool(idempotent=True)
-    def lookup(ctx: ToolContext) -> str:
-        """A quick read."""
-        seen.append(_row_status(runtime, run_ids[0], "toolu_z"))
-        return "found"
-
-    register_agent(runtime.agents, lookup)
-    llm.then_tool_use("toolu_z", "lookup").then_text("ok")
-    run, dispatch = submit(runtime.store)
-    run_ids.append(run.id)
-    drive_to_end(runtime.driver(), dispatch)
+    _, seen = _status_seen_by_a_quick_tool(runtime, llm, idempotent=True)
     assert seen == [StepStatus.STARTED]
 
 

@@ -18,6 +18,7 @@ from db.records import Dispatch, NewStep, RunStatus, Step, StepKind, StepStatus,
 from db.store import RunStore
 from examples.order_refund import build as build_refund
 from runtime.bootstrap import Runtime
+from runtime.driver import Driver
 from runtime.durable import (
     Model,
     StepError,
@@ -681,6 +682,30 @@ def test_the_next_step_reads_no_log_when_this_process_handed_the_run_on(
     assert _CheckedStore.served >= 3
 
 
+def _two_processes(runtime: Runtime, *lookups: int) -> tuple[list[_CheckedStore], list[Driver]]:
+    """Two workers with a store (a copy of each step log) of their own, as two processes
+    have; with ``lookups``, the test agent calls ``lookup`` that many times, then ends."""
+    stores = [_CheckedStore(runtime.engine), _CheckedStore(runtime.engine)]
+    drivers = [
+        replace(runtime, store=store).driver(worker=f"worker-{name}")
+        for store, name in zip(stores, "AB", strict=True)
+    ]
+    if lookups:
+
+        @tool(idempotent=True)
+        def lookup(q: str, ctx: ToolContext) -> str:
+            """Look up."""
+            return q.upper()
+
+        llm = runtime.llm
+        assert isinstance(llm, ScriptedLlm)
+        for i in range(lookups[0]):
+            llm.then_tool_use(f"toolu_{i}", "lookup", {"q": f"x{i}"})
+        llm.then_text("done")
+        register_agent(runtime.agents, lookup)
+    return stores, drivers
+
+
 def test_a_run_moving_between_two_processes_reads_only_what_the_other_wrote(
     runtime: Runtime,
 ) -> None:
@@ -688,23 +713,7 @@ def test_a_run_moving_between_two_processes_reads_only_what_the_other_wrote(
     copy catches up with the rows the other wrote and equals the database's log every time
     (``_CheckedStore``); an approval decided meanwhile (a write no worker made) makes the
     next step read the whole log."""
-    stores = [_CheckedStore(runtime.engine), _CheckedStore(runtime.engine)]
-    drivers = [
-        replace(runtime, store=store).driver(worker=f"worker-{name}")
-        for store, name in zip(stores, "AB", strict=True)
-    ]
-
-    @tool(idempotent=True)
-    def lookup(q: str, ctx: ToolContext) -> str:
-        """Look up."""
-        return q.upper()
-
-    llm = runtime.llm
-    assert isinstance(llm, ScriptedLlm)
-    for i in range(6):
-        llm.then_tool_use(f"toolu_{i}", "lookup", {"q": f"x{i}"})
-    llm.then_text("done")
-    register_agent(runtime.agents, lookup)
+    stores, drivers = _two_processes(runtime, 6)
     run, dispatch = submit(stores[0])
     _CheckedStore.caught_up = 0
     current: Dispatch | None = dispatch
@@ -750,21 +759,7 @@ def test_a_run_moving_between_two_processes_reads_only_what_the_other_wrote(
 def test_a_write_whose_commit_this_process_did_not_see_is_read_again(runtime: Runtime) -> None:
     """A copy holds its own last epoch's rows only as far as it applied them (a commit whose
     answer was lost): catching up re-reads that epoch's rows too."""
-    stores = [_CheckedStore(runtime.engine), _CheckedStore(runtime.engine)]
-    a, b = (
-        replace(runtime, store=store).driver(worker=f"worker-{name}")
-        for store, name in zip(stores, "AB", strict=True)
-    )
-
-    @tool(idempotent=True)
-    def lookup(q: str, ctx: ToolContext) -> str:
-        """Look up."""
-        return q.upper()
-
-    llm = runtime.llm
-    assert isinstance(llm, ScriptedLlm)
-    llm.then_tool_use("toolu_0", "lookup", {"q": "x"}).then_text("done")
-    register_agent(runtime.agents, lookup)
+    stores, (a, b) = _two_processes(runtime, 1)
     run, dispatch = submit(stores[0])
     first = a.drive(dispatch.run_id, dispatch.token)  # the model step, A's copy follows it
     assert first.dispatch is not None
@@ -787,11 +782,7 @@ def test_a_resumed_run_does_not_catch_up_a_copy_made_before_it_failed(
 ) -> None:
     """A resume rewrites a step row written under an older epoch (ERROR -> RETRYING) without
     any worker's epoch: the run's status changed meanwhile, so the copy is not caught up."""
-    stores = [_CheckedStore(runtime.engine), _CheckedStore(runtime.engine)]
-    a, b = (
-        replace(runtime, store=store).driver(worker=f"worker-{name}")
-        for store, name in zip(stores, "AB", strict=True)
-    )
+    stores, (a, b) = _two_processes(runtime)
     calls = {"a": 0, "end": 0}
 
     def flaky() -> str:
