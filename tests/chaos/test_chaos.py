@@ -134,8 +134,10 @@ TAMPERING = (
     (
         checker.BILLED,
         # More tokens on the rows than the API billed: never explained by a call a fault cut
-        # (taking 7 away was, when one of the run's calls billed exactly 7 tokens).
-        "UPDATE run_step SET input_tokens = input_tokens + 7 "
+        # (taking 7 away was, when one of the run's calls billed exactly 7 tokens; adding 7
+        # was too, once, when the run's calls a fault had cut summed to 7 more than one of
+        # them: more than the run could ever have been billed cannot be).
+        "UPDATE run_step SET input_tokens = input_tokens + 1000000 "
         "WHERE run_id = :durable AND step_key LIKE '%/llm:0'",
     ),
     (
