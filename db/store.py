@@ -337,7 +337,7 @@ class RunStore:
         handed the run on with that token itself, nothing is read; when it has an older
         copy of the log, only the rows written since are (see :mod:`db.steplog`)."""
         if epoch is None:
-            return [_step(r) for r in self._fast.all("list_steps", {"id": run_id})]
+            return self._all_steps(run_id)
         logs = self.step_logs
         cached = logs.get(run_id, token, epoch, status_changes)
         if cached is not None:
@@ -350,9 +350,12 @@ class RunStore:
             merged = logs.caught_up(run_id, since, epoch, changed, total)
             if merged is not None:
                 return merged
-        steps = [_step(r) for r in self._fast.all("list_steps", {"id": run_id})]
+        steps = self._all_steps(run_id)
         logs.loaded(run_id, epoch, steps, status_changes)
         return steps
+
+    def _all_steps(self, run_id: uuid.UUID) -> list[Step]:
+        return [_step(r) for r in self._fast.all("list_steps", {"id": run_id})]
 
     def list_runs(
         self,
