@@ -839,7 +839,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _working_directory_importable() -> None:
+    """Put the working directory on ``sys.path`` (after our own packages), as the workers,
+    gunicorn and ``python -m`` have it: ``DAR_AGENT_MODULES=examples.orders_agent`` or a
+    ``my_agent.py`` beside the user imports in ``dar``'s own checks exactly as it will in the
+    workers. (A console script's ``sys.path[0]`` is the script's folder, not the cwd.)"""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _working_directory_importable()
     args = build_parser().parse_args(argv)
     try:
         result: int = args.func(args)
