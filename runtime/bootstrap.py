@@ -125,7 +125,10 @@ class Runtime:
         # in the pool, none as overflow: under load an overflow connection is opened and
         # closed again around a single statement (4% of a gevent worker's CPU went to it).
         engine = make_engine(
-            settings.require_database_url(), pool_size=2 * pool_size - 1, max_overflow=0
+            settings.require_database_url(),
+            pool_size=2 * pool_size - 1,
+            max_overflow=0,
+            prepare=settings.db_prepare,
         )
         tickets = TicketStore(engine)
         return cls(
@@ -151,6 +154,7 @@ class Runtime:
                 pool_size=1,
                 max_overflow=0,
                 application_name="dar-heartbeat",
+                prepare=self.settings.db_prepare,
             )
             self._lease_store = RunStore(engine)
         return self._lease_store

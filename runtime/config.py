@@ -11,6 +11,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from db.engine import PREPARE_MODES, PrepareMode
 from db.errors import DarError
 
 
@@ -145,6 +146,9 @@ class Settings:
     cancel_poll_seconds: float = 0.2
     """DAR_CANCEL_POLL_SECONDS: how often a model call in flight checks its run's cancel
     flag in Redis."""
+    db_prepare: PrepareMode = "auto"
+    """DAR_DB_PREPARE: auto|on|off, server-side prepared statements (db.engine.PREPARE_MODES):
+    ``auto`` turns them off on connections that go through a pooler such as PgBouncer."""
     worker_name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 
     @classmethod
@@ -157,6 +161,7 @@ class Settings:
             redis_url=e.get("REDIS_URL") or None,
             anthropic_api_key=e.get("ANTHROPIC_API_KEY") or None,
             anthropic_base_url=e.get("ANTHROPIC_BASE_URL") or None,
+            db_prepare=_choice(e, "DAR_DB_PREPARE", "auto", PREPARE_MODES),  # type: ignore[arg-type]
             default_model=_get(e, "DAR_DEFAULT_MODEL", cls.default_model),
             default_agent=_get(e, "DAR_DEFAULT_AGENT", cls.default_agent),
             agent_modules=modules,

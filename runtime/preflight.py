@@ -64,7 +64,9 @@ def check_agents(settings: Settings) -> AgentRegistry:
     from db.demo import TicketStore
     from runtime.bootstrap import load_agents
 
-    engine = make_engine(settings.require_database_url(), pool_size=1, max_overflow=0)
+    engine = make_engine(
+        settings.require_database_url(), pool_size=1, max_overflow=0, prepare=settings.db_prepare
+    )
     try:
         registry = load_agents(settings, TicketStore(engine), engine)
     except ConfigError:

@@ -28,6 +28,7 @@ from db.schema import metadata
 from runtime.bootstrap import Runtime
 from runtime.config import Settings
 from runtime.llm.scripted import ScriptedLlm
+from tests.pgbouncer import PgBouncer
 
 TEST_DB = f"dar_test_{os.getpid()}"
 
@@ -102,6 +103,20 @@ def database_url(test_db: str, _truncator: Engine) -> str:
         conn.execute(text("SET lock_timeout = '10s'"))
         conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
     return test_db
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(pg_admin_url: str) -> Iterator[PgBouncer]:
+    """A real PgBouncer in transaction mode in front of the test PostgreSQL (one per
+    session and process)."""
+    with PgBouncer(pg_admin_url) as bouncer:
+        yield bouncer
+
+
+@pytest.fixture
+def pooled_database_url(database_url: str, pgbouncer: PgBouncer) -> str:
+    """This test's database through PgBouncer in transaction mode (migrated directly)."""
+    return pgbouncer.url_for(database_url)
 
 
 @pytest.fixture
