@@ -33,7 +33,7 @@ def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
     settings = s.runtime.settings
     agents = s.runtime.agents
     rid = parse_run_id(run_id)
-    body = json_body(request)
+    body = json_body(request, limit_input=settings.max_input_chars)
     durable = any(not isinstance(agents.get(n), Agent) for n in agents.names())
     validate(body, fork_schema(settings, any_json_input=durable))
     load_run(rid)  # another tenant's run is no run

@@ -625,6 +625,8 @@ def openapi_document(
                     "properties": {
                         "items": {
                             "type": "array",
+                            "description": "runs without their input (GET /api/runs/{run_id} "
+                            "has it)",
                             "items": {
                                 "allOf": [
                                     _ref("Run"),

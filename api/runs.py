@@ -101,7 +101,7 @@ def key_reused(e: IdempotencyConflict) -> ApiError:
 def submit() -> tuple[Response, int, dict[str, str]]:
     s = state()
     settings = s.runtime.settings
-    body = json_body(request)
+    body = json_body(request, limit_input=settings.max_input_chars)
     sub = parse_submission(body, settings, s.runtime.agents)
     principal = current_principal()
     key = idempotency_key(request)
@@ -169,7 +169,10 @@ def list_runs() -> Response:
     steps = s.runtime.store.step_counts(r.id for r in page)
     return jsonify(
         {
-            "items": [{**run_json(r), "stepCount": steps.get(r.id, 0)} for r in page],
+            # No input: a page of 200 runs' inputs could be 20 MB; GET /api/runs/{id} has it.
+            "items": [
+                {**run_json(r, with_input=False), "stepCount": steps.get(r.id, 0)} for r in page
+            ],
             "nextCursor": next_cursor,
         }
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
@@ -301,29 +300,58 @@ def validate(body: Any, schema: JsonObj) -> None:
 # -- hostile text and depth, anywhere in a JSON value --------------------------------------
 
 
-def _walk(value: Any, path: str) -> Iterator[tuple[str, Any, int]]:
-    stack: list[tuple[str, Any, int]] = [(path, value, 0)]
+_Node = tuple[Any, Any] | None
+"""Where a value sits, as ``(parent node, key or index)``: the dotted path is spelt out only
+when an error names it, never for every value walked."""
+
+
+def _path(node: _Node, root: str) -> str:
+    parts: list[Any] = []
+    while node is not None:
+        node, key = node
+        parts.append(key)
+    where = root
+    for key in reversed(parts):
+        if isinstance(key, int):
+            where = f"{where}[{key}]"
+        else:
+            where = f"{where}.{key}" if where else str(key)
+    return where or "body"
+
+
+_ESCAPED_UNSAFE = re.compile(rb"\\u(?:0000|[dD][89abcdefABCDEF])")
+"""In a UTF-8 JSON text a string holds NUL or a surrogate only through a ``\\u`` escape
+(a raw control character is invalid JSON, a raw surrogate invalid UTF-8)."""
+
+
+def may_hold_unsafe_text(raw: bytes) -> bool:
+    """False when the JSON text ``raw`` cannot decode to a string with NUL or an unpaired
+    surrogate: a scan of the bytes (C speed) that spares the walk over every string."""
+    return b"\x00" in raw or _ESCAPED_UNSAFE.search(raw) is not None
+
+
+def check_json(value: Any, field: str = "", *, text: bool = True) -> None:
+    """Refuse (400, naming the place) text PostgreSQL cannot store or UTF-8 cannot encode, and
+    nesting deeper than :data:`MAX_JSON_DEPTH`, anywhere in ``value``. ``text=False`` checks
+    the depth only (the caller knows no string can be unsafe: :func:`may_hold_unsafe_text`)."""
+    stack: list[tuple[Any, int, _Node]] = [(value, 0, None)]
     while stack:
-        where, item, depth = stack.pop()
-        yield where, item, depth
+        item, depth, node = stack.pop()
+        if depth >= MAX_JSON_DEPTH and isinstance(item, (dict, list)) and item:
+            first = next(iter(item)) if isinstance(item, dict) else 0
+            raise invalid(_path((node, first), field), f"is nested more than {MAX_JSON_DEPTH} deep")
         if isinstance(item, dict):
             for key, child in item.items():
-                yield f"{where}.{key}" if where else str(key), key, depth + 1
-                stack.append((f"{where}.{key}" if where else str(key), child, depth + 1))
+                if text and _UNSAFE.search(key):
+                    raise invalid(_path((node, key), field), f"must be {TEXT_RULE}")
+                if text or isinstance(child, (dict, list)):
+                    stack.append((child, depth + 1, (node, key)))
         elif isinstance(item, list):
             for i, child in enumerate(item):
-                stack.append((f"{where}[{i}]", child, depth + 1))
-
-
-def check_json(value: Any, field: str = "") -> None:
-    """Refuse (400, naming the place) text PostgreSQL cannot store or UTF-8 cannot encode, and
-    nesting deeper than :data:`MAX_JSON_DEPTH`, anywhere in ``value``."""
-    for where, item, depth in _walk(value, field):
-        name = where or "body"
-        if depth > MAX_JSON_DEPTH:
-            raise invalid(name, f"is nested more than {MAX_JSON_DEPTH} deep")
-        if isinstance(item, str) and _UNSAFE.search(item):
-            raise invalid(name, f"must be {TEXT_RULE}")
+                if text or isinstance(child, (dict, list)):
+                    stack.append((child, depth + 1, (node, i)))
+        elif text and isinstance(item, str) and _UNSAFE.search(item):
+            raise invalid(_path(node, field), f"must be {TEXT_RULE}")
 
 
 def check_text(value: str, field: str) -> None:

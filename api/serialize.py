@@ -12,12 +12,12 @@ def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value else None
 
 
-def run_json(run: Run) -> dict[str, Any]:
+def run_json(run: Run, *, with_input: bool = True) -> dict[str, Any]:
     return {
         "id": str(run.id),
         "agent": run.agent,
         "status": str(run.status),
-        "input": run.input,
+        **({"input": run.input} if with_input else {}),
         "model": run.model,
         "maxSteps": run.max_steps,
         "tokenBudget": run.token_budget,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -18,6 +19,7 @@ from api.schemas import (
     MIN_COST_BUDGET,
     check_json,
     check_text,
+    may_hold_unsafe_text,
     submission_schema,
     validate,
 )
@@ -39,9 +41,14 @@ SUBMIT_FIELDS = (
 )
 
 
-def json_body(request: Request) -> dict[str, Any]:
+def json_body(request: Request, *, limit_input: int | None = None) -> dict[str, Any]:
     """The body as a JSON object whose every string is storable and whose nesting is at
-    most :data:`~api.schemas.MAX_JSON_DEPTH` deep; 400 or 415 otherwise."""
+    most :data:`~api.schemas.MAX_JSON_DEPTH` deep; 400 or 415 otherwise.
+
+    Cheapest first: the body's size (Flask refuses one over ``DAR_MAX_BODY_BYTES`` before it
+    is read), the parse (C), ``input``'s size when ``limit_input`` is given, and only then the
+    walk over the value (Python), which a scan of the raw bytes spares when no string can
+    hold NUL or a surrogate. A body refused for its size costs no walk."""
     if not request.is_json:
         raise ApiError(
             415,
@@ -59,8 +66,26 @@ def json_body(request: Request) -> dict[str, Any]:
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-    check_json(body)
+    if limit_input is not None and "input" in body:
+        check_input_size(body["input"], limit_input)
+    check_json(body, text=may_hold_unsafe_text(raw))
     return body
+
+
+def input_size(value: Any) -> int:
+    """What ``DAR_MAX_INPUT_CHARS`` counts: a string's characters, other JSON's text."""
+    if isinstance(value, str):
+        return len(value)
+    try:
+        return len(json.dumps(value))
+    except (RecursionError, ValueError):
+        return sys.maxsize
+
+
+def check_input_size(value: Any, limit: int) -> None:
+    size = input_size(value)
+    if size > limit:
+        raise invalid("input", f"is {size} characters; the limit is {limit} (DAR_MAX_INPUT_CHARS)")
 
 
 def optional_json_body(request: Request) -> dict[str, Any]:
@@ -88,6 +113,8 @@ class Submission:
 
 
 def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegistry) -> Submission:
+    if "input" in body:  # size first: the schema's checks cost time in proportion to it
+        check_input_size(body["input"], settings.max_input_chars)
     names = agents.names()
     durable_names = [n for n in names if not isinstance(agents.get(n), Agent)]
     validate(body, submission_schema(settings, names, any_json_input=bool(durable_names)))
@@ -101,12 +128,6 @@ def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegi
     durable = not isinstance(agent, Agent)
     if not durable and not (isinstance(text, str) and text.strip()):
         raise invalid("input", f"must be a non-empty string for the agent {agent_name!r}")
-    size = len(text) if isinstance(text, str) else len(json.dumps(text))
-    if size > settings.max_input_chars:
-        raise invalid(
-            "input",
-            f"is {size} characters; the limit is {settings.max_input_chars} (DAR_MAX_INPUT_CHARS)",
-        )
     agent_model = agent.model if isinstance(agent, Agent) else None
     model = body.get("model") or agent_model or settings.default_model
     token_budget = whole(body.get("tokenBudget")) or settings.default_token_budget
