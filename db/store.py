@@ -1133,11 +1133,12 @@ class RunStore:
         return {r.id: int(r.event_seq) for r in rows}
 
     def wake(self, run_id: uuid.UUID, *, send: bool = True) -> Dispatch | None:
-        """A run parked for a concurrency-key slot goes now: the message to send (``send``),
-        or ``None`` (not parked any more; or ``send`` false: the reaper sends it)."""
+        """A run parked for a concurrency-key slot goes now: the message to send, or
+        ``None`` when it is not parked any more. With ``send`` false the reaper's next sweep
+        sends it (the message returned is for information only)."""
         with self._statement() as conn:
             row = conn.execute(Q["wake_run"], {"id": run_id, "send": send}).first()
-        if row is None or not send:
+        if row is None:
             return None
         return Dispatch(row.id, row.dispatch_token)
 

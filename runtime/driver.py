@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 CLAIM_RETRY_SECONDS = (1.0, 5.0)
 """A message whose claim met a database outage comes back after this long (uniform)."""
+MAX_WAITERS_SKIPPED = 20
+"""Waiters no longer parked that one released slot skips before giving up to their timers."""
 
 __all__ = [
     "Dispatch",
@@ -183,13 +185,19 @@ class Driver:
 
     def _release(self, slot: Slot, *, continuing: bool, send: bool = True) -> tuple[Dispatch, ...]:
         """Give a key slot back; the run it wakes, as a message to send (``send`` false: for
-        the reaper's next sweep to send, as the step is unwinding from an error)."""
+        the reaper's next sweep to send, as the step is unwinding from an error). A waiter
+        that is not parked any more (cancelled while it waited, ended, already claimed) is
+        dropped from the key's queue and the next one woken instead."""
         assert self.keys is not None
         woken = self.keys.release(slot, continuing=continuing)
-        if woken is None:
-            return ()
-        dispatch = self.store.wake(woken, send=send)
-        return (dispatch,) if dispatch is not None else ()
+        for _ in range(MAX_WAITERS_SKIPPED):
+            if woken is None:
+                return ()
+            dispatch = self.store.wake(woken, send=send)
+            if dispatch is not None:
+                return (dispatch,) if send else ()
+            woken = self.keys.skip(slot, woken, continuing=continuing)
+        return ()  # the rest are woken by their fallback timers
 
     def _execute(self, claim: Claim, token: uuid.UUID | None) -> StepResult:
         run = claim.run

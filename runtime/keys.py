@@ -5,7 +5,9 @@ Before a keyed run's step the driver asks :meth:`KeyGate.acquire` for a slot of 
 the step (checkpoint, timer or end) it gives it back with :meth:`KeyGate.release`. A run whose
 key is full holds nothing: the driver parks it on a durable timer (``waitReason``
 ``concurrency key <k>: N of N in steps``) and the run releasing a slot wakes the first waiter
-by sending its message at once; the timer is only the fallback for a wake that was lost.
+still parked by sending its message at once (one cancelled or ended meanwhile is dropped from
+the queue, and the next woken instead); the timer is only the fallback for a wake that was
+lost. A holder whose next step follows at once keeps its place in line between its steps.
 
 Why Redis and not PostgreSQL, like the model buckets of :mod:`runtime.flow`: the slot is asked
 for before *every* step of a keyed run, by every worker, and must be atomic across the fleet;
@@ -154,28 +156,61 @@ redis.call('EXPIRE', KEYS[2], 86400); redis.call('EXPIRE', KEYS[3], 86400)
 return {0, held, 0}
 """
 
+# The next waiter to wake for a slot just freed, or '' (a Lua fragment of _RELEASE and _SKIP).
+# KEYS: 1 held zset, 2 waiters zset, 3 waiters' due zset; `me`: the releasing holder's run id
+# when its next step follows at once (it then waits in line itself, woken), else ''.
+_NEXT = """
+local function next_waiter(now, grace, me)
+  for _, w in ipairs(redis.call('ZRANGE', KEYS[2], 0, 20)) do
+    if w == me then
+      return ''  -- the holder is first in line and comes back for its next step itself
+    end
+    local due = tonumber(redis.call('ZSCORE', KEYS[3], w) or '0')
+    -- one already woken (due now, within its grace) is on its way: wake the next
+    if due > now + 0.5 or due < now - grace then
+      redis.call('ZADD', KEYS[3], now, w)
+      return w
+    end
+  end
+  return ''
+end
+"""
+
 # KEYS: 1 held zset, 2 waiters zset, 3 waiters' due zset
 # ARGV: 1 holder, 2 its score, 3 continuing (1: the holder's next step follows at once),
-# 4 wake grace s
+# 4 wake grace s, 5 the holder's run id
 # Returns the waiter woken (due now, its place kept for the grace), or ''.
-_RELEASE = """
+_RELEASE = (
+    _NEXT
+    + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 redis.call('ZREM', KEYS[1], ARGV[1])
-local grace = tonumber(ARGV[4])
-for _, w in ipairs(redis.call('ZRANGE', KEYS[2], 0, 20)) do
-  local due = tonumber(redis.call('ZSCORE', KEYS[3], w) or '0')
-  -- one already woken (due now, within its grace) is on its way: wake the next
-  if due > now + 0.5 or due < now - grace then
-    if ARGV[3] == '1' and tonumber(redis.call('ZSCORE', KEYS[2], w)) > tonumber(ARGV[2]) then
-      return ''  -- the holder is ahead of every waiter and comes back for its next step
-    end
-    redis.call('ZADD', KEYS[3], now, w)
-    return w
-  end
+local me = ''
+if ARGV[3] == '1' then
+  -- The holder keeps its place in line, as a woken waiter: a newcomer behind it cannot take
+  -- the slot before its next step comes back for it.
+  me = ARGV[5]
+  redis.call('ZADD', KEYS[2], tonumber(ARGV[2]), me)
+  redis.call('ZADD', KEYS[3], now, me)
+  redis.call('EXPIRE', KEYS[2], 86400); redis.call('EXPIRE', KEYS[3], 86400)
 end
-return ''
+return next_waiter(now, tonumber(ARGV[4]), me)
 """
+)
+
+# KEYS: as _RELEASE; ARGV: 1 the woken waiter that is not parked any more (cancelled, ended,
+# or already claimed), 2 wake grace s, 3 the releasing holder's run id if it continues, or ''
+# Drops the waiter from the queue; returns the next one woken instead, or ''.
+_SKIP = (
+    _NEXT
+    + """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+redis.call('ZREM', KEYS[2], ARGV[1]); redis.call('ZREM', KEYS[3], ARGV[1])
+return next_waiter(now, tonumber(ARGV[2]), ARGV[3])
+"""
+)
 
 # KEYS: held zsets; ARGV: 1 ttl s, then one holder per key
 _RENEW = """
@@ -209,6 +244,7 @@ class KeyGate:
         self.prefix = prefix
         self._acquire = client.register_script(_ACQUIRE)
         self._release = client.register_script(_RELEASE)
+        self._skip = client.register_script(_SKIP)
         self._renew = client.register_script(_RENEW)
         self._held: dict[str, Slot] = {}
         self._fail_open = FailOpenAlarm(
@@ -262,19 +298,40 @@ class KeyGate:
 
     def release(self, slot: Slot, *, continuing: bool) -> uuid.UUID | None:
         """Give the slot back; returns the waiter to wake now (send its message), if any.
-        ``continuing``: the holder's next step follows at once, so no waiter behind it is
+        ``continuing``: the holder's next step follows at once; it keeps its place in line
+        (a newcomer behind it cannot take the slot meanwhile), and a waiter behind it is not
         woken only to find the slot taken again."""
         self._held.pop(slot.holder, None)
         try:
             woken = self._release(
                 keys=self._keys(slot.key),
-                args=[slot.holder, slot.score, "1" if continuing else "0", WAKE_GRACE_SECONDS],
+                args=[
+                    slot.holder,
+                    slot.score,
+                    "1" if continuing else "0",
+                    WAKE_GRACE_SECONDS,
+                    _run_of(slot),
+                ],
             )
         except _redis_error() as e:
             self._fail_open("key", e)
             return None
-        raw = woken.decode() if isinstance(woken, bytes) else str(woken or "")
-        return uuid.UUID(raw) if raw else None
+        return _waiter(woken)
+
+    def skip(self, slot: Slot, woken: uuid.UUID, *, continuing: bool) -> uuid.UUID | None:
+        """``woken`` (returned by :meth:`release` of ``slot``) is not parked any more: it was
+        cancelled, ended, or is already on its way. Drop it from the key's queue and return
+        the next waiter to wake instead, if any, so the freed slot does not sit empty until
+        the next waiter's fallback timer."""
+        try:
+            got = self._skip(
+                keys=self._keys(slot.key),
+                args=[str(woken), WAKE_GRACE_SECONDS, _run_of(slot) if continuing else ""],
+            )
+        except _redis_error() as e:
+            self._fail_open("key", e)
+            return None
+        return _waiter(got)
 
     def renew(self) -> None:
         """Extend every slot this process holds by one lease (from the heartbeat)."""
@@ -293,6 +350,16 @@ class KeyGate:
         """Slots of ``key`` held now (lapsed ones excluded), for tests and tools."""
         now = self.client.time()
         return int(self.client.zcount(self._keys(key)[0], now[0] + now[1] / 1e6, "+inf"))
+
+
+def _run_of(slot: Slot) -> str:
+    """The run id of a slot's holder (``run:epoch``)."""
+    return slot.holder.rsplit(":", 1)[0]
+
+
+def _waiter(raw: object) -> uuid.UUID | None:
+    text = raw.decode() if isinstance(raw, bytes) else str(raw or "")
+    return uuid.UUID(text) if text else None
 
 
 def _redis_error() -> type[Exception]:

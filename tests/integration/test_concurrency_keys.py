@@ -113,6 +113,37 @@ def test_a_holder_continuing_ahead_of_every_waiter_wakes_nobody(
     assert gate.release(again, continuing=False) == young
 
 
+def test_a_holder_continuing_keeps_its_place_and_a_newcomer_cannot_overtake(
+    rclient: redis.Redis, prefix: str
+) -> None:
+    """Issue 23 defect 7: between a holder's steps its slot is free for a moment; a newcomer
+    arriving then must not take it ahead of the holder and of the older waiters."""
+    gate = _gate(rclient, prefix, 1)
+    old, waiter, newcomer = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    slot = _take(gate, "acme", old, at=1)
+    assert isinstance(slot, Slot)
+    assert isinstance(_take(gate, "acme", waiter, at=2), KeyWait)
+    assert gate.release(slot, continuing=True) is None
+    assert isinstance(_take(gate, "acme", newcomer, at=3), KeyWait), "the newcomer overtook"
+    again = gate.acquire("acme", old, 2, priority=0, submitted_at=1)
+    assert isinstance(again, Slot)
+    assert gate.release(again, continuing=False) == waiter
+
+
+def test_a_lapsed_slot_taken_by_another_is_not_renewed_back(
+    rclient: redis.Redis, prefix: str
+) -> None:
+    """A heartbeat late past its lease renews only slots still held: the one that lapsed and
+    went to another run is not added back (the key would hold two runs over its limit 1)."""
+    gate = _gate(rclient, prefix, 1, lease=0.5)
+    assert isinstance(_take(gate, "acme", uuid.uuid4()), Slot)
+    time.sleep(0.7)
+    other = _gate(rclient, prefix, 1)
+    assert isinstance(_take(other, "acme", uuid.uuid4()), Slot)
+    gate.renew()  # the late heartbeat of the first holder
+    assert gate.in_steps("acme") == 1
+
+
 def test_priority_orders_the_waiters_of_a_key(rclient: redis.Redis, prefix: str) -> None:
     gate = _gate(rclient, prefix, 1)
     holder, low, high = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
@@ -183,6 +214,8 @@ class SlowModel:
         self.calls = 0
         self.crash_entered = threading.Event()
         self.crash_go = threading.Event()
+        self.hold_entered = threading.Event()
+        self.hold_go = threading.Event()
 
     def send(self, request: LlmRequest) -> LlmResponse:
         first = request.messages[0]["content"]
@@ -192,6 +225,9 @@ class SlowModel:
             self.crash_entered.set()
             self.crash_go.wait(10)
             raise SimulatedCrash("the worker died in the model call")
+        if key == "hold":  # a step that lasts until the test lets it go
+            self.hold_entered.set()
+            self.hold_go.wait(30)
         with self.lock:
             self.calls += 1
             self.in_flight[key] += 1
@@ -390,6 +426,48 @@ def test_a_step_dying_with_a_base_exception_gives_its_slot_to_the_next_run(
         assert [d.run_id for d in due] == [waiter.id]
         assert drive_to_end(driver, due[0])[-1] is Outcome.FINISHED
         assert rt.store.get_run(waiter.id).status is RunStatus.SUCCEEDED
+    finally:
+        rt.close()
+
+
+def test_a_waiter_cancelled_while_parked_does_not_swallow_the_wake(
+    settings: Settings, rclient: redis.Redis
+) -> None:
+    """Issue 23 defect 7: the key's only slot is held; two runs park for it and the first is
+    cancelled. The freed slot wakes the live waiter at once (not at its fallback timer), and
+    the cancelled one is gone from the key's queue."""
+    s = replace(settings, key_concurrency=1, key_recheck_seconds=300)
+    model = SlowModel(0.0)
+    rt = Runtime.build(s, llm=model, pool_size=4)
+    register_agent(rt.agents)
+    try:
+        driver = rt.driver()
+        _, held = _keyed(rt, "hold on", "acme")
+        cancelled, d1 = _keyed(rt, "acme 1", "acme")
+        live, d2 = _keyed(rt, "acme 2", "acme")
+        results: list[Any] = []
+        holder = threading.Thread(
+            target=lambda: results.append(driver.drive(held.run_id, held.token))
+        )
+        holder.start()
+        assert model.hold_entered.wait(30)
+        assert driver.drive(d1.run_id, d1.token).outcome is Outcome.WAITING
+        assert driver.drive(d2.run_id, d2.token).outcome is Outcome.WAITING
+        assert rt.store.cancel(cancelled.id) is RunStatus.CANCELLED
+        model.hold_go.set()
+        holder.join(30)
+        (result,) = results
+        while result.outcome is Outcome.CONTINUE:  # the holder's steps, to its end
+            assert result.dispatch is not None
+            assert not result.wakes
+            result = driver.drive(result.dispatch.run_id, result.dispatch.token)
+        assert result.outcome is Outcome.FINISHED
+        assert [w.run_id for w in result.wakes] == [live.id], "the live waiter was not woken"
+        assert drive_to_end(driver, result.wakes[0])[-1] is Outcome.FINISHED
+        assert rt.store.get_run(live.id).status is RunStatus.SUCCEEDED
+        assert driver.keys is not None
+        queued = rclient.zrange(driver.keys._keys("acme")[1], 0, -1)
+        assert str(cancelled.id).encode() not in queued
     finally:
         rt.close()
 
