@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from db.records import Dispatch, ModelCheckpoint, NewStep, RunStatus, StepKind, StepStatus
-from runtime import effects, mcpcall, modelcall
+from runtime import effects, mcpcall, modelcall, pipeline
 from runtime.agents import Agent
 from runtime.llm.base import LlmError, LlmRequest
 from runtime.llm.live import ModelCallCancelled
@@ -306,7 +306,7 @@ def _tool_step(task: Task, agent: Agent, use: dict[str, Any]) -> StepResult:
         timeout, label, limit_seconds = None, call.label, call.timeout_seconds
     effect = effects.Effect(
         key=key,
-        kind=StepKind.TOOL,
+        kind=pipeline.StepKind.TOOL if tool is not None else pipeline.StepKind.MCP_TOOL,
         seq=seq,
         fn=fn,
         label=f"{label} (tool_use id {tool_use_id}, seq={seq})",

@@ -40,8 +40,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from db.records import NewStep, Step, StepKind, StepStatus
+from db.records import NewStep, Step, StepStatus
 from runtime.faults import crash_point
+from runtime.pipeline import KINDS, Policy, StepKind
 from runtime.task import Task
 from runtime.tools import OutcomeUnknown, Reconciled, ToolContext
 
@@ -67,6 +68,16 @@ class Effect:
     input_hash: str | None = None
     context_key: str | None = None
     """The idempotency key the code sees (``ctx.idempotency_key``); the step key if unset."""
+
+    @property
+    def policy(self) -> Policy:
+        return KINDS[self.kind]
+
+    @property
+    def reruns(self) -> bool:
+        """Safe to run again after a crash: declared idempotent, or of a kind whose body has
+        no effect of its own (``steps.llm``, ``steps.side_effect``)."""
+        return self.idempotent or self.policy.always_reruns
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,8 @@ Verdict = Ran | Raised | WasReconciled | InDoubt | StillRunning
 
 def execute(task: Task, effect: Effect, recorded: Step | None) -> Verdict:
     """Run ``effect`` under the rules above. ``recorded`` is its row when one exists."""
+    if not effect.policy.has_effect:
+        raise ValueError(f"a {effect.kind} step has no effect to execute (runtime.pipeline)")
     context = ToolContext(run_id=task.run_id, tool_use_id=effect.context_key or effect.key)
     if recorded is not None and recorded.status is StepStatus.STARTED:
         decided = _in_doubt(task, effect, recorded, context)
@@ -113,7 +126,7 @@ def execute(task: Task, effect: Effect, recorded: Step | None) -> Verdict:
     row = NewStep(
         seq=effect.seq,
         step_key=effect.key,
-        kind=effect.kind,
+        kind=effect.policy.row,
         status=StepStatus.STARTED,
         attempt=effect.attempt,
         tool_name=effect.tool_name,
@@ -125,7 +138,7 @@ def execute(task: Task, effect: Effect, recorded: Step | None) -> Verdict:
     after = task.settings.started_row_after_seconds
     deferred = (
         Deferred(after, task, row)
-        if effect.idempotent and effect.timeout_seconds is not None and after > 0
+        if effect.reruns and effect.timeout_seconds is not None and after > 0
         else None
     )
     if deferred is None:
@@ -136,7 +149,7 @@ def execute(task: Task, effect: Effect, recorded: Step | None) -> Verdict:
     if (
         isinstance(verdict, Raised)
         and isinstance(verdict.error, OutcomeUnknown)
-        and not effect.idempotent
+        and not effect.reruns
     ):
         return _answer_lost(task, effect, context, verdict.error)
     return verdict
@@ -159,8 +172,8 @@ def _answer_lost(task: Task, effect: Effect, context: ToolContext, error: Except
 
 def _in_doubt(task: Task, effect: Effect, recorded: Step, context: ToolContext) -> Verdict | None:
     """``None``: run it again. Otherwise what to do instead."""
-    if effect.idempotent or recorded.resolution == "retry":
-        why = "an operator authorised one retry" if not effect.idempotent else "idempotent"
+    if effect.reruns or recorded.resolution == "retry":
+        why = "an operator authorised one retry" if not effect.reruns else "idempotent"
         log.info(
             "run=%s seq=%d %s was left started; running it again (%s)",
             task.rid,

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
 from db.records import NewStep, RunStatus, Step, StepKind, StepStatus
-from runtime import effects
+from runtime import effects, pipeline
 from runtime.codec import decode
 from runtime.durable.api import is_idempotent, resolve_compensation
 from runtime.durable.errors import DurableConfigError
@@ -168,7 +168,7 @@ class Compensations:
             fn, value = resolved, decode(target.response, _argument_type(resolved))
         effect = effects.Effect(
             key=key,
-            kind=StepKind.COMPENSATION,
+            kind=pipeline.StepKind.COMPENSATION,
             seq=seq,
             fn=lambda _ctx: fn(value),
             label=f"compensation of {target.step_key} (seq={seq})",

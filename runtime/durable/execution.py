@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from db.records import NewStep, RunStatus, Step, StepKind, StepStatus, Usage
+from db.records import NewStep, RunStatus, Step, StepStatus, Usage
+from db.records import StepKind as RowKind
 from runtime import effects, mcpcall, modelcall
 from runtime.codec import decode, encode
 from runtime.durable.api import (
@@ -58,6 +59,7 @@ from runtime.mcp.client import CallResult
 from runtime.mcp.errors import McpRemoteError, McpUnavailable
 from runtime.mcp.servers import McpServer, namespaced
 from runtime.mcp.toolset import OfferedTool, idempotent, offered
+from runtime.pipeline import KINDS, StepKind
 from runtime.task import Outcome, StepResult, Task
 from runtime.tools import ToolContext
 
@@ -98,7 +100,7 @@ class Execution:
         self.history = [
             s.step_key
             for s in task.steps
-            if "/" not in s.step_key and s.kind is not StepKind.COMPENSATION
+            if "/" not in s.step_key and s.kind is not RowKind.COMPENSATION
         ]
         self._next_seq = task.next_seq
         self.counters: dict[tuple[str, str], int] = {}
@@ -206,7 +208,9 @@ class Execution:
     def _guard(self, kind: StepKind) -> None:
         steps_taken = len(self.history)
         with self.engine_call():
-            stop = self.task.guard(steps_taken=steps_taken, next_is_model=kind is StepKind.LLM)
+            stop = self.task.guard(
+                steps_taken=steps_taken, next_is_model=KINDS[kind].guarded_as_model
+            )
             run = self.task.claim.run
             if stop is None and steps_taken >= run.max_steps:
                 stop = Stop(
@@ -224,7 +228,11 @@ class Execution:
                 self.task.store.record_child(
                     self.task.claim,
                     NewStep(
-                        frame.seq, frame.key, frame.kind, StepStatus.PAUSED, attempt=frame.attempt
+                        frame.seq,
+                        frame.key,
+                        KINDS[frame.kind].row,
+                        StepStatus.PAUSED,
+                        attempt=frame.attempt,
                     ),
                 )
 
@@ -300,7 +308,7 @@ class Execution:
             seq=seq,
             fn=body,
             label=f"step {key!r} (seq={seq})",
-            idempotent=options.idempotent or kind in (StepKind.LLM, StepKind.SIDE_EFFECT),
+            idempotent=options.idempotent,
             reconcile=options.reconcile,
             timeout_seconds=options.timeout,
             attempt=attempt,
@@ -313,7 +321,7 @@ class Execution:
                 verdict = effects.execute(self.task, effect, in_doubt)
         except Pause as p:
             self.stack.pop()
-            paused = NewStep(seq, key, kind, StepStatus.PAUSED, attempt=attempt)
+            paused = NewStep(seq, key, KINDS[kind].row, StepStatus.PAUSED, attempt=attempt)
             if nested:
                 p.rows.append(paused)
                 raise
@@ -352,7 +360,7 @@ class Execution:
         row = NewStep(
             seq=seq,
             step_key=key,
-            kind=kind,
+            kind=KINDS[kind].row,
             status=StepStatus.DONE,
             response=encoded,
             attempt=attempt,
@@ -365,7 +373,7 @@ class Execution:
             with self.engine_call():
                 self.task.store.record_child(self.task.claim, row)
             return value
-        log.info("run=%s seq=%d %s %s done %dms", self.task.rid, seq, kind, key, latency)
+        log.info("run=%s seq=%d %s %s done %dms", self.task.rid, seq, KINDS[kind].row, key, latency)
         with self.engine_call():
             self.end(self.task.checkpoint([row]))
 
@@ -385,8 +393,9 @@ class Execution:
             if timed_out
             else f"{type_name(error)}: {error}"
         )
+        row_kind = KINDS[kind].row
         row = NewStep(
-            seq, key, kind, StepStatus.ERROR, error=text, attempt=attempt, latency_ms=latency
+            seq, key, row_kind, StepStatus.ERROR, error=text, attempt=attempt, latency_ms=latency
         )
         if self.stack:  # nested: recorded, and the parent's code sees the exception
             with self.engine_call():
@@ -398,14 +407,20 @@ class Execution:
                 "run=%s seq=%d %s %s attempt %d failed (%s); retry in %.1fs",
                 self.task.rid,
                 seq,
-                kind,
+                row_kind,
                 key,
                 attempt,
                 text,
                 delay,
             )
             retrying = NewStep(
-                seq, key, kind, StepStatus.RETRYING, error=text, attempt=attempt, latency_ms=latency
+                seq,
+                key,
+                row_kind,
+                StepStatus.RETRYING,
+                error=text,
+                attempt=attempt,
+                latency_ms=latency,
             )
             with self.engine_call():
                 self.end(
@@ -413,7 +428,7 @@ class Execution:
                         delay, f"{key} attempt {attempt} failed; retrying", rows=[retrying]
                     )
                 )
-        log.info("run=%s seq=%d %s %s failed: %s", self.task.rid, seq, kind, key, text)
+        log.info("run=%s seq=%d %s %s failed: %s", self.task.rid, seq, row_kind, key, text)
         with self.engine_call():
             self.end(self.task.checkpoint([row]))
 
@@ -538,7 +553,7 @@ class Execution:
         row = NewStep(
             self.take_seq(),
             key,
-            StepKind.VERSION,
+            KINDS[StepKind.VERSION].row,
             StepStatus.DONE,
             response=maximum,
             attempt=1,
@@ -600,7 +615,7 @@ class Execution:
         row = NewStep(
             seq=rec.seq if rec is not None else self.take_seq(),
             step_key=key,
-            kind=StepKind.LLM,
+            kind=KINDS[StepKind.LLM_CALL].row,
             status=StepStatus.DONE,
             response=response.content,
             attempt=parent.attempt,
@@ -706,7 +721,7 @@ class Execution:
             self._guard(StepKind.APPROVAL)
             options = StepOptions(self.steps_api, idempotent=idempotent)
             return self._execute(
-                StepKind.APPROVAL,
+                StepKind.APPROVED_ACTION,
                 key,
                 functools.partial(fn, *args),
                 type,
@@ -731,7 +746,7 @@ class Execution:
         row = NewStep(
             seq=seq,
             step_key=key,
-            kind=StepKind.APPROVAL,
+            kind=KINDS[StepKind.APPROVAL].row,
             status=StepStatus.PENDING,
             input_hash=digest,
         )

@@ -1,0 +1,288 @@
+"""Every kind of step, and what differs between kinds: one table a reader can see whole.
+
+Each step of a run, whatever its kind, goes the same way: looked up in the step log
+(recorded, in doubt, or new), run (a step with an effect through :mod:`runtime.effects`, a
+model call through :mod:`runtime.modelcall`), recorded through :class:`runtime.task.Task`,
+and stopped, when the run ends early, through one path that runs its compensations. What
+differs per kind is the :class:`Policy` below, in :data:`KINDS`; the engine reads it where
+it decides (the STARTED row, the in-doubt rule, the budget guard, billing).
+
+The README's "What runs again after a crash" table is rendered from :data:`KINDS`
+(``python -m runtime.pipeline`` prints it) and ``tests/unit/test_crash_table.py`` checks the
+two both ways, so they cannot drift.
+
+**Adding a step kind** (a message, a signal, a child run, a framework's call): add a member
+to :class:`StepKind`, its :class:`Policy` to :data:`KINDS` (the row kind it is stored as,
+what is written before it runs, the rule after a crash), paste its README row, and make its
+code go through the pipeline: ``effects.execute`` for anything with an effect, the model-call
+sequence for anything billed, ``Task`` to record.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from db.records import StepKind as RowKind
+
+
+class StepKind(enum.StrEnum):
+    """What a step is, finer than the kind its row is stored as (:class:`RowKind`)."""
+
+    MODEL = "MODEL"
+    """The agent loop's model call, ``model:n``."""
+    LLM_CALL = "LLM_CALL"
+    """One model call inside ``steps.llm``, a child step ``…/llm:n``."""
+    TOOL = "TOOL"
+    """A Python ``@tool`` the agent loop's model asked for."""
+    MCP_TOOL = "MCP_TOOL"
+    """An MCP server's tool the agent loop's model asked for (in a durable function,
+    ``steps.tool`` is a ``STEP`` whose body is the call)."""
+    STEP = "STEP"
+    """``steps.run`` or a call of a ``@step`` function."""
+    LLM = "LLM"
+    """The body of ``steps.llm``: it only calls the model (its calls are ``LLM_CALL``)."""
+    SIDE_EFFECT = "SIDE_EFFECT"
+    """``steps.side_effect``: a non-deterministic value recorded once."""
+    APPROVAL = "APPROVAL"
+    """``steps.approval(...)``: the request, waiting for a decision."""
+    APPROVED_ACTION = "APPROVED_ACTION"
+    """``steps.approval(...).run(fn)``: what runs once the request is approved."""
+    COMPENSATION = "COMPENSATION"
+    """``compensate:<key>``: the undo of a completed step, when the run fails later."""
+    VERSION = "VERSION"
+    """``steps.version``: the code version a run took."""
+    TOOLSET = "TOOLSET"
+    """The MCP tools an agent-loop run offers, fixed before its first model call."""
+
+
+class Before(enum.StrEnum):
+    """What is written before the step's code runs."""
+
+    NOTHING = "nothing"
+    STARTED = "`STARTED`"
+    CHECKPOINT = "only its checkpoint"
+    """The step is its one fenced transaction: it is there, or it never happened."""
+
+
+class AfterCrash(enum.StrEnum):
+    """What happens to a step a crash left unfinished."""
+
+    CALLED_AGAIN = "called again"
+    """A model call: at most one repeated, paid call per crash."""
+    RUN_AGAIN = "run again"
+    """Its body has no effect of its own: always safe to run again."""
+    IDEMPOTENT_RECONCILE_ATTENTION = "idempotent: run again; else reconcile; else NEEDS_ATTENTION"
+    """The one rule of :mod:`runtime.effects` for a step with an effect."""
+    NOTHING = "nothing to repeat"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What one kind of step declares; everything else is the pipeline's."""
+
+    name: str
+    """How the README's crash table names it (its first cell)."""
+    key: str
+    """Its step key, as the README shows it."""
+    row: RowKind
+    """The kind its row is stored as."""
+    before: Before
+    after_crash: AfterCrash
+    replays_as: str
+    """What a recorded row gives back on replay."""
+    compensable: bool
+    """A compensation may be declared for it (undone when the run fails later)."""
+    bills: bool
+    """It calls the model: its tokens and cost are recorded with it."""
+    notes: str
+    """The README row's last cell."""
+
+    @property
+    def guarded_as_model(self) -> bool:
+        """The guard checks the token budget and the step cap before it: it calls the
+        model, or its body does."""
+        return self.bills or self.row is RowKind.LLM
+
+    @property
+    def has_effect(self) -> bool:
+        """It runs through the step executor (:func:`runtime.effects.execute`)."""
+        return self.before is Before.STARTED
+
+    @property
+    def always_reruns(self) -> bool:
+        return self.after_crash is AfterCrash.RUN_AGAIN
+
+    def readme_row(self) -> str:
+        cells = [
+            self.name,
+            self.key,
+            self.before.value,
+            self.after_crash.value,
+            "yes" if self.compensable else "no",
+            "yes" if self.bills else "no",
+            self.notes,
+        ]
+        return "| " + " | ".join(cells) + " |"
+
+
+_EFFECT_RULE = AfterCrash.IDEMPOTENT_RECONCILE_ATTENTION
+
+KINDS: dict[StepKind, Policy] = {
+    StepKind.MODEL: Policy(
+        name="agent-loop model call",
+        key="`model:n`",
+        row=RowKind.MODEL,
+        before=Before.NOTHING,
+        after_crash=AfterCrash.CALLED_AGAIN,
+        replays_as="its recorded response, as an assistant message",
+        compensable=False,
+        bills=True,
+        notes="at most one repeated, paid call per crash (the window between the response "
+        "and its record); the attempts of a rate-limited call are capped across timers "
+        "(`DAR_RETRY_MAX_ATTEMPTS`)",
+    ),
+    StepKind.LLM_CALL: Policy(
+        name="`steps.llm` model call",
+        key="`name:n/llm:n`",
+        row=RowKind.LLM,
+        before=Before.NOTHING,
+        after_crash=AfterCrash.CALLED_AGAIN,
+        replays_as="its recorded response, for the same attempt of its step",
+        compensable=False,
+        bills=True,
+        notes="recorded the moment it returns; the same window and cap as the agent loop's",
+    ),
+    StepKind.TOOL: Policy(
+        name="tool",
+        key="`tool:<tool_use id>`",
+        row=RowKind.TOOL,
+        before=Before.STARTED,
+        after_crash=_EFFECT_RULE,
+        replays_as="its recorded output, as a tool_result block",
+        compensable=False,
+        bills=False,
+        notes="`@tool(idempotent=True)`: run again with the same key; else `reconcile(ctx)` "
+        "decides; else the run stops for an operator",
+    ),
+    StepKind.MCP_TOOL: Policy(
+        name="MCP tool",
+        key="`tool:<tool_use id>`; `steps.tool` is a `steps.run` step `<server>__<tool>:n`",
+        row=RowKind.TOOL,
+        before=Before.STARTED,
+        after_crash=_EFFECT_RULE,
+        replays_as="its recorded result",
+        compensable=False,
+        bills=False,
+        notes="idempotent when annotated `readOnlyHint` or `idempotentHint` (called again "
+        "with the same `_meta` key, also once more on a fresh session when its server died "
+        "mid-call); destructive or unannotated: a configured `reconcile` decides, else "
+        "`NEEDS_ATTENTION`, also when the server died, answered HTTP 5xx or timed out; "
+        "`DAR_MCP_TOOLS` (or `McpServer(tools=…)`) overrides per tool",
+    ),
+    StepKind.STEP: Policy(
+        name="`steps.run` / `@step`",
+        key="`name:n`, `parent/name:n`",
+        row=RowKind.STEP,
+        before=Before.STARTED,
+        after_crash=_EFFECT_RULE,
+        replays_as="its recorded result, or its recorded error raised again",
+        compensable=True,
+        bills=False,
+        notes="`idempotent=True` / `reconcile=` as for tools",
+    ),
+    StepKind.LLM: Policy(
+        name="`steps.llm`",
+        key="`name:n`",
+        row=RowKind.LLM,
+        before=Before.STARTED,
+        after_crash=AfterCrash.RUN_AGAIN,
+        replays_as="its recorded result; inside, its recorded model calls",
+        compensable=True,
+        bills=False,
+        notes="its body only calls the model: the calls it recorded are replayed, the next "
+        "one is made",
+    ),
+    StepKind.SIDE_EFFECT: Policy(
+        name="`steps.side_effect`",
+        key="`name:n`",
+        row=RowKind.SIDE_EFFECT,
+        before=Before.STARTED,
+        after_crash=AfterCrash.RUN_AGAIN,
+        replays_as="its recorded value",
+        compensable=True,
+        bills=False,
+        notes="it only makes a value (a uuid, the time)",
+    ),
+    StepKind.APPROVAL: Policy(
+        name="approval request",
+        key="`name:n`",
+        row=RowKind.APPROVAL,
+        before=Before.CHECKPOINT,
+        after_crash=AfterCrash.NOTHING,
+        replays_as="its decision (or `ApprovalRejected`)",
+        compensable=False,
+        bills=False,
+        notes="`PENDING` and the approval are written with the run's suspension",
+    ),
+    StepKind.APPROVED_ACTION: Policy(
+        name="approved action (`steps.approval(...).run`)",
+        key="`name:n`",
+        row=RowKind.APPROVAL,
+        before=Before.STARTED,
+        after_crash=_EFFECT_RULE,
+        replays_as="its recorded result",
+        compensable=True,
+        bills=False,
+        notes="the approval stays decided; `idempotent=` on `.run`",
+    ),
+    StepKind.COMPENSATION: Policy(
+        name="compensation",
+        key="`compensate:<key>`",
+        row=RowKind.COMPENSATION,
+        before=Before.STARTED,
+        after_crash=_EFFECT_RULE,
+        replays_as="done (it is not run twice)",
+        compensable=False,
+        bills=False,
+        notes="idempotent when marked `@idempotent` (`runtime.durable.idempotent`)",
+    ),
+    StepKind.VERSION: Policy(
+        name="version marker",
+        key="`name:n`",
+        row=RowKind.VERSION,
+        before=Before.CHECKPOINT,
+        after_crash=AfterCrash.NOTHING,
+        replays_as="the version it recorded",
+        compensable=False,
+        bills=False,
+        notes="no code of the function runs in it",
+    ),
+    StepKind.TOOLSET: Policy(
+        name="MCP tool set",
+        key="`toolset`",
+        row=RowKind.TOOLSET,
+        before=Before.CHECKPOINT,
+        after_crash=AfterCrash.NOTHING,
+        replays_as="the tools every request of the run offers",
+        compensable=False,
+        bills=False,
+        notes="listed again if never recorded (nothing was offered yet)",
+    ),
+}
+
+HEADER = (
+    "| step kind | key | written before it runs | after a crash left it unfinished "
+    "| compensable | bills tokens | notes |"
+)
+
+
+def crash_table() -> str:
+    """The README's crash table, one row per kind."""
+    rows = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
+    rows += [policy.readme_row() for policy in KINDS.values()]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # pragma: no cover - prints the table to paste into the README
+    print(crash_table())

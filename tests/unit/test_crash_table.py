@@ -1,0 +1,66 @@
+"""The README's "What runs again after a crash" table and the engine's step kinds
+(``runtime.pipeline.KINDS``) say the same thing, both ways: every kind has its row with the
+same rule, and every row names a kind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime.pipeline import HEADER, KINDS, AfterCrash, Before, StepKind
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split(" | ")]
+
+
+def crash_table_rows() -> dict[str, list[str]]:
+    """The table's rows by their first cell (the step kind's name)."""
+    lines = README.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("**What runs again after"))
+    head = next(i for i in range(start, len(lines)) if lines[i].startswith("| step kind"))
+    assert lines[head] == HEADER, "the crash table's columns changed: see runtime/pipeline.py"
+    rows: dict[str, list[str]] = {}
+    for line in lines[head + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = _cells(line)
+        assert cells[0] not in rows, f"two rows for {cells[0]!r}"
+        rows[cells[0]] = cells
+    return rows
+
+
+def test_every_row_of_the_crash_table_names_a_step_kind() -> None:
+    names = {policy.name for policy in KINDS.values()}
+    unknown = set(crash_table_rows()) - names
+    assert not unknown, f"README rows naming no kind of runtime.pipeline.KINDS: {unknown}"
+
+
+@pytest.mark.parametrize("kind", list(StepKind))
+def test_every_step_kind_has_its_row_with_the_same_rule(kind: StepKind) -> None:
+    policy = KINDS[kind]
+    row = crash_table_rows().get(policy.name)
+    assert row is not None, f"README's crash table has no row {policy.name!r} for {kind}"
+    _, key, before, after, compensable, bills, _notes = row
+    assert key == policy.key
+    assert Before(before) is policy.before
+    assert AfterCrash(after) is policy.after_crash
+    assert compensable == ("yes" if policy.compensable else "no")
+    assert bills == ("yes" if policy.bills else "no")
+    assert row == _cells(policy.readme_row()), "print the table: python -m runtime.pipeline"
+
+
+def test_every_kind_has_a_policy_and_one_name() -> None:
+    assert set(KINDS) == set(StepKind)
+    assert len({p.name for p in KINDS.values()}) == len(KINDS)
+
+
+def test_only_steps_written_started_first_run_through_the_effect_executor() -> None:
+    for policy in KINDS.values():
+        assert policy.has_effect == (policy.before is Before.STARTED)
+        if policy.after_crash is AfterCrash.CALLED_AGAIN:
+            assert policy.bills
+            assert policy.before is Before.NOTHING
