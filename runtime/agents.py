@@ -169,6 +169,14 @@ class AgentRegistry:
             self._agents[name] = replace(agent, tools=resolved)
 
     def register(self, agent: AnyAgent) -> AnyAgent:
+        """Add an agent: ours (:class:`Agent`, a durable function), or a framework's
+        (a ``pydantic_ai.Agent``, an OpenAI Agents SDK ``agents.Agent``), which runs as the
+        durable function :mod:`runtime.frameworks` makes of it."""
+        from runtime.frameworks import adapt
+
+        adapted = adapt(agent)
+        if adapted is not None:
+            agent = adapted
         if agent.name in self._agents:
             raise AgentConfigError(f"two agents are registered under the name {agent.name!r}")
         self._agents[agent.name] = agent

@@ -1,0 +1,35 @@
+"""Agents written with other frameworks, run durably by this runtime.
+
+``registry.register(agent)`` accepts a ``pydantic_ai.Agent`` (:mod:`runtime.frameworks.pydantic_ai`)
+and an ``agents.Agent`` of the OpenAI Agents SDK (:mod:`runtime.frameworks.openai_agents`) as they
+are; :func:`adapt` turns one into the durable function that runs it. The frameworks are
+optional dependencies (the ``frameworks`` extra): nothing here imports them until an agent of
+theirs is registered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.durable.api import DurableAgent
+
+
+def framework_of(agent: object) -> str | None:
+    """``"pydantic_ai"`` / ``"openai_agents"`` for an agent of those frameworks, else ``None``."""
+    for cls in type(agent).__mro__:
+        module = cls.__module__ or ""
+        if module == "pydantic_ai" or module.startswith("pydantic_ai."):
+            return "pydantic_ai" if cls.__name__ in ("Agent", "AbstractAgent") else None
+        if module == "agents" or module.startswith("agents."):
+            return "openai_agents" if cls.__name__ == "Agent" else None
+    return None
+
+
+def adapt(agent: Any) -> DurableAgent | None:
+    """The durable function running ``agent`` when it is a framework's agent, else ``None``."""
+    framework = framework_of(agent)
+    if framework == "pydantic_ai":
+        from runtime.frameworks import pydantic_ai
+
+        return pydantic_ai.adapt(agent)
+    return None

@@ -1,0 +1,154 @@
+"""The crossing between a framework's async agent and this runtime's durable functions.
+
+A framework agent (Pydantic AI, the OpenAI Agents SDK) is async; ``steps`` is called on the
+driver's thread. Each process keeps ONE event loop on a daemon thread (:func:`framework_loop`):
+every framework run, model client and MCP session lives on it, so an HTTP connection pool or an
+MCP session is never shared between two loops.
+
+One task of a framework run is a :class:`Bridge`:
+
+- the driver thread submits the agent's coroutine to the loop and then serves it: each durable
+  unit the framework asks for (a model request, a tool call, an MCP call) arrives as a
+  :class:`UnitCall`, and the driver runs it through the public steps API (``steps.run``), whose
+  body sends the unit's coroutine back to the loop and waits for it;
+- a recorded unit answers from the log without running; the first new one runs, is
+  checkpointed, and the engine ends the task (a ``BaseException``): the bridge then cancels the
+  agent's coroutine (its toolsets close as on any cancellation) and lets the exception through.
+
+Units arrive one at a time (the framework runs tool calls sequentially in durable mode), so
+their order, and with it their step keys, is deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import logging
+import queue
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.durable.api import Steps
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_SECONDS = 10.0
+"""How long a task that ended waits for the agent's coroutine to unwind (toolsets closing)."""
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def framework_loop() -> asyncio.AbstractEventLoop:
+    """This process's event loop for framework agents (started on first use)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop.is_closed():
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
+
+            def serve() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(ready.set)
+                loop.run_forever()
+
+            threading.Thread(target=serve, name="dar-framework-loop", daemon=True).start()
+            ready.wait()
+            _loop = loop
+        return _loop
+
+
+def on_loop(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coro`` on the framework loop and wait for its result (from another thread)."""
+    return asyncio.run_coroutine_threadsafe(coro, framework_loop()).result()
+
+
+@dataclass(frozen=True)
+class UnitPolicy:
+    """How a unit may run again after a crash left it in doubt (see the README's crash table)."""
+
+    idempotent: bool = False
+
+
+@dataclass
+class UnitCall:
+    name: str
+    body: Callable[[], Awaitable[Any]]
+    policy: UnitPolicy
+    answer: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass(frozen=True)
+class _Done:
+    pass
+
+
+_DONE = _Done()
+_current: contextvars.ContextVar[Bridge | None] = contextvars.ContextVar(
+    "dar_framework_bridge", default=None
+)
+
+
+def current_bridge() -> Bridge | None:
+    """The bridge of the framework run this coroutine belongs to (``None``: not durable)."""
+    return _current.get()
+
+
+class Bridge:
+    """One task's framework run: the driver thread serves its durable units."""
+
+    def __init__(self, steps: Steps) -> None:
+        self.steps = steps
+        self._requests: queue.SimpleQueue[UnitCall | _Done] = queue.SimpleQueue()
+
+    # -- on the framework loop ----------------------------------------------------------------
+
+    async def unit(self, name: str, body: Callable[[], Awaitable[Any]], policy: UnitPolicy) -> Any:
+        """Run ``body`` as the durable step ``name`` (recorded once; replayed afterwards)."""
+        call = UnitCall(name, body, policy)
+        self._requests.put(call)
+        return await asyncio.wrap_future(call.answer)
+
+    async def _main(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        token = _current.set(self)
+        try:
+            return await coro
+        finally:
+            _current.reset(token)
+            self._requests.put(_DONE)
+
+    # -- on the driver thread -----------------------------------------------------------------
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run the framework's coroutine to its end, serving its units; a unit that ends the
+        task (the engine's ``BaseException``) cancels the coroutine and propagates."""
+        main = asyncio.run_coroutine_threadsafe(self._main(coro), framework_loop())
+        while True:
+            item = self._requests.get()
+            if isinstance(item, _Done):
+                return main.result()
+            try:
+                value = self.steps.run(
+                    item.name,
+                    lambda item=item: on_loop(item.body()),
+                    type=Any,
+                    idempotent=item.policy.idempotent,
+                )
+            except Exception as e:  # a recorded failure: the framework sees it
+                item.answer.set_exception(e)
+            except BaseException:
+                self._stop(main)
+                raise
+            else:
+                item.answer.set_result(value)
+
+    def _stop(self, main: concurrent.futures.Future[Any]) -> None:
+        main.cancel()
+        try:
+            while not isinstance(self._requests.get(timeout=STOP_GRACE_SECONDS), _Done):
+                pass  # a unit asked for while unwinding is not served: the task is over
+        except queue.Empty:
+            log.warning("a framework run did not unwind within %.0fs", STOP_GRACE_SECONDS)

@@ -1,0 +1,219 @@
+"""Pydantic AI agents, durable on this runtime, through Pydantic AI's own durable-execution
+extension point (a durability capability with a callable operation backend).
+
+    # agents module (DAR_AGENT_MODULES)
+    support = pydantic_ai.Agent("anthropic:claude-sonnet-4-5", name="support", tools=[lookup])
+
+    def register(registry):
+        registry.register(support)          # the one line
+
+What the capability routes through a step of this runtime (``steps.run``, see
+:mod:`runtime.frameworks.bridge`): every model request, every function-tool call, every MCP
+listing and call. Each is recorded once and replayed afterwards; the agent's own code between
+them runs again on every task, as a durable function's does.
+
+Step names are a persistence format (pinned in ``tests/frameworks``): ``model.request``
+(``model.request.<model id>`` for a model other than the agent's), ``tool.<tool>``,
+``mcp.<toolset id>.<tool>``, ``mcp.<toolset id>.tools``, ``mcp.<toolset id>.instructions``,
+``tools.<toolset id>`` (a dynamic toolset's listing), ``validate.<tool>``, ``event``,
+``capability.<id>.<operation>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any, assert_never
+
+from pydantic_ai import Agent as PydanticAgent
+from pydantic_ai.capabilities import CombinedCapability
+from pydantic_ai.capabilities.combined import bind_capabilities_tier
+from pydantic_ai.durable_exec import (
+    JSON_CODEC,
+    BaseDurabilityCapability,
+    CallableOperationBackend,
+    CapabilityOperationId,
+    DurabilityEngineSpec,
+    DurableOperationBackend,
+    DurableOperationId,
+    DurableOperationNamer,
+    EventStreamHandlerId,
+    ModelCancelSuspendedResponseId,
+    ModelCompactMessagesId,
+    ModelRequestId,
+    RoleBasedOperationConfig,
+    ToolsetCallToolId,
+    ToolsetGetInstructionsId,
+    ToolsetGetToolsId,
+    ToolsetKind,
+    ToolsetValidateToolArgumentsId,
+    conversation_id_from_run_id,
+)
+from pydantic_ai.durable_exec._operation_names import DurableInvocationName
+
+from runtime.durable.api import DurableAgent, Steps
+from runtime.frameworks.bridge import Bridge, UnitPolicy, current_bridge
+
+Config = dict[str, Any]
+"""A unit's policy as Pydantic AI resolves it: ``{"idempotent": bool}``; a tool overrides it
+with ``metadata={"dar": {"idempotent": True}}``."""
+
+MODEL: Config = {"idempotent": True}
+"""A model request may repeat after a crash (at most once): it has no effect but its bill."""
+READ: Config = {"idempotent": True}
+"""Listings, validation, event handling: no effect outside the run."""
+TOOL: Config = {"idempotent": False}
+"""A tool call is not run twice unless it says it may (else the run stops for an operator)."""
+
+
+class StepNamer(DurableOperationNamer):
+    """The step names of a Pydantic AI agent's units: persisted, never to change."""
+
+    def operation_name(self, operation_id: DurableOperationId) -> str:
+        match operation_id:
+            case ModelRequestId(model_id=model_id):
+                return "model.request" + (f".{model_id}" if model_id else "")
+            case ModelCancelSuspendedResponseId(model_id=model_id):
+                return "model.cancel" + (f".{model_id}" if model_id else "")
+            case ModelCompactMessagesId(model_id=model_id):
+                return "model.compact" + (f".{model_id}" if model_id else "")
+            case EventStreamHandlerId():
+                return "event"
+            case CapabilityOperationId(capability_id=capability_id, operation=operation):
+                return f"capability.{capability_id}.{operation}"
+            case ToolsetGetToolsId(toolset_kind="mcp", toolset_id=toolset_id):
+                return f"mcp.{toolset_id}.tools"
+            case ToolsetGetToolsId(toolset_id=toolset_id):
+                return f"tools.{toolset_id}"
+            case ToolsetGetInstructionsId(toolset_id=toolset_id):
+                return f"mcp.{toolset_id}.instructions"
+            case ToolsetValidateToolArgumentsId():
+                return "validate"
+            case ToolsetCallToolId(toolset_kind="mcp", toolset_id=toolset_id):
+                return f"mcp.{toolset_id}"
+            case ToolsetCallToolId():
+                return "tool"
+        assert_never(operation_id)
+
+    def invocation_name(
+        self, operation_id: DurableOperationId, *, label: str | None
+    ) -> DurableInvocationName:
+        name = self.operation_name(operation_id)
+        if label and isinstance(operation_id, ToolsetCallToolId | ToolsetValidateToolArgumentsId):
+            name = f"{name}.{label}"
+        return DurableInvocationName(name.replace("/", "_"))
+
+
+class StepBackend(CallableOperationBackend[Config]):
+    """Runs each unit as one step of the run (``steps.run``), across the bridge."""
+
+    async def execute(
+        self,
+        *,
+        operation_id: DurableOperationId,
+        name: str,
+        body: Callable[[], Awaitable[object]],
+        cache_key: tuple[object, ...],
+        config: Config,
+    ) -> object:
+        bridge = current_bridge()
+        if bridge is None:  # outside a run of this runtime: the agent behaves as without us
+            return await body()
+        policy = UnitPolicy(idempotent=bool((config or {}).get("idempotent", False)))
+        return await bridge.unit(name, body, policy)
+
+
+class DarDurability(BaseDurabilityCapability[Any]):
+    """The durability capability: add it to an agent yourself, or let
+    ``registry.register(agent)`` add it."""
+
+    engine_spec = DurabilityEngineSpec(
+        engine_name="Durable Agent Runtime",
+        durable_unit_noun="step",
+        durable_container_noun="run",
+        codec=JSON_CODEC,
+        unsupported_runtime_toolset_kinds=frozenset({"function", "mcp", "dynamic"}),
+        wrapped_toolset_kinds=frozenset({"function", "mcp", "dynamic"}),
+        toolset_lifecycles={
+            "function": "enter-always",
+            "mcp": "enter-in-durable-unit",
+            "dynamic": "enter-never",
+        },
+        journal_discovery=True,
+        sequential_tools_in_durable_context=True,
+        tool_config_key="dar",
+    )
+
+    @property
+    def in_durable_context(self) -> bool:
+        return current_bridge() is not None
+
+    def get_default_run_id(self) -> str | None:
+        bridge = current_bridge()
+        return None if bridge is None else str(bridge.steps.run_id)
+
+    def get_default_conversation_id(self, run_id: str) -> str | None:
+        return conversation_id_from_run_id(run_id) if self.in_durable_context else None
+
+    def get_durable_operation_backend(self) -> DurableOperationBackend[Config]:
+        return StepBackend(
+            namer=StepNamer(),
+            config=RoleBasedOperationConfig(
+                model=MODEL,
+                event=READ,
+                capability=READ,
+                tool=TOOL,
+                resolve_tool=self._resolve_tool,
+            ),
+        )
+
+    def _resolve_tool(self, operation_id: DurableOperationId, tool: Any, tool_name: str) -> Any:
+        if isinstance(operation_id, ToolsetValidateToolArgumentsId):
+            return READ
+        assert isinstance(operation_id, ToolsetCallToolId)
+        return self._build_resolve_tool_config(
+            self._toolset_base_config(operation_id.toolset_kind)
+        )(tool, tool_name)
+
+    def _toolset_base_config(self, kind: ToolsetKind) -> Any:
+        return TOOL
+
+
+def durable(agent: PydanticAgent[Any, Any]) -> PydanticAgent[Any, Any]:
+    """``agent`` with :class:`DarDurability` attached: the agent itself when it already has it,
+    else a copy (the user's agent object is left as it was)."""
+    if DarDurability.from_agent(agent) is not None:
+        return agent
+    twin = copy.copy(agent)
+    root = CombinedCapability([*agent.root_capability.capabilities, DarDurability()])
+    twin._root_capability = bind_capabilities_tier(root, twin, innermost=True)
+    return twin
+
+
+def prompt_of(value: Any) -> str:
+    """The run's input as the user prompt: a string, or ``{"prompt": ...}``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("prompt"), str):
+        return str(value["prompt"])
+    raise TypeError(
+        'a Pydantic AI agent takes its input as the user prompt: "input": "<text>" '
+        '(or {"prompt": "<text>"})'
+    )
+
+
+def _run(agent: PydanticAgent[Any, Any], value: Any, steps: Steps) -> Any:
+    prompt = prompt_of(value)
+    result = Bridge(steps).run(agent.run(prompt))
+    return result.output
+
+
+def adapt(agent: PydanticAgent[Any, Any]) -> DurableAgent:
+    """The durable function that runs ``agent`` (registered under the agent's name)."""
+    if not agent.name:
+        raise ValueError(
+            "a Pydantic AI agent needs a name to be registered: Agent(..., name='support')"
+        )
+    twin = durable(agent)
+    return DurableAgent(name=agent.name, fn=functools.partial(_run, twin), input_type=Any)

@@ -1,0 +1,95 @@
+"""Pydantic AI agents on the real engine: the real ``pydantic-ai-slim`` package, its Anthropic
+model against the fake Messages API, PostgreSQL for the step log."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("pydantic_ai")
+
+from pydantic_ai import Agent as PydanticAgent
+from pydantic_ai.models.anthropic import AnthropicModel
+from pydantic_ai.providers.anthropic import AnthropicProvider
+
+import api
+from db.records import Dispatch, RunStatus, StepStatus
+from runtime.bootstrap import Runtime
+from runtime.frameworks.bridge import on_loop
+from tasks.celery_app import make_celery
+from tests.fakes.messages_api import FakeMessagesApi
+from tests.support import drive_to_end
+
+MODEL = "claude-test-model"
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeMessagesApi]:
+    with FakeMessagesApi(api_key="test") as server:
+        yield server
+
+
+@pytest.fixture
+def model(fake: FakeMessagesApi) -> Iterator[AnthropicModel]:
+    """Pydantic AI's Anthropic model against the fake; its client is closed on the framework
+    loop it was used on (a pooled socket collected later would fail another test)."""
+    provider = AnthropicProvider(base_url=fake.url, api_key="test")
+    yield AnthropicModel(MODEL, provider=provider)
+    on_loop(provider.client.close())
+
+
+@pytest.fixture
+def rt(runtime: Runtime) -> Runtime:
+    runtime.settings = replace(runtime.settings, strict_replay=True)
+    return runtime
+
+
+def test_a_registered_agent_runs_with_a_function_tool(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel
+) -> None:
+    looked_up: list[str] = []
+    agent = PydanticAgent(model, name="support", instructions="Be terse.")
+
+    @agent.tool_plain
+    def lookup(order: str) -> str:
+        """Look an order up."""
+        looked_up.append(order)
+        return f"{order} shipped"
+
+    rt.agents.register(agent)
+    fake.then_tool_use("toolu_1", "lookup", {"order": "A-7"}).then_text("A-7 has shipped.")
+
+    run, dispatch = rt.submit("support", "Where is A-7?")
+    drive_to_end(rt.driver(), dispatch)
+
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.result == "A-7 has shipped."
+    assert looked_up == ["A-7"], "the tool ran once"
+    assert fake.calls == 2, "each model request was made once"
+    keys = [s.step_key for s in rt.store.steps(run.id) if s.status is StepStatus.DONE]
+    assert keys == ["model.request:0", "tool.lookup:0", "model.request:1"]
+
+
+def test_the_api_submits_a_pydantic_ai_agent_by_name(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel
+) -> None:
+    rt.agents.register(PydanticAgent(model, name="echo"))
+    fake.then_text("hello back")
+    celery = make_celery(rt.settings, register=False)
+    try:
+        client = api.create_app(runtime=rt, celery=celery).test_client()
+        created = client.post("/api/runs", json={"agent": "echo", "input": "hello"})
+        assert created.status_code == 201, created.get_data(as_text=True)
+        run = rt.store.get_run(created.get_json()["id"])
+        drive_to_end(rt.driver(), Dispatch(run.id, run.dispatch_token))
+        body = client.get(f"/api/runs/{run.id}").get_json()
+    finally:
+        celery.close()
+    assert body["status"] == "SUCCEEDED", body
+    assert body["result"] == "hello back"
+    assert fake.bodies()[0]["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "hello"}]}
+    ]
