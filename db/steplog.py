@@ -4,9 +4,10 @@ comes back to this process reads nothing, or only what other workers wrote meanw
 Why a copy that this process handed on is exact: every change to a run's step rows is made
 either by the worker holding the run (each write returns the row it wrote, and is applied
 here after its commit) or by a transition that also gives the run a new dispatch token (an
-approval decision, an operator's resolution, a resume, the reaper's re-dispatch). So a claim
-whose message carries the token this process handed the run on with, with the last step it
-wrote, reads nothing.
+approval decision, an operator's resolution, a resume, the reaper's re-dispatch). So the
+claim right after this process handed the run on (its message carries that token, its lease
+epoch is the hand-over's + 1: no other claim came between, not even one of a duplicated
+message with the same token) reads nothing.
 
 Why catching up an older copy is exact. Any other claim finds a copy (if any) that follows
 the writes of lease epoch ``e``: it holds every row as of the end of every earlier epoch,
@@ -46,6 +47,9 @@ class _Log:
     rows: dict[str, Step] = field(default_factory=dict)
     token: uuid.UUID | None = None
     """The dispatch token this process handed the run on with, once it has."""
+    handed_epoch: int | None = None
+    """The lease epoch that handed the run on with ``token``: only the claim right after it
+    (epoch + 1) may be served this copy."""
     last_seq: int = 0
     ordered: bool = True
     """``rows`` (insertion order) are in seq order: a new row has a higher seq than all
@@ -72,11 +76,23 @@ class StepLogCache:
         epoch: int,
         status_changes: int | None = None,
     ) -> list[Step] | None:
-        """The log, when this process handed the run on with ``token``; it then follows the
-        writes of the lease ``epoch``."""
+        """The log, when this process handed the run on with ``token`` and this is the claim
+        right after that hand-over; it then follows the writes of the lease ``epoch``.
+
+        The token alone does not say so: a message can be delivered twice (the publisher
+        retries a push once on a timeout), and another process may have claimed the run with
+        the same token meanwhile and written rows (a ``STARTED`` one, then died). Each claim
+        bumps the epoch, so ``epoch`` is the hand-over's + 1 only when no other claim came
+        between; a hit consumes the hand-over (one hand-over, one hit)."""
         with self._lock:
             log = self._logs.get(run_id)
-            if log is None or token is None or log.token != token:
+            if (
+                log is None
+                or token is None
+                or log.token != token
+                or log.handed_epoch is None
+                or epoch != log.handed_epoch + 1
+            ):
                 self.misses += 1
                 return None
             self.hits += 1
@@ -150,6 +166,7 @@ class StepLogCache:
                 return
             self._add(log, rows)
             log.token = handed_on_with
+            log.handed_epoch = epoch if handed_on_with is not None else None
 
     @staticmethod
     def _add(log: _Log, rows: list[Step]) -> None:

@@ -14,7 +14,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from db.errors import LeaseLost
-from db.records import Dispatch, NewStep, RunStatus, Step, StepKind, StepStatus, Usage
+from db.records import Dispatch, NewRun, NewStep, RunStatus, Step, StepKind, StepStatus, Usage
 from db.store import RunStore
 from examples.order_refund import build as build_refund
 from runtime.bootstrap import Runtime
@@ -30,6 +30,7 @@ from runtime.durable import (
 )
 from runtime.durable.errors import InfrastructureError
 from runtime.heartbeat import Heartbeat
+from runtime.keys import Slot
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.retry import RetryingLlmClient, RetryPolicy
 from runtime.llm.scripted import ScriptedLlm
@@ -818,6 +819,85 @@ def test_a_resumed_run_does_not_catch_up_a_copy_made_before_it_failed(
     assert final.result == "ab", final.error
     assert calls["a"] == 2
     assert stores[1].step_logs.caught_up_wrong == 0
+
+
+def test_a_duplicated_message_after_another_process_wrote_reads_the_log(
+    runtime: Runtime,
+) -> None:
+    """Issue 23 defect 1: A hands the run on with token T. The message is delivered twice (the
+    publisher retries a push once on a timeout): B takes the first copy, writes the
+    non-idempotent tool's STARTED row and dies. The duplicate reaches A after B's lease
+    lapsed: A's copy of the log (handed on with T) lacks B's row and must not be served, or
+    the tool runs twice and the run succeeds."""
+    stores, (a, b) = _two_processes(runtime)
+    calls: list[str] = []
+
+    @tool
+    def charge(amount: int, ctx: ToolContext) -> str:
+        """Charge a card (not idempotent)."""
+        calls.append(ctx.idempotency_key)
+        if len(calls) == 1:
+            raise SimulatedCrash("B dies inside the charge")
+        return "charged"
+
+    llm = runtime.llm
+    assert isinstance(llm, ScriptedLlm)
+    llm.then_tool_use("toolu_c", "charge", {"amount": 5})
+    llm.then_text("done")
+    register_agent(runtime.agents, charge)
+    run, dispatch = submit(stores[0])
+    first = a.drive(dispatch.run_id, dispatch.token)  # the model step; A hands on with T
+    assert first.dispatch is not None
+    with pytest.raises(SimulatedCrash):
+        b.drive(run.id, first.dispatch.token)  # the first copy of T: STARTED, then B dies
+    expire_lease(runtime.engine, run.id)
+    again = a.drive(run.id, first.dispatch.token)  # the duplicate of T, on A
+    while again.dispatch is not None:
+        again = a.drive(again.dispatch.run_id, again.dispatch.token)
+    assert len(calls) == 1, "the non-idempotent tool ran twice"
+    assert stores[0].get_run(run.id).status is RunStatus.NEEDS_ATTENTION
+
+
+def test_an_old_copy_does_not_take_the_token_of_a_run_parked_for_its_key(
+    runtime: Runtime, settings: Any, redis_client: Any
+) -> None:
+    """A keeps a copy of epoch 1; B runs epochs 2-3. A claims the run (epoch 4) and parks it
+    for its concurrency key before reading the log: that hand-over (a timer, no rows) must
+    not let A's old copy take the new token, or the woken task on A is served a log without
+    B's rows (the copy is compared with the database's by ``_CheckedStore``)."""
+    keyed = replace(runtime, settings=replace(settings, key_concurrency=1))
+    stores, (a, b) = _two_processes(keyed, 2)
+    gate = keyed.key_gate()
+    assert gate is not None
+    run, _ = stores[0].create_run(
+        NewRun(
+            agent="test-agent",
+            input="find x",
+            model="claude-sonnet-4-5",
+            max_steps=20,
+            token_budget=10_000,
+            timeout_seconds=300,
+            concurrency_key="acme",
+        )
+    )
+    one = a.drive(run.id, run.dispatch_token)  # epoch 1 on A: its copy follows it
+    assert one.dispatch is not None
+    two = b.drive(run.id, one.dispatch.token)  # epoch 2 on B: the tool step
+    assert two.dispatch is not None
+    three = b.drive(run.id, two.dispatch.token)  # epoch 3 on B: the next model step
+    assert three.dispatch is not None
+    blocker = gate.acquire("acme", uuid.uuid4(), 1, priority=0, submitted_at=0)
+    assert isinstance(blocker, Slot)
+    parked = a.drive(run.id, three.dispatch.token)  # epoch 4 on A: parked for the key
+    assert parked.dispatch is not None
+    assert stores[0].get_run(run.id).wait_reason is not None
+    gate.release(blocker, continuing=False)
+    stores[0].make_due_now(run.id)
+    _CheckedStore.served = 0
+    current: Dispatch | None = parked.dispatch
+    while current is not None:  # epoch 5 on A, and on to the end
+        current = a.drive(current.run_id, current.token).dispatch
+    assert stores[0].get_run(run.id).status is RunStatus.SUCCEEDED
 
 
 def test_a_message_this_process_did_not_send_reads_the_log(runtime: Runtime) -> None:

@@ -14,8 +14,10 @@ TOKEN = uuid.UUID(int=8)
 
 
 def _cycle(cache: StepLogCache, rows: list) -> list:  # type: ignore[type-arg]
-    cache.wrote(RUN, 1, rows, TOKEN)
-    got = cache.get(RUN, TOKEN, 1)
+    """Rows written by the lease that handed the run on; the next claim (epoch + 1)."""
+    epoch = cache._logs[RUN].epoch
+    cache.wrote(RUN, epoch, rows, TOKEN)
+    got = cache.get(RUN, TOKEN, epoch + 1)
     assert got is not None
     return got
 
@@ -56,3 +58,34 @@ def test_catching_up_keeps_the_rows_it_holds_and_checks_the_count() -> None:
     assert cache.caught_up(RUN, 5, 6, [d], total=5) is None, "a row it cannot account for"
     assert cache.since(RUN, 1) is None, "and the copy is dropped"
     assert cache.caught_up_wrong == 1
+
+
+def test_a_hand_over_serves_the_claim_right_after_it_once() -> None:
+    """Issue 23 defect 1: the token alone does not make the copy exact. A duplicated message
+    carries the same token; another process claiming with it bumps the epoch (and may write
+    rows): a claim whose epoch is not the hand-over's + 1 reads the database. And one
+    hand-over serves one claim: the hit consumes it."""
+    log = Log()
+    log.tool("toolu_0", "t", status=StepStatus.DONE)
+    (a,) = log.steps
+    cache = StepLogCache()
+    cache.loaded(RUN, 1, [])
+    cache.wrote(RUN, 1, [a], TOKEN)
+    assert cache.get(RUN, TOKEN, 3) is None, "another claim came between (epoch 2)"
+    assert cache.since(RUN, None) is None
+    cache.loaded(RUN, 4, [])
+    cache.wrote(RUN, 4, [a], TOKEN)
+    assert cache.get(RUN, TOKEN, 5) == [a]
+    assert cache.get(RUN, TOKEN, 5) is None, "the hit consumed the hand-over"
+
+
+def test_a_write_of_another_lease_drops_the_copy_and_takes_no_token() -> None:
+    """A copy following epoch 1 cannot take a hand-over written by epoch 4 (the rows of
+    epochs 2-3, written elsewhere, are not in it): the copy is dropped."""
+    log = Log()
+    log.tool("toolu_0", "t", status=StepStatus.DONE)
+    cache = StepLogCache()
+    cache.loaded(RUN, 1, log.steps)
+    cache.wrote(RUN, 4, [], TOKEN)
+    assert cache.get(RUN, TOKEN, 5) is None
+    assert RUN not in cache._logs
