@@ -26,6 +26,7 @@ from db.records import NewStep, Step, StepKind, StepStatus, Usage
 from runtime.faults import crash_point
 from runtime.flow import Refusal
 from runtime.llm.base import LlmRequest, LlmResponse
+from runtime.llm.billing import Meter, metering
 from runtime.llm.live import ModelCallCancelled, live_call
 from runtime.llm.retry import prior_attempts, reset_prior_attempts
 from runtime.prompthash import prompt_hash as prompt_hash
@@ -149,7 +150,7 @@ def send(
     token = prior_attempts(task.claim.run.model_attempts)
     response: LlmResponse | None = None
     try:
-        with _live(task, key):
+        with _live(task, key), metering(_lost_attempts(task)):
             response = task.services.llm.send(request)
     except ModelCallCancelled as e:
         cost = task.services.pricing.cost(request.model, e.usage)
@@ -170,6 +171,32 @@ def send(
         task.services.metrics.model_call(model, response.usage, cost)
         task.services.metrics.step("MODEL", "ok", latency_ms / 1000)
     return Answer(request, body, response, cost, latency_ms)
+
+
+def _lost_attempts(task: Task) -> Meter:
+    """The meter of this run's model call: an attempt billed with no response (abandoned at
+    its time limit and answered later, a stream cut mid-way) counts as unrecorded tokens."""
+    store, pricing, metrics, run_id = (
+        task.store,
+        task.services.pricing,
+        task.services.metrics,
+        task.run_id,
+    )
+
+    def meter(usage: Usage, model: str, why: str) -> None:
+        cost = pricing.cost(model, usage)
+        store.record_unrecorded_usage(run_id, usage, cost)
+        if metrics is not None:
+            metrics.model_call(model, usage, cost)
+        log.info(
+            "run=%s model call billed %d tokens with no answer (%s): counted as unrecorded",
+            run_id,
+            usage.total,
+            why,
+            extra={"run_id": str(run_id), "event": "llm.billed_lost", "action": "recorded"},
+        )
+
+    return meter
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ import httpx2
 
 from db.records import Usage
 from runtime.llm.base import JsonObj, LlmError, LlmRequest, LlmResponse
+from runtime.llm.billing import bill_lost
 from runtime.llm.live import LiveCall, ModelCallCancelled, current_live_call
 from runtime.llm.retry import classify
 from runtime.llm.streaming import StreamAssembler, sse_events
@@ -243,6 +244,28 @@ class AnthropicClient:
         assembler = StreamAssembler()
         unregister = live.on_cancel(lambda: _abort(raw)) if live is not None else None
         try:
+            return self._assemble(raw, assembler, request, request_id, deadline, live, attempt)
+        except ModelCallCancelled:
+            raise  # its usage travels with it: the engine records it
+        except LlmError:
+            # billed all the same: the input message_start reported, the output so far
+            bill_lost(assembler.usage(), request.model, "stream cut mid-way")
+            raise
+        finally:
+            if unregister is not None:
+                unregister()
+
+    def _assemble(
+        self,
+        raw: Any,
+        assembler: StreamAssembler,
+        request: LlmRequest,
+        request_id: str | None,
+        deadline: float,
+        live: LiveCall | None,
+        attempt: int,
+    ) -> LlmResponse:
+        try:
             for event in sse_events(raw.iter_lines()):
                 text = assembler.feed(event)
                 if live is not None and live.cancelled.is_set():
@@ -263,9 +286,6 @@ class AnthropicClient:
             raise LlmError(
                 f"malformed Messages API stream: {e}", status=200, request_id=request_id
             ) from e
-        finally:
-            if unregister is not None:
-                unregister()
         if live is not None and live.cancelled.is_set() and not assembler.done:
             _abort(raw)
             raise ModelCallCancelled(

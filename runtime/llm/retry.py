@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from runtime.llm.base import LlmClient, LlmError, LlmRequest, LlmResponse
+from runtime.llm.billing import Meter, bill_lost, current_meter
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +312,9 @@ class TimeLimitedLlmClient:
     retryable, so inside :class:`RetryingLlmClient` it costs one attempt.
 
     Python cannot kill a thread: a timed-out call keeps running in the background until it
-    ends on its own, and its result is discarded. That is why the HTTP client's own timeout
+    ends on its own, and its result is discarded; its usage is not: the API bills it, so an
+    answer that arrives after the limit is reported to the call's meter
+    (:mod:`runtime.llm.billing`). That is why the HTTP client's own timeout
     must be set slightly above ``timeout_seconds`` (``AnthropicClient`` also enforces it as a
     total deadline on reading the body), so the abandoned call does end and its thread
     returns to the pool. The pool's threads are ordinary (non-daemon) threads: interpreter
@@ -340,5 +343,21 @@ class TimeLimitedLlmClient:
         try:
             return future.result(timeout=self.timeout_seconds)
         except concurrent.futures.TimeoutError:
-            future.cancel()  # only helps if it never started (pool saturated)
+            if not future.cancel():  # it started: it may yet complete, and be billed
+                future.add_done_callback(_bill_when_done(request.model, current_meter()))
             raise LlmError(f"model call exceeded {self.timeout_seconds:g} s", status=-1) from None
+
+
+def _bill_when_done(
+    model: str, meter: Meter | None
+) -> Callable[[concurrent.futures.Future[LlmResponse]], None]:
+    """A done-callback for an abandoned attempt: an answer that arrives after all was billed,
+    so its usage goes to the meter of the call that gave up on it (issue 23, defect 8)."""
+
+    def done(future: concurrent.futures.Future[LlmResponse]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # failed: a cut stream reported its own usage (see runtime.llm.billing)
+        response = future.result()
+        bill_lost(response.usage, response.model or model, "answered after its time limit", meter)
+
+    return done

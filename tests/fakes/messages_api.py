@@ -32,6 +32,13 @@ headers. Input tokens are the fake's count of the request (:func:`count_input_to
 reported in the response's usage); output tokens are taken at ``max_tokens`` up front and the
 unused part given back, as the real API estimates them.
 
+Billing follows the real API (:attr:`FakeMessagesApi.billed`, one :class:`Billed` per billed
+call): an answer the fake generated is billed in full whether or not the client is still
+there to read it (a worker killed mid-call, a client that timed out); a stream cut mid-way
+(a ``cut`` reply, or a client that hung up) is billed its input and the output sent so far
+(the answer's output tokens in proportion to the content events sent; at least what
+``message_start`` reported). Errors, 429s and resets are not billed.
+
 Ids are deterministic: the n-th request (1-based) gets ``msg_fake_000n`` and the
 ``request-id`` header ``req_fake_000n``.
 """
@@ -389,10 +396,40 @@ class RecordedRequest:
     response_body: bytes = b""
 
 
+@dataclass(frozen=True)
+class Billed:
+    """One billed model call, as the API's invoice would count it."""
+
+    number: int
+    """The request number (1-based); its ``request-id`` is ``req_fake_{number:04d}``."""
+    model: str
+    input_tokens: int
+    """Input tokens, cache writes and reads included."""
+    output_tokens: int
+    complete: bool
+    """The whole answer was generated (``False``: a stream cut mid-way)."""
+
+    @property
+    def request_id(self) -> str:
+        return f"req_fake_{self.number:04d}"
+
+    @property
+    def total(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+def _input_tokens(usage: Mapping[str, Any]) -> int:
+    return sum(
+        int(usage.get(k) or 0)
+        for k in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+    )
+
+
 @dataclass
 class _State:
     script: deque[Reply] = field(default_factory=deque)
     requests: list[RecordedRequest] = field(default_factory=list)
+    billed: list[Billed] = field(default_factory=list)
 
 
 class _Server(ThreadingHTTPServer):
@@ -514,6 +551,9 @@ class _Handler(BaseHTTPRequestHandler):
             if parsed.get("stream") is True:
                 self._stream(body, reply, record, number)
                 return
+            usage = body.get("usage") or {}
+            # generated: billed now, whether or not the client is still there to read it
+            fake._bill(number, str(body.get("model")), _input_tokens(usage), usage, 1.0)
         else:
             body["request_id"] = f"req_fake_{number:04d}"
         self._send(reply.status, body, reply, record, number)
@@ -570,18 +610,21 @@ class _Handler(BaseHTTPRequestHandler):
     def _stream(self, body: JsonObj, reply: Reply, record: RecordedRequest, number: int) -> None:
         record.status = 200
         record.response_body = dumps(body)
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream")
-        self.send_header("cache-control", "no-cache")
-        self.send_header("request-id", f"req_fake_{number:04d}")
-        self.send_header("connection", "close")
-        for name, value in reply.headers:
-            self.send_header(name, value)
-        self.end_headers()
-        self.close_connection = True
         fake = self.server.fake
+        events = stream_events(body, reply.drip_chunk or 4)
+        deltas = sum(1 for e in events if e["type"] == "content_block_delta")
+        sent = 0  # content deltas sent: the output generated so far
         try:
-            for i, event in enumerate(stream_events(body, reply.drip_chunk or 4)):
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("cache-control", "no-cache")
+            self.send_header("request-id", f"req_fake_{number:04d}")
+            self.send_header("connection", "close")
+            for name, value in reply.headers:
+                self.send_header(name, value)
+            self.end_headers()
+            self.close_connection = True
+            for i, event in enumerate(events):
                 if fake._closing.is_set():
                     return
                 if reply.cut_after and i == reply.cut_after:
@@ -591,11 +634,19 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(b"event: " + str(event["type"]).encode() + b"\ndata: " + data)
                 self.wfile.write(b"\n\n")
                 self.wfile.flush()
+                if event["type"] == "content_block_delta":
+                    sent += 1
+                elif event["type"] == "message_delta":
+                    sent = deltas
                 if reply.drip_interval and self._hung_up(reply.drip_interval):
                     fake._aborted(number)
                     return
         except OSError:
             fake._aborted(number)
+        finally:
+            usage = body.get("usage") or {}
+            share = 1.0 if deltas == 0 else sent / deltas
+            fake._bill(number, str(body.get("model")), _input_tokens(usage), usage, share)
 
     def _hung_up(self, wait: float) -> bool:
         """Wait ``wait`` seconds, watching for the client closing the connection."""
@@ -683,6 +734,28 @@ class FakeMessagesApi:
         self._thread: threading.Thread | None = None
         self.aborts: list[tuple[int, float]] = []
         """Streams the client hung up on: (request number, ``time.monotonic()`` seen)."""
+
+    def _bill(
+        self, number: int, model: str, input_tokens: int, usage: Mapping[str, Any], share: float
+    ) -> None:
+        """Bill request ``number``: its input, and ``share`` of its answer's output tokens
+        (at least the one token a stream's ``message_start`` reports)."""
+        output = int(usage.get("output_tokens") or 0)
+        generated = output if share >= 1.0 else min(output, max(1, math.ceil(output * share)))
+        billed = Billed(number, model, input_tokens, generated, share >= 1.0)
+        with self._lock:
+            self._state.billed.append(billed)
+
+    @property
+    def billed(self) -> list[Billed]:
+        """Every billed call, in the order billed (a copy); see the module docstring."""
+        with self._lock:
+            return list(self._state.billed)
+
+    @property
+    def billed_tokens(self) -> int:
+        """All tokens billed so far."""
+        return sum(b.total for b in self.billed)
 
     def _aborted(self, number: int) -> None:
         with self._lock:

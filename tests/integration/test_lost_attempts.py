@@ -1,0 +1,172 @@
+"""Model attempts the API bills but no response brings back (issue 23, defect 8): the fake
+Messages API bills them as the real one does, and the run counts them as unrecorded tokens.
+
+* an attempt abandoned at its time limit that completes later in its pool thread;
+* a stream cut mid-way: billed its input (``message_start``) and the output so far.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import httpx2
+import pytest
+
+from db.records import RunStatus, Usage
+from runtime.bootstrap import Runtime
+from runtime.config import Settings
+from runtime.llm.anthropic import AnthropicClient
+from runtime.llm.base import LlmError, LlmRequest
+from runtime.llm.billing import metering
+from runtime.llm.retry import TimeLimitedLlmClient
+from tests.fakes.messages_api import FakeMessagesApi, cut, error, slow, text, wait_until
+from tests.support import drive_to_end, register_agent, submit
+
+MODEL = "claude-test-model"
+PRICES = {"claude-test": {"input": 3, "output": 15}}
+REQUEST = LlmRequest(MODEL, 64, [{"role": "user", "content": "hello"}])
+USAGE = {"input_tokens": 40, "output_tokens": 20}
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeMessagesApi]:
+    with FakeMessagesApi() as api:
+        yield api
+
+
+def _meter() -> tuple[list[tuple[Usage, str, str]], object]:
+    seen: list[tuple[Usage, str, str]] = []
+
+    def meter(usage: Usage, model: str, why: str) -> None:
+        seen.append((usage, model, why))
+
+    return seen, meter
+
+
+# -- the fake bills as the real API does -------------------------------------------------------
+
+
+def test_the_fake_bills_an_answer_whose_client_has_gone(fake: FakeMessagesApi) -> None:
+    fake.then(slow(text("a long answer " * 5, usage=USAGE), chunk=8, interval=0.1))
+    raw = fake.url + "/v1/messages"
+    with httpx2.stream("POST", raw, json=REQUEST.to_json()) as response:
+        assert response.status_code == 200  # then hang up, the body unread
+    assert wait_until(lambda: len(fake.billed) == 1)
+    billed = fake.billed[0]
+    assert billed.complete
+    assert (billed.output_tokens, billed.total) == (20, billed.input_tokens + 20)
+
+
+def test_the_fake_bills_a_cut_stream_its_input_and_the_output_so_far(
+    fake: FakeMessagesApi,
+) -> None:
+    answer = "x" * 80  # 20 text deltas of 4 characters
+    fake.then(cut(text(answer, usage=USAGE), 7))  # message_start, block start, 5 deltas
+    with AnthropicClient(api_key="k", base_url=fake.url) as client, pytest.raises(LlmError):
+        client.send(REQUEST)
+    assert wait_until(lambda: len(fake.billed) == 1)
+    billed = fake.billed[0]
+    assert not billed.complete
+    assert billed.output_tokens == 5  # 5 of 20 deltas sent: a quarter of 20 tokens
+    assert billed.input_tokens > 0
+
+
+def test_the_fake_bills_no_error_and_no_refusal(fake: FakeMessagesApi) -> None:
+    fake.then(error(529), error(400), text(usage=USAGE))
+    with AnthropicClient(api_key="k", base_url=fake.url) as client:
+        for _ in range(2):
+            with pytest.raises(LlmError):
+                client.send(REQUEST)
+        client.send(REQUEST)
+    assert [b.number for b in fake.billed] == [3]
+
+
+# -- the client reports what is billed and lost -------------------------------------------------
+
+
+def test_a_cut_stream_reports_what_message_start_billed(fake: FakeMessagesApi) -> None:
+    fake.then(cut(text("y" * 80, usage=USAGE), 7))
+    seen, meter = _meter()
+    with (
+        AnthropicClient(api_key="k", base_url=fake.url) as client,
+        metering(meter),  # type: ignore[arg-type]
+        pytest.raises(LlmError),
+    ):
+        client.send(REQUEST)
+    assert len(seen) == 1
+    usage, model, why = seen[0]
+    billed = fake.billed[0]
+    assert (usage.input_tokens, model) == (billed.input_tokens, MODEL)
+    assert "cut" in why
+    # the client knows the output message_start reported (1), not the output generated:
+    # what it records misses at most the answer's output tokens
+    assert 0 < billed.total - usage.total <= USAGE["output_tokens"]
+
+
+def test_an_attempt_abandoned_at_its_time_limit_is_reported_when_it_completes(
+    fake: FakeMessagesApi,
+) -> None:
+    fake.then(slow(text("z" * 40, usage=USAGE), chunk=4, interval=0.1))  # ~1 s of stream
+    seen, meter = _meter()
+    with AnthropicClient(api_key="k", base_url=fake.url, timeout_seconds=10) as http:
+        client = TimeLimitedLlmClient(http, 0.3)
+        with metering(meter), pytest.raises(LlmError, match="exceeded"):  # type: ignore[arg-type]
+            client.send(REQUEST)
+        assert seen == []  # not yet: the attempt is still running
+        assert wait_until(lambda: len(seen) == 1, timeout=15)
+    usage, _, why = seen[0]
+    assert usage.total == fake.billed[0].total
+    assert "time limit" in why
+
+
+# -- the run counts them --------------------------------------------------------------------
+
+
+@pytest.fixture
+def claude(settings: Settings, fake: FakeMessagesApi) -> Iterator[Runtime]:
+    s = replace(
+        settings,
+        anthropic_api_key="test-key",
+        anthropic_base_url=fake.url,
+        model_timeout_seconds=1,
+        retry_base_seconds=0.01,
+        retry_cap_seconds=0.05,
+        long_wait_seconds=5,
+        prices_json=json.dumps(PRICES),
+    )
+    rt = Runtime.build(s, pool_size=5)
+    try:
+        yield rt
+    finally:
+        rt.close()
+
+
+def test_a_run_counts_the_attempt_it_abandoned_and_the_stream_it_lost(
+    claude: Runtime, fake: FakeMessagesApi
+) -> None:
+    fake.then(
+        slow(text("late " * 10, usage=USAGE), chunk=4, interval=0.1),  # ~1.5 s: abandoned
+        cut(text("w" * 80, usage=USAGE), 7),  # cut: its input and 5 of 20 output billed
+        text("done", usage={"input_tokens": 30, "output_tokens": 3}),
+    )
+    register_agent(claude.agents)
+    run, dispatch = submit(claude.store, model=MODEL)
+    drive_to_end(claude.driver(), dispatch)
+    done = claude.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+
+    def counted() -> bool:
+        return claude.store.get_run(run.id).unrecorded_tokens >= fake.billed_tokens - 33 - 19
+
+    assert wait_until(counted, timeout=15), (claude.store.get_run(run.id), fake.billed)
+    time.sleep(0.2)
+    done = claude.store.get_run(run.id)
+    billed = fake.billed_tokens
+    assert done.tokens_used == 33
+    # everything billed is recorded, but the cut stream's output after message_start
+    missing = billed - done.tokens_used - done.unrecorded_tokens
+    assert 0 <= missing <= USAGE["output_tokens"], (billed, done)
+    assert done.unrecorded_cost_usd > 0
