@@ -14,7 +14,7 @@ from api.auth import TokenTable, check_approval_roles, check_token_roles, warn_i
 from api.errors import ApiError, register_error_handlers
 from api.openapi import openapi_document
 from api.schemas import check_text
-from api.serving import BufferChunked
+from api.serving import BufferBudget, BufferChunked
 from api.state import ApiState
 from runtime.agents import Agent
 from runtime.bootstrap import Runtime
@@ -35,7 +35,6 @@ def create_app(
     settings = settings or (runtime.settings if runtime else Settings.from_env())
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    app.wsgi_app = BufferChunked(app.wsgi_app, settings.max_body_bytes)  # type: ignore[method-assign]
     app.json.sort_keys = False  # type: ignore[attr-defined]
     owned = runtime is None
     runtime = runtime or Runtime.build(settings, pool_size=5)
@@ -43,6 +42,13 @@ def create_app(
     app.extensions["dar"] = ApiState(runtime, celery)
     tokens = TokenTable.parse(settings.api_tokens)
     app.extensions["dar_tokens"] = tokens
+    # Chunked bodies are buffered only for a valid token, and only so many bytes at once.
+    app.wsgi_app = BufferChunked(  # type: ignore[method-assign]
+        app.wsgi_app,
+        settings.max_body_bytes,
+        authenticated=lambda header: app.extensions["dar_tokens"].admits(header),
+        budget=BufferBudget(settings.http_buffer_bytes),
+    )
     warn_if_open(tokens)
     check_token_roles(tokens, runtime.agents.approval_roles())
     check_approval_roles(tokens, runtime.agents.approval_roles())

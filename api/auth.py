@@ -122,6 +122,15 @@ class TokenTable:
                 found = principal
         return found
 
+    def bearer(self, header: str) -> Principal | None:
+        """The principal of an ``Authorization: Bearer <token>`` header, if valid."""
+        scheme, _, token = header.partition(" ")
+        return self.authenticate(token.strip()) if scheme.lower() == "bearer" else None
+
+    def admits(self, header: str) -> bool:
+        """The header carries a valid token, or authentication is off."""
+        return not self.enabled or self.bearer(header) is not None
+
 
 def current_principal() -> Principal | None:
     principal: Principal | None = g.get("dar_principal")
@@ -169,9 +178,7 @@ def _authenticate() -> Principal | None:
     table: TokenTable = current_app.extensions["dar_tokens"]
     if not table.enabled:
         return None
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    principal = table.authenticate(token.strip()) if scheme.lower() == "bearer" else None
+    principal = table.bearer(request.headers.get("Authorization", ""))
     if principal is None:
         raise ApiError(
             401,

@@ -84,50 +84,123 @@ class BodyDeadline:
         return self.app(environ, start_response)
 
 
+def _json_reply(
+    start_response: StartResponse,
+    status: str,
+    code: str,
+    message: str,
+    headers: list[tuple[str, str]] | None = None,
+) -> list[bytes]:
+    """An error answered by the middleware itself, outside Flask: the same JSON shape, and
+    the connection closed (the body it did not read is left unread)."""
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    start_response(
+        status,
+        [
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(body))),
+            ("Connection", "close"),
+            *(headers or []),
+        ],
+    )
+    return [body]
+
+
+class BufferBudget:
+    """Bytes of chunked bodies held in memory at once, process-wide: a request that would
+    take more waits for none, it is refused (503, ``Retry-After``)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self.limit:
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+
 class BufferChunked:
     """WSGI middleware: a body without a Content-Length (chunked) is read here, up to the
     limit, so one over the limit is a 413 like any other, not a truncated body that then
-    fails to parse (400)."""
+    fails to parse (400).
 
-    def __init__(self, app: Wsgi, limit: int) -> None:
+    Nothing unauthenticated costs memory: when tokens are configured the request's bearer
+    token is checked from its header *before* a byte of the body is read (401, connection
+    closed), and the bytes held by all chunked bodies being read at once are bounded by
+    ``budget`` (503). A body that does not arrive in time (:class:`BodyDeadline`) is a 408
+    here too, not an error escaping the app.
+    """
+
+    def __init__(
+        self,
+        app: Wsgi,
+        limit: int,
+        *,
+        authenticated: Callable[[str], bool] | None = None,
+        budget: BufferBudget | None = None,
+    ) -> None:
         self.app = app
         self.limit = limit
+        self.authenticated = authenticated
+        self.budget = budget or BufferBudget(64 * limit)
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
-        if environ.get("CONTENT_LENGTH") or not (
-            environ.get("wsgi.input_terminated")
-            or "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
+        # Only a chunked body (gunicorn marks every input "terminated", bodies or not).
+        if environ.get("CONTENT_LENGTH") or (
+            "chunked" not in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
         ):
             return self.app(environ, start_response)
-        stream = environ["wsgi.input"]
-        chunks: list[bytes] = []
-        size = 0
-        while size <= self.limit:
-            chunk = stream.read(min(65536, self.limit + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > self.limit:
-            body = json.dumps(
-                {
-                    "error": {
-                        "code": "body_too_large",
-                        "message": f"request body is larger than the limit of {self.limit} "
-                        "bytes (DAR_MAX_BODY_BYTES)",
-                    }
-                }
-            ).encode()
-            start_response(
-                "413 Request Entity Too Large",
-                [
-                    ("Content-Type", "application/json"),
-                    ("Content-Length", str(len(body))),
-                    ("Connection", "close"),
-                ],
+        if self.authenticated is not None and not self.authenticated(
+            environ.get("HTTP_AUTHORIZATION", "")
+        ):
+            return _json_reply(
+                start_response,
+                "401 Unauthorized",
+                "unauthorized",
+                "send a valid API token: Authorization: Bearer <token> (a body is read only "
+                "after the token is checked)",
+                [("WWW-Authenticate", 'Bearer realm="dar"')],
             )
-            return [body]
-        environ["wsgi.input"] = io.BytesIO(b"".join(chunks))
+        reserved = 0
+        try:
+            buffer = io.BytesIO()
+            size = 0
+            while size <= self.limit:
+                want = min(65536, self.limit + 1 - size)
+                if not self.budget.take(want):
+                    return _json_reply(
+                        start_response,
+                        "503 Service Unavailable",
+                        "busy",
+                        "too many request bodies are being received at once; retry",
+                        [("Retry-After", "1")],
+                    )
+                reserved += want
+                chunk = environ["wsgi.input"].read(want)
+                if not chunk:
+                    break
+                buffer.write(chunk)
+                size += len(chunk)
+        except RequestTimeout as e:
+            return _json_reply(
+                start_response, "408 Request Timeout", "request_timeout", str(e.description)
+            )
+        finally:
+            self.budget.give(reserved)
+        if size > self.limit:
+            return _json_reply(
+                start_response,
+                "413 Request Entity Too Large",
+                "body_too_large",
+                f"request body is larger than the limit of {self.limit} bytes (DAR_MAX_BODY_BYTES)",
+            )
+        buffer.seek(0)
+        environ["wsgi.input"] = buffer
         environ["CONTENT_LENGTH"] = str(size)
         environ.pop("wsgi.input_terminated", None)
         return self.app(environ, start_response)

@@ -120,6 +120,9 @@ class Settings:
     visibility_timeout_seconds: float = 3600.0
     max_body_bytes: int = 1_048_576
     max_input_chars: int = 100_000
+    http_buffer_bytes: int = 64 * 1_048_576
+    """DAR_HTTP_BUFFER_BYTES: bytes of chunked request bodies one web process holds while
+    receiving them, all requests together; a body that would take more is a 503."""
     default_token_budget: int = 100_000
     max_token_budget: int = 10_000_000
     default_timeout_seconds: int = 600
@@ -206,6 +209,7 @@ class Settings:
             visibility_timeout_seconds=_num(e, "DAR_VISIBILITY_TIMEOUT_SECONDS", 3600, minimum=60),
             max_body_bytes=_int(e, "DAR_MAX_BODY_BYTES", 1_048_576, minimum=1024),
             max_input_chars=_int(e, "DAR_MAX_INPUT_CHARS", 100_000, minimum=1),
+            http_buffer_bytes=_int(e, "DAR_HTTP_BUFFER_BYTES", 64 * 1_048_576, minimum=1024),
             default_token_budget=_int(e, "DAR_DEFAULT_TOKEN_BUDGET", 100_000, minimum=1),
             max_token_budget=_int(e, "DAR_MAX_TOKEN_BUDGET", 10_000_000, minimum=1),
             default_timeout_seconds=_int(e, "DAR_DEFAULT_TIMEOUT_SECONDS", 600, minimum=1),
@@ -244,6 +248,12 @@ class Settings:
                     f"{dname} ({default}) is above {mname} ({maximum}): every submit that "
                     "leaves the field out would be rejected"
                 )
+        if settings.http_buffer_bytes <= settings.max_body_bytes:
+            raise ConfigError(
+                f"DAR_HTTP_BUFFER_BYTES ({settings.http_buffer_bytes}) must be above "
+                f"DAR_MAX_BODY_BYTES ({settings.max_body_bytes}), or no chunked body could "
+                "be received"
+            )
         if settings.max_countdown_seconds >= settings.visibility_timeout_seconds:
             raise ConfigError(
                 "DAR_MAX_COUNTDOWN_SECONDS must be below DAR_VISIBILITY_TIMEOUT_SECONDS: a "

@@ -11,10 +11,12 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from api.auth import hash_token
 from api.embedded import free_port
 from runtime.config import Settings
 from tests.unit.test_procfile import _procfile
@@ -25,8 +27,11 @@ ROOT = Path(__file__).resolve().parents[2]
 KEEPALIVE = 2  # seconds a request's header may take (WEB_KEEPALIVE)
 
 
-@pytest.fixture
-def web(database_url: str, redis_url: str, settings: Settings, tmp_path: Path) -> Iterator[int]:
+@contextlib.contextmanager
+def _web(
+    database_url: str, redis_url: str, settings: Settings, tmp_path: Path, **extra: str
+) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    """The Procfile's web process on a free port: ``(port, gunicorn master)``."""
     port = free_port()
     env = {
         **os.environ,
@@ -40,6 +45,7 @@ def web(database_url: str, redis_url: str, settings: Settings, tmp_path: Path) -
         "ANTHROPIC_API_KEY": "",
     }
     env.pop("DAR_API_TOKENS", None)
+    env.update(extra)
     log = (tmp_path / "web.log").open("wb")
     proc = subprocess.Popen(
         ["sh", "-c", "exec " + _procfile()["web"]],
@@ -49,7 +55,7 @@ def web(database_url: str, redis_url: str, settings: Settings, tmp_path: Path) -
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90  # a loaded machine imports slowly
         while True:
             assert proc.poll() is None, (tmp_path / "web.log").read_text()
             assert time.monotonic() < deadline, "web did not start"
@@ -58,7 +64,7 @@ def web(database_url: str, redis_url: str, settings: Settings, tmp_path: Path) -
                     break
             except OSError:
                 time.sleep(0.1)
-        yield port
+        yield port, proc
     finally:
         proc.terminate()
         try:
@@ -66,6 +72,12 @@ def web(database_url: str, redis_url: str, settings: Settings, tmp_path: Path) -
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.fixture
+def web(database_url: str, redis_url: str, settings: Settings, tmp_path: Path) -> Iterator[int]:
+    with _web(database_url, redis_url, settings, tmp_path) as (port, _):
+        yield port
 
 
 def _get(port: int, path: str, timeout: float) -> tuple[int, bytes]:
@@ -159,3 +171,100 @@ def test_a_slow_body_gets_408_and_a_chunked_body_over_the_limit_413(web: int) ->
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert b"DAR_HTTP_BODY_TIMEOUT_SECONDS" in reply
     assert time.monotonic() - started < 6
+
+
+# -- nothing unauthenticated costs memory (issue 28.1) -------------------------------------
+
+TOKEN = "tok-serving-e2e"
+UPLOADS = 150  # unauthenticated connections, each sending 1 MiB of a chunked body
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def _gunicorn_worker(master: int) -> int:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        children = Path(f"/proc/{master}/task/{master}/children").read_text().split()
+        if children:
+            return int(children[0])
+        time.sleep(0.1)
+    raise AssertionError("gunicorn started no worker")
+
+
+def _chunked_head(token: str | None) -> bytes:
+    auth = f"Authorization: Bearer {token}\r\n".encode() if token else b""
+    return (
+        b"POST /api/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + auth
+        + b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+
+
+def _upload_without_end(port: int) -> socket.socket:
+    """1 MiB of a chunked body with no token, never finished; the socket is kept open."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.settimeout(5)
+    chunk = b"x" * 65536
+    with contextlib.suppress(OSError):
+        s.sendall(_chunked_head(None))
+        for _ in range(16):
+            s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    return s
+
+
+def test_unauthenticated_chunked_uploads_cost_the_web_process_no_memory(
+    database_url: str, redis_url: str, settings: Settings, tmp_path: Path
+) -> None:
+    entry = f"ci:read+submit:{hash_token(TOKEN)}"
+    with _web(
+        database_url,
+        redis_url,
+        settings,
+        tmp_path,
+        DAR_API_TOKENS=entry,
+        DAR_MAX_BODY_BYTES=str(2 * 1_048_576),
+        DAR_HTTP_BODY_TIMEOUT_SECONDS="60",
+    ) as (port, proc):
+        worker = _gunicorn_worker(proc.pid)
+        assert _get(port, "/healthz", timeout=5)[0] == 200
+        before = _rss_mib(worker)
+        with ThreadPoolExecutor(32) as pool:
+            sockets = list(pool.map(lambda _: _upload_without_end(port), range(UPLOADS)))
+        try:
+            time.sleep(1)
+            after = _rss_mib(worker)
+            s = sockets[0]
+            with contextlib.suppress(OSError):
+                reply = s.recv(65536)
+                assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
+            assert _get(port, "/healthz", timeout=5)[0] == 200
+        finally:
+            for s in sockets:
+                s.close()
+    growth = after - before
+    print(f"web worker RSS {before:.0f} MiB -> {after:.0f} MiB under {UPLOADS} uploads")
+    assert growth < 40, (
+        f"{UPLOADS} unauthenticated 1 MiB chunked uploads grew the web process by "
+        f"{growth:.0f} MiB ({before:.0f} -> {after:.0f})"
+    )
+
+
+def test_a_slow_chunked_body_is_a_408_not_a_500(
+    database_url: str, redis_url: str, settings: Settings, tmp_path: Path
+) -> None:
+    entry = f"ci:read+submit:{hash_token(TOKEN)}"
+    with (
+        _web(database_url, redis_url, settings, tmp_path, DAR_API_TOKENS=entry) as (port, _),
+        socket.create_connection(("127.0.0.1", port), timeout=15) as s,
+    ):
+        s.sendall(_chunked_head(TOKEN) + b'5\r\n{"inp\r\n')
+        started = time.monotonic()
+        reply = _reply(s)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:300]
+    assert b"DAR_HTTP_BODY_TIMEOUT_SECONDS" in reply
+    assert time.monotonic() - started < 10
