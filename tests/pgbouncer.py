@@ -18,7 +18,10 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+import psycopg
+from psycopg.rows import dict_row
 from sqlalchemy.engine import make_url
 
 from api.embedded import free_port
@@ -47,12 +50,28 @@ class PgBouncer:
         """``database_url`` (a database of the upstream server) through this pooler."""
         return (
             make_url(database_url)
+            .difference_update_query(["host"])
             .set(host="127.0.0.1", port=self.port)
             .render_as_string(hide_password=False)
         )
 
+    def _upstream_host(self) -> str:
+        """A host name, or a Unix socket directory (``?host=/dir`` in the URL)."""
+        socket_dir = self.upstream.query.get("host")
+        if isinstance(socket_dir, tuple):
+            socket_dir = socket_dir[0]
+        return self.upstream.host or socket_dir or "127.0.0.1"
+
+    def _run_as(self) -> str:
+        """Who PgBouncer runs as when started by root (it refuses root): the owner of the
+        upstream's socket directory (an embedded server's is private), else ``postgres``."""
+        host = self._upstream_host()
+        if host.startswith("/"):
+            return pwd.getpwuid(os.stat(host).st_uid).pw_name
+        return "postgres" if _user_exists("postgres") else "nobody"
+
     def _config(self) -> str:
-        host = self.upstream.host or "127.0.0.1"
+        host = self._upstream_host()
         port = self.upstream.port or 5432
         user = self.upstream.username or "postgres"
         password = self.upstream.password or ""
@@ -71,6 +90,11 @@ class PgBouncer:
                 f"default_pool_size = {self.pool_size}",
                 "max_client_conn = 1000",
                 "server_round_robin = 1",
+                # After a failed server login PgBouncer refuses clients at once for this long
+                # (15 s by default: longer than a lease, so a 3 s restart of PostgreSQL would
+                # cost every answer in flight). The README recommends the same.
+                "server_login_retry = 1",
+                f"admin_users = {user}",
                 # psycopg sends none of these, but a libpq URL may.
                 "ignore_startup_parameters = extra_float_digits,options",
                 "",
@@ -86,7 +110,7 @@ class PgBouncer:
         ini.write_text(self._config())
         args = [PGBOUNCER, "-v", str(ini)]
         if os.geteuid() == 0:  # PgBouncer refuses to run as root
-            user = "postgres" if _user_exists("postgres") else "nobody"
+            user = self._run_as()
             os.chmod(self._dir, 0o755)
             shutil.chown(self._dir, user)
             args[1:1] = ["-u", user]
@@ -100,6 +124,21 @@ class PgBouncer:
                 self.stop()
                 raise RuntimeError(f"pgbouncer did not start: {self.log_text()[-2000:]}")
             time.sleep(0.05)
+
+    def show(self, what: str) -> list[dict[str, Any]]:
+        """``SHOW <what>`` on the admin console (``POOLS``, ``CLIENTS``, ``SERVERS``...).
+        The console speaks only the simple query protocol: a client-side cursor."""
+        user = self.upstream.username or "postgres"
+        with psycopg.connect(
+            host="127.0.0.1",
+            port=self.port,
+            user=user,
+            dbname="pgbouncer",
+            autocommit=True,
+            cursor_factory=psycopg.ClientCursor,
+            row_factory=dict_row,
+        ) as conn:
+            return conn.execute(f"SHOW {what}").fetchall()
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -65,12 +65,16 @@ from tests.chaos.checker import (
     ModelCall,
 )
 from tests.fakes.messages_api import FakeMessagesApi, Reply, message, tool_uses
+from tests.pgbouncer import PgBouncer
 
 QUEUE = "dar-chaos"
 LEASE_SECONDS = 3.0
 HEARTBEAT_SECONDS = 0.5
 REAPER_INTERVAL_SECONDS = 0.5
 REDISPATCH_AFTER_SECONDS = 3.0
+POOLER = os.environ.get("DAR_CHAOS_PGBOUNCER", "0").lower() in ("1", "true", "yes")
+"""DAR_CHAOS_PGBOUNCER=1: every process of the campaign connects through a PgBouncer in
+transaction mode (``tests/pgbouncer.py``)."""
 STRICT = os.environ.get("DAR_CHAOS_STRICT", "1").lower() in ("1", "true", "yes")
 """Treat a worker exit on a Redis outage as a failure (the default since ack emulation is
 off); DAR_CHAOS_STRICT=0 tolerates it, for brokers settings that still restore unacked."""
@@ -323,7 +327,18 @@ class ChaosStack(DevStack):
     broker: EmbeddedRedis | None = None
     log_offsets: dict[str, int] = field(default_factory=dict)
     spawned_at: dict[str, float] = field(default_factory=dict)
+    pooler: bool = False
+    """Every child (web, workers, beats) connects through a PgBouncer in transaction mode
+    (:attr:`bouncer`) in front of the private PostgreSQL; migrations and the harness's own
+    reads go directly (:attr:`database_url`)."""
+    bouncer: PgBouncer | None = None
     _logs: dict[str, IO[bytes]] = field(default_factory=dict)
+
+    def _child_env(self, **extra: str) -> dict[str, str]:
+        env = super()._child_env(**extra)
+        if self.bouncer is not None:
+            env["DATABASE_URL"] = self.bouncer.url_for(self.database_url)
+        return env
 
     def start_services(self) -> None:
         self.pg = PrivatePostgres(self.data_dir / "pgdata")
@@ -338,6 +353,9 @@ class ChaosStack(DevStack):
                 conn.execute(text(durable_agents.EFFECT_DDL))
         finally:
             engine.dispose()
+        if self.pooler:
+            self.bouncer = PgBouncer(self.database_url)
+            self.bouncer.start()
 
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
@@ -434,6 +452,8 @@ class ChaosStack(DevStack):
         self._logs.clear()
         if self.broker is not None:
             self.broker.stop()
+        if self.bouncer is not None:
+            self.bouncer.stop()
         if self.pg is not None:
             self.pg.stop()
 
@@ -524,6 +544,7 @@ def build_stack(
         specs=specs,
         beats=2,
         log_dir=tmp / "logs",
+        pooler=POOLER,
     )
 
 

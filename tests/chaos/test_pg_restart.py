@@ -112,8 +112,10 @@ class Pg:
     round: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
 
-@pytest.fixture(scope="module")
-def pg() -> Iterator[Pg]:
+@pytest.fixture(scope="module", params=["direct", "pgbouncer"])
+def pg(request: pytest.FixtureRequest) -> Iterator[Pg]:
+    """The stack, its processes connecting to PostgreSQL directly or through a PgBouncer in
+    transaction mode (which holds a client's transaction while the server is away)."""
     tmp = Path(tempfile.mkdtemp(prefix="dar-pg-restart-"))
     responder = Responder()
     with FakeMessagesApi(default_responder=responder) as fake:
@@ -137,6 +139,7 @@ def pg() -> Iterator[Pg]:
             specs={letter: WorkerSpec(concurrency=c) for letter, c in WORKERS.items()},
             beats=1,
             log_dir=tmp / "logs",
+            pooler=request.param == "pgbouncer",
         )
         engine: Engine | None = None
         try:

@@ -1,0 +1,149 @@
+"""End to end through a real PgBouncer in transaction mode: the API (gunicorn), two gevent
+Celery workers and beat all connect through the pooler (the test database was migrated
+directly, as `dar migrate` should be). Runs flow, a worker is SIGKILLed mid-step, every run
+finishes with each step once, and nothing fails on session state the pooler does not keep
+(prepared statements, above all)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from api.devstack import DevStack
+from api.embedded import free_port
+from db.engine import make_engine
+from db.records import RunStatus, StepStatus
+from db.store import RunStore
+from runtime.config import Settings
+from tests.pgbouncer import PgBouncer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+RUNS = 12
+
+
+@pytest.fixture
+def stack(
+    pooled_database_url: str, redis_url: str, settings: Settings, tmp_path: Path
+) -> Iterator[DevStack]:
+    log_path = tmp_path / "stack.log"
+    with log_path.open("wb") as log:
+        s = DevStack(
+            data_dir=tmp_path,
+            port=free_port(),
+            workers=2,
+            concurrency=20,
+            pool="gevent",
+            env={
+                **os.environ,
+                "DATABASE_URL": pooled_database_url,
+                "REDIS_URL": redis_url,
+                "DAR_QUEUE": settings.queue,
+                "DAR_LEASE_SECONDS": "3",
+                "DAR_HEARTBEAT_SECONDS": "1",
+                "DAR_REAPER_INTERVAL_SECONDS": "0.5",
+                "DAR_DEMO_LATENCY_MS": "1500",
+                "ANTHROPIC_API_KEY": "",
+            },
+            output=log,
+        )
+        try:
+            s.start(timeout=60)
+            yield s
+        finally:
+            s.stop()
+            text = log_path.read_text(errors="replace")
+            print(text[-20000:])
+            for bad in ("InvalidSqlStatementName", "DuplicatePreparedStatement"):
+                assert bad not in text, f"{bad} in a process log"
+
+
+class PoolWatch:
+    """Samples PgBouncer's pools while the test runs: the most client and server connections
+    of the test database seen at once."""
+
+    def __init__(self, bouncer: PgBouncer, database: str) -> None:
+        self.bouncer = bouncer
+        self.database = database
+        self.clients = 0
+        self.servers = 0
+        self.waiting = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            for pool in self.bouncer.show("POOLS"):
+                if pool["database"] != self.database:
+                    continue
+                self.clients = max(self.clients, pool["cl_active"] + pool["cl_waiting"])
+                in_use = pool["sv_active"] + pool["sv_idle"] + pool["sv_used"] + pool["sv_tested"]
+                self.servers = max(self.servers, in_use)
+                self.waiting = max(self.waiting, pool["cl_waiting"])
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def test_runs_and_a_killed_worker_through_pgbouncer(
+    stack: DevStack, pgbouncer: PgBouncer, database_url: str
+) -> None:
+    engine = make_engine(database_url, pool_size=2)  # the checks read directly
+    store = RunStore(engine)
+    watch = PoolWatch(pgbouncer, engine.url.database or "")
+    try:
+        ids = []
+        for i in range(RUNS):
+            status, accepted = stack.request(
+                "POST", "/api/runs", {"input": f"Which acme tickets are overdue? {i}"}
+            )
+            assert status == 201, accepted
+            ids.append(uuid.UUID(accepted["id"]))
+
+        deadline = time.monotonic() + 60
+        while True:  # a worker holds a run whose first step is done: kill it mid-step
+            assert time.monotonic() < deadline, "no run reached its second step"
+            held = [
+                r
+                for r in map(store.get_run, ids)
+                if r.locked_by and not r.status.terminal and r.tokens_used > 0
+            ]
+            if held:
+                break
+            time.sleep(0.05)
+        victim = held[0].locked_by
+        assert victim is not None
+        stack.kill(victim)
+
+        deadline = time.monotonic() + 120
+        while not all(store.get_run(i).status.terminal for i in ids):
+            assert time.monotonic() < deadline, "runs did not finish after the kill"
+            time.sleep(0.2)
+        for run_id in ids:
+            run = store.get_run(run_id)
+            assert run.status is RunStatus.SUCCEEDED, (run_id, run.error)
+            steps = store.steps(run_id)
+            assert [s.seq for s in steps] == list(range(1, len(steps) + 1))
+            assert len({s.step_key for s in steps}) == len(steps), "each step once"
+            assert all(s.status is StepStatus.DONE for s in steps)
+            assert run.tokens_used == sum(s.usage.total for s in steps)
+            status, timeline = stack.request("GET", f"/api/runs/{run_id}/timeline")
+            assert status == 200
+            assert len(timeline) == len(steps)
+    finally:
+        watch.stop()
+        engine.dispose()
+    print(
+        f"pgbouncer: at most {watch.clients} client and {watch.servers} server connections "
+        f"of the test database at once, {watch.waiting} clients waiting"
+    )
+    assert watch.servers <= pgbouncer.pool_size
+    assert "prepared statement" not in pgbouncer.log_text()
