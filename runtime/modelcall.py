@@ -117,7 +117,8 @@ def admit(task: Task, request: LlmRequest, body: dict[str, Any]) -> Wait | None:
     return None
 
 
-def _settle(task: Task, response: LlmResponse | None) -> None:
+def settle(task: Task, response: LlmResponse | None) -> None:
+    """Settle the task's flow-control admission with what the call used (``None``: failed)."""
     grant, task.admission = task.admission, None
     flow = task.services.flow
     if grant is None or flow is None:
@@ -150,7 +151,7 @@ def send(
     token = prior_attempts(task.claim.run.model_attempts)
     response: LlmResponse | None = None
     try:
-        with _live(task, key), metering(_lost_attempts(task)):
+        with live_scope(task, key), metering(_lost_attempts(task)):
             response = task.services.llm.send(request)
     except ModelCallCancelled as e:
         cost = task.services.pricing.cost(request.model, e.usage)
@@ -162,7 +163,7 @@ def send(
         raise
     finally:
         reset_prior_attempts(token)
-        _settle(task, response)
+        settle(task, response)
     latency_ms = int((time.monotonic() - started) * 1000)
     crash_point("after_model_response")
     model = response.model or request.model
@@ -200,7 +201,9 @@ def _lost_attempts(task: Task) -> Meter:
 
 
 @contextlib.contextmanager
-def _live(task: Task, key: str | None) -> Iterator[None]:
+def live_scope(task: Task, key: str | None) -> Iterator[None]:
+    """While a model call of step ``key`` is in flight: its live call (text deltas out, a
+    cancel in), read with ``current_live_call()``; nothing without a live channel."""
     channel = task.services.live
     if channel is None or key is None:
         yield

@@ -54,6 +54,8 @@ class StepKind(enum.StrEnum):
     """``steps.version``: the code version a run took."""
     TOOLSET = "TOOLSET"
     """The MCP tools an agent-loop run offers, fixed before its first model call."""
+    FRAMEWORK_MODEL = "FRAMEWORK_MODEL"
+    """``steps.model_call``: a framework's model request (Pydantic AI, the Agents SDK)."""
 
 
 class Before(enum.StrEnum):
@@ -268,6 +270,18 @@ KINDS: dict[StepKind, Policy] = {
         compensable=False,
         bills=False,
         notes="listed again if never recorded (nothing was offered yet)",
+    ),
+    StepKind.FRAMEWORK_MODEL: Policy(
+        name="framework model call (`steps.model_call`)",
+        key="`model.request:n`, `model:n`",
+        row=RowKind.LLM,
+        before=Before.NOTHING,
+        after_crash=AfterCrash.CALLED_AGAIN,
+        replays_as="its recorded response, as the framework's own object",
+        compensable=False,
+        bills=True,
+        notes="a Pydantic AI or Agents SDK model request; its usage is read from the "
+        "framework's usage object and priced from `DAR_PRICES`; the same window as ours",
     ),
 }
 

@@ -18,8 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from db.records import Usage
 from runtime.codec import return_type
 from runtime.llm.base import LlmRequest, LlmResponse
+from runtime.llm.live import LiveCall
 from runtime.mcp.servers import McpServer
 from runtime.tools import Reconciled, ToolContext
 
@@ -45,6 +47,18 @@ class ApprovalRequest:
     payload_hash: str
     timeout_seconds: float
     timeout_policy: str
+
+
+@dataclass(frozen=True)
+class Billed:
+    """What the body of ``steps.model_call`` returns: the value to record (JSON) and what the
+    provider billed for the call, read from the framework's own usage object."""
+
+    value: Any
+    model: str
+    usage: Usage
+    request_id: str | None = None
+    stop_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -235,6 +249,10 @@ class Engine(Protocol):
     ) -> Any: ...
 
     def version(self, name: str, minimum: int, maximum: int) -> int: ...
+
+    def billed_call(
+        self, name: str, fn: Callable[[LiveCall | None], Billed], prompt: Any, model: str
+    ) -> Any: ...
 
     def mcp_tool(
         self,
@@ -481,6 +499,24 @@ class Steps:
         """Call the model inside ``fn(model)``; every call's model, tokens, cost, latency and
         prompt hash are recorded, and replay returns the result without calling the model."""
         return StepOptions(self).llm(name, fn, type=type)
+
+    def model_call(
+        self,
+        name: str,
+        fn: Callable[[LiveCall | None], Billed],
+        *,
+        prompt: Any,
+        model: str,
+    ) -> Any:
+        """A model call made by other code than ours (a framework's model client), as one
+        billed step: ``fn(live)`` makes the call and returns :class:`Billed`; its tokens and
+        cost (priced by ``DAR_PRICES``, an unknown model at the highest known rate), latency
+        and the hash of ``prompt`` are recorded with the value, the guard and flow control
+        (for ``model``) come before it, and replay returns the value without calling. ``live``
+        (when the run has a live stream) takes the call's text deltas and tells it of a
+        cancel: abort and raise ``ModelCallCancelled``. After a crash it is called again (at
+        most once per crash, as every model call)."""
+        return self._engine.billed_call(name, fn, prompt, model)
 
     def retry(self, attempts: int, backoff: float = 1.0) -> StepOptions:
         """``steps.retry(3, 2.0).run(...)``: up to ``attempts`` attempts, waiting

@@ -18,17 +18,19 @@ import functools
 import hashlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from db.records import NewStep, RunStatus, Step, StepStatus, Usage
+from db.records import Dispatch, NewStep, RunStatus, Step, StepStatus, Usage
 from db.records import StepKind as RowKind
 from runtime import effects, mcpcall, modelcall
 from runtime.codec import decode, encode
 from runtime.durable.api import (
     ApprovalBuilder,
+    Billed,
     DurableAgent,
     StepOptions,
     Steps,
@@ -50,9 +52,10 @@ from runtime.durable.errors import (
     Yield,
 )
 from runtime.durable.notify import notify_approval
+from runtime.faults import crash_point
 from runtime.guard import Stop
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
-from runtime.llm.live import ModelCallCancelled
+from runtime.llm.live import LiveCall, ModelCallCancelled, current_live_call
 from runtime.llm.retry import RetryLater
 from runtime.logctx import set_step
 from runtime.mcp.client import CallResult
@@ -646,6 +649,131 @@ class Execution:
             answer.latency_ms,
         )
         return response
+
+    # -- a framework's model call -----------------------------------------------------------
+
+    def billed_call(
+        self, name: str, fn: Callable[[LiveCall | None], Billed], prompt: Any, model: str
+    ) -> Any:
+        """``steps.model_call``: one billed step at the top level, recorded at once (one step
+        per task); the same guard, flow control, live stream, cancel and billing as ours."""
+        self._check_yielded()
+        if self.stack:
+            raise DurableConfigError("steps.model_call belongs at the top level, not in a step")
+        key = self._key(name)
+        self._check_replay(key)
+        rec = self.recorded.get(key)
+        if rec is not None and rec.status is StepStatus.DONE:
+            return rec.response
+        if rec is not None and rec.status is StepStatus.ERROR:
+            raise self._recorded_error(key, rec)
+        self._guard(StepKind.FRAMEWORK_MODEL)
+        seq = rec.seq if rec is not None else self.take_seq()
+        set_step(seq)
+        body = {"model": model, "prompt": prompt}
+        request = LlmRequest(model=model, max_tokens=self.default_max_tokens, messages=[])
+        with self.engine_call():
+            wait = modelcall.admit(self.task, request, body)
+            if wait is not None:  # flow control: a durable timer, holding nothing
+                self.end(self.task.schedule(wait.delay_seconds, wait.reason, admission=True))
+        task = self.task
+        crash_point("before_model_call")
+        started = time.monotonic()
+        billed: Billed | None = None
+        try:
+            with modelcall.live_scope(task, key):
+                billed = fn(current_live_call())
+        except ModelCallCancelled as e:
+            with self.engine_call():
+                task.store.record_unrecorded_usage(
+                    task.run_id, e.usage, task.services.pricing.cost(model, e.usage)
+                )
+            task.observe("MODEL", "cancelled", started)
+            self.end(
+                self.compensations.unwind(
+                    RunStatus.CANCELLED, "cancelled by request (model call aborted)"
+                )
+            )
+        except Exception as e:
+            task.observe("MODEL", "error", started)
+            latency = int((time.monotonic() - started) * 1000)
+            text = f"{type_name(e)}: {e}"
+            row = NewStep(
+                seq,
+                key,
+                KINDS[StepKind.FRAMEWORK_MODEL].row,
+                StepStatus.ERROR,
+                error=text,
+                attempt=1,
+                latency_ms=latency,
+                model=model,
+            )
+            log.info("run=%s seq=%d MODEL %s failed: %s", task.rid, seq, key, text)
+            with self.engine_call():
+                self.end(task.checkpoint([row]))
+        finally:
+            with self.engine_call():
+                modelcall.settle(
+                    task,
+                    None
+                    if billed is None
+                    else LlmResponse([], billed.stop_reason, billed.usage, billed.model),
+                )
+        latency = int((time.monotonic() - started) * 1000)
+        crash_point("after_model_response")
+        used = billed.model or model
+        cost = task.services.pricing.cost(used, billed.usage)
+        if task.services.metrics is not None:  # billed, whatever happens to the checkpoint
+            task.services.metrics.model_call(used, billed.usage, cost)
+            task.services.metrics.step("MODEL", "ok", latency / 1000)
+        with self.engine_call():
+            value = encode(billed.value)
+            row = NewStep(
+                seq=seq,
+                step_key=key,
+                kind=KINDS[StepKind.FRAMEWORK_MODEL].row,
+                status=StepStatus.DONE,
+                response=value,
+                attempt=1,
+                model=used,
+                prompt_hash=modelcall.request_hash(task, body),
+                usage=billed.usage,
+                cost_usd=cost,
+                latency_ms=latency,
+                request_id=billed.request_id,
+                stop_reason=billed.stop_reason,
+            )
+            answer = modelcall.Answer(
+                request,
+                body,
+                LlmResponse([], billed.stop_reason, billed.usage, used, billed.request_id),
+                cost,
+                latency,
+            )
+            log.info(
+                "run=%s seq=%d MODEL %s stop=%s in=%d out=%d latency=%dms",
+                task.rid,
+                seq,
+                key,
+                billed.stop_reason,
+                billed.usage.input_tokens,
+                billed.usage.output_tokens,
+                latency,
+            )
+            self.end(
+                modelcall.record_billed(
+                    task,
+                    answer,
+                    lambda: task.checkpoint([row]),
+                    key=key,
+                    committed=lambda: StepResult(
+                        Outcome.CONTINUE,
+                        dispatch=Dispatch(
+                            task.run_id, task.store.get_run(task.run_id).dispatch_token
+                        ),
+                    ),
+                )
+            )
 
     def _replayed(
         self, key: str, rec: Step | None, parent: Frame, body: dict[str, Any], original: Step

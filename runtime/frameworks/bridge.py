@@ -31,7 +31,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.durable.api import Steps
+from db.records import Usage
+from runtime.durable.api import Billed, Steps
+from runtime.llm.live import LiveCall, ModelCallCancelled
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +63,47 @@ def framework_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def on_loop(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run ``coro`` on the framework loop and wait for its result (from another thread)."""
-    return asyncio.run_coroutine_threadsafe(coro, framework_loop()).result()
+def on_loop(awaitable: Awaitable[Any]) -> Any:
+    """Run ``awaitable`` on the framework loop and wait for its result (from another thread)."""
+
+    async def run() -> Any:
+        return await awaitable
+
+    return asyncio.run_coroutine_threadsafe(run(), framework_loop()).result()
+
+
+_live: contextvars.ContextVar[LiveCall | None] = contextvars.ContextVar(
+    "dar_framework_live", default=None
+)
+
+
+def current_live() -> LiveCall | None:
+    """Inside a model unit's body: the call's live stream (text deltas), if the run has one."""
+    return _live.get()
+
+
+def _abort(future: concurrent.futures.Future[Any]) -> None:
+    future.cancel()
+
+
+def _call_live(body: Callable[[], Awaitable[Any]], live: LiveCall | None) -> Any:
+    """Run a model unit's body on the loop; a cancel of the run aborts it there."""
+
+    async def run() -> Any:
+        _live.set(live)
+        return await body()
+
+    future = asyncio.run_coroutine_threadsafe(run(), framework_loop())
+    unregister = live.on_cancel(lambda: _abort(future)) if live is not None else None
+    try:
+        return future.result()
+    except concurrent.futures.CancelledError:
+        raise ModelCallCancelled(
+            "the run was cancelled while its model call was in flight", usage=Usage()
+        ) from None
+    finally:
+        if unregister is not None:
+            unregister()
 
 
 @dataclass(frozen=True)
@@ -73,11 +113,24 @@ class UnitPolicy:
     idempotent: bool = False
 
 
+@dataclass(frozen=True)
+class Billing:
+    """A model unit: billed, with its usage read from the framework's answer."""
+
+    model: str
+    """The model asked for (flow control admits against it; the answer's model is priced)."""
+    prompt: Any
+    """What was sent, as JSON: its hash is recorded with the step."""
+    billed: Callable[[Any], Billed]
+    """The recorded value (the unit's result) -> what the provider billed."""
+
+
 @dataclass
 class UnitCall:
     name: str
     body: Callable[[], Awaitable[Any]]
     policy: UnitPolicy
+    billing: Billing | None = None
     answer: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
 
 
@@ -106,9 +159,16 @@ class Bridge:
 
     # -- on the framework loop ----------------------------------------------------------------
 
-    async def unit(self, name: str, body: Callable[[], Awaitable[Any]], policy: UnitPolicy) -> Any:
-        """Run ``body`` as the durable step ``name`` (recorded once; replayed afterwards)."""
-        call = UnitCall(name, body, policy)
+    async def unit(
+        self,
+        name: str,
+        body: Callable[[], Awaitable[Any]],
+        policy: UnitPolicy,
+        billing: Billing | None = None,
+    ) -> Any:
+        """Run ``body`` as the durable step ``name`` (recorded once; replayed afterwards); with
+        ``billing``, as a billed model call (``steps.model_call``)."""
+        call = UnitCall(name, body, policy, billing)
         self._requests.put(call)
         return await asyncio.wrap_future(call.answer)
 
@@ -131,12 +191,7 @@ class Bridge:
             if isinstance(item, _Done):
                 return main.result()
             try:
-                value = self.steps.run(
-                    item.name,
-                    lambda item=item: on_loop(item.body()),
-                    type=Any,
-                    idempotent=item.policy.idempotent,
-                )
+                value = self._serve(item)
             except Exception as e:  # a recorded failure: the framework sees it
                 item.answer.set_exception(e)
             except BaseException:
@@ -144,6 +199,18 @@ class Bridge:
                 raise
             else:
                 item.answer.set_result(value)
+
+    def _serve(self, item: UnitCall) -> Any:
+        billing = item.billing
+        if billing is None:
+            return self.steps.run(
+                item.name, lambda: on_loop(item.body()), type=Any, idempotent=item.policy.idempotent
+            )
+
+        def call(live: LiveCall | None) -> Billed:
+            return billing.billed(_call_live(item.body, live))
+
+        return self.steps.model_call(item.name, call, prompt=billing.prompt, model=billing.model)
 
     def _stop(self, main: concurrent.futures.Future[Any]) -> None:
         main.cancel()

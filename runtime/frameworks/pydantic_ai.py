@@ -51,9 +51,11 @@ from pydantic_ai.durable_exec import (
     conversation_id_from_run_id,
 )
 from pydantic_ai.durable_exec._operation_names import DurableInvocationName
+from pydantic_core import to_jsonable_python
 
-from runtime.durable.api import DurableAgent, Steps
-from runtime.frameworks.bridge import Bridge, UnitPolicy, current_bridge
+from db.records import Usage
+from runtime.durable.api import Billed, DurableAgent, Steps
+from runtime.frameworks.bridge import Billing, Bridge, UnitPolicy, current_bridge
 
 Config = dict[str, Any]
 """A unit's policy as Pydantic AI resolves it: ``{"idempotent": bool}``; a tool overrides it
@@ -105,8 +107,53 @@ class StepNamer(DurableOperationNamer):
         return DurableInvocationName(name.replace("/", "_"))
 
 
+def usage_of(response: Any) -> Usage:
+    """A recorded ``ModelResponse``'s usage (Pydantic AI counts cache reads and writes inside
+    ``input_tokens``; this runtime keeps them apart, as the Messages API reports them)."""
+    u = (response or {}).get("usage") or {}
+    cache_read = int(u.get("cache_read_tokens") or 0)
+    cache_write = int(u.get("cache_write_tokens") or 0)
+    return Usage(
+        input_tokens=max(0, int(u.get("input_tokens") or 0) - cache_read - cache_write),
+        output_tokens=int(u.get("output_tokens") or 0),
+        cache_creation_input_tokens=cache_write,
+        cache_read_input_tokens=cache_read,
+    )
+
+
+def billed(response: Any) -> Billed:
+    """What the provider billed for a model request, from the recorded ``ModelResponse``."""
+    response = response or {}
+    return Billed(
+        value=response,
+        model=str(response.get("model_name") or ""),
+        usage=usage_of(response),
+        request_id=response.get("provider_response_id"),
+        stop_reason=response.get("finish_reason"),
+    )
+
+
+def _without_clock(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_clock(v) for k, v in value.items() if k != "timestamp"}
+    if isinstance(value, list):
+        return [_without_clock(v) for v in value]
+    return value
+
+
+def prompt(cache_key: tuple[object, ...]) -> Any:
+    """What a model request sends (messages, settings, tool definitions) as JSON, without
+    the timestamps Pydantic AI stamps on every message: the same prompt hashes the same."""
+    return _without_clock(to_jsonable_python(cache_key[1:4], fallback=repr))
+
+
 class StepBackend(CallableOperationBackend[Config]):
-    """Runs each unit as one step of the run (``steps.run``), across the bridge."""
+    """Runs each unit as one step of the run (``steps.run``, a model request as
+    ``steps.model_call``), across the bridge."""
+
+    def __init__(self, capability: DarDurability, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.capability = capability
 
     async def execute(
         self,
@@ -121,7 +168,10 @@ class StepBackend(CallableOperationBackend[Config]):
         if bridge is None:  # outside a run of this runtime: the agent behaves as without us
             return await body()
         policy = UnitPolicy(idempotent=bool((config or {}).get("idempotent", False)))
-        return await bridge.unit(name, body, policy)
+        billing = None
+        if isinstance(operation_id, ModelRequestId):
+            billing = Billing(self.capability.model_name(operation_id), prompt(cache_key), billed)
+        return await bridge.unit(name, body, policy, billing)
 
 
 class DarDurability(BaseDurabilityCapability[Any]):
@@ -156,8 +206,18 @@ class DarDurability(BaseDurabilityCapability[Any]):
     def get_default_conversation_id(self, run_id: str) -> str | None:
         return conversation_id_from_run_id(run_id) if self.in_durable_context else None
 
+    def model_name(self, operation_id: ModelRequestId) -> str:
+        """The model a request goes to, as far as it is known before the answer names it."""
+        model = self.agent.model if self.agent is not None else None
+        if operation_id.model_id:
+            return operation_id.model_id
+        if isinstance(model, str):
+            return model.partition(":")[2] or model
+        return str(getattr(model, "model_name", "") or operation_id.model_name)
+
     def get_durable_operation_backend(self) -> DurableOperationBackend[Config]:
         return StepBackend(
+            self,
             namer=StepNamer(),
             config=RoleBasedOperationConfig(
                 model=MODEL,

@@ -15,7 +15,7 @@ from pydantic_ai.models.anthropic import AnthropicModel
 from pydantic_ai.providers.anthropic import AnthropicProvider
 
 import api
-from db.records import Dispatch, RunStatus, StepStatus
+from db.records import Dispatch, RunStatus, StepStatus, Usage
 from runtime.bootstrap import Runtime
 from runtime.frameworks.bridge import on_loop
 from tasks.celery_app import make_celery
@@ -69,8 +69,19 @@ def test_a_registered_agent_runs_with_a_function_tool(
     assert done.result == "A-7 has shipped."
     assert looked_up == ["A-7"], "the tool ran once"
     assert fake.calls == 2, "each model request was made once"
-    keys = [s.step_key for s in rt.store.steps(run.id) if s.status is StepStatus.DONE]
-    assert keys == ["model.request:0", "tool.lookup:0", "model.request:1"]
+    steps = rt.store.steps(run.id)
+    assert [s.step_key for s in steps] == ["model.request:0", "tool.lookup:0", "model.request:1"]
+    assert all(s.status is StepStatus.DONE for s in steps)
+    calls = [s for s in steps if s.step_key.startswith("model.request")]
+    assert [s.model for s in calls] == [MODEL, MODEL]
+    assert [s.request_id for s in calls] == ["msg_fake_0001", "msg_fake_0002"]
+    assert all(s.prompt_hash for s in calls)
+    assert calls[0].prompt_hash != calls[1].prompt_hash
+    billed = Usage(input_tokens=10, output_tokens=5)
+    assert [s.usage for s in calls] == [billed, billed], "as the fake billed"
+    assert [s.cost_usd for s in calls] == [rt.pricing.cost(MODEL, billed)] * 2
+    assert done.tokens_used == 30
+    assert done.cost_usd == 2 * rt.pricing.cost(MODEL, billed)
 
 
 def test_the_api_submits_a_pydantic_ai_agent_by_name(
