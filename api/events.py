@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -32,7 +33,7 @@ import redis
 from flask import Blueprint, Response, current_app, request
 from sqlalchemy import RowMapping
 
-from api.auth import requires
+from api.auth import current_principal, requires
 from api.errors import ApiError
 from api.eventhub import EventHub, Waiter
 from api.runs import load_run, parse_run_id
@@ -261,6 +262,71 @@ class EventStream:
             self.hub.unsubscribe(waiter)
 
 
+class StreamSlots:
+    """Open event streams in this process, counted per token, per tenant and in all: a stream
+    past a limit is refused (429) instead of holding one more connection, so one token (or
+    tenant) cannot take the connections ``/healthz`` and a submit need."""
+
+    RETRY_AFTER = 5
+
+    def __init__(self, per_token: int, per_tenant: int, total: int) -> None:
+        self.limits = {"token": per_token, "tenant": per_tenant, "process": total}
+        self.open: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, token: str | None, tenant: str | None) -> Callable[[], None]:
+        """A slot for one stream (a function that gives it back), or a 429."""
+        keys = [("process", "")]
+        if token is not None:
+            keys += [("token", token), ("tenant", tenant or "")]
+        with self._lock:
+            for key in keys:
+                limit = self.limits[key[0]]
+                if limit and self.open.get(key, 0) >= limit:
+                    raise ApiError(
+                        429,
+                        _STREAM_LIMIT[key[0]].format(limit=limit),
+                        code="too_many_streams",
+                        headers={"Retry-After": str(self.RETRY_AFTER)},
+                    )
+            for key in keys:
+                self.open[key] = self.open.get(key, 0) + 1
+        given: list[bool] = []
+
+        def give() -> None:
+            with self._lock:
+                if given:
+                    return
+                given.append(True)
+                for key in keys:
+                    self.open[key] -= 1
+                    if not self.open[key]:
+                        del self.open[key]
+
+        return give
+
+
+_STREAM_LIMIT = {
+    "token": "this token holds {limit} open event streams, its limit "
+    "(DAR_EVENTS_STREAMS_PER_TOKEN): close one, or retry later",
+    "tenant": "this tenant's tokens hold {limit} open event streams, its limit "
+    "(DAR_EVENTS_STREAMS_PER_TENANT): close one, or retry later",
+    "process": "this server holds {limit} open event streams, its limit "
+    "(DAR_EVENTS_STREAMS_MAX): retry later",
+}
+
+
+def stream_slots() -> StreamSlots:
+    slots = current_app.extensions.get("dar_stream_slots")
+    if slots is None:
+        st = state().runtime.settings
+        slots = StreamSlots(
+            st.events_streams_per_token, st.events_streams_per_tenant, st.events_streams_max
+        )
+        current_app.extensions["dar_stream_slots"] = slots
+    return cast(StreamSlots, slots)
+
+
 def event_hub() -> EventHub:
     """This process's hub (made on first use)."""
     hub = current_app.extensions.get("dar_event_hub")
@@ -281,6 +347,10 @@ def events(run_id: str) -> Response:
     raw = request.headers.get("Last-Event-ID") or request.args.get("after")
     last_event = s.runtime.store.run_event_seq(run.id) or 0
     after = parse_event_id(raw, run.id, last_event) if raw else Cursor((0, 0, 0))
+    principal = current_principal()
+    give_back = stream_slots().take(
+        principal.name if principal else None, principal.tenant if principal else None
+    )
     stream = EventStream(
         s.runtime.store,
         s.runtime.live,
@@ -290,8 +360,10 @@ def events(run_id: str) -> Response:
         hub=event_hub(),
         finished=run.status.terminal,
     )
-    return Response(
+    response = Response(
         iter(stream),
         mimetype="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+    response.call_on_close(give_back)  # the server closes the response when the stream ends
+    return response

@@ -303,6 +303,11 @@ def openapi_document(
                         },
                         "400": _error("Malformed Last-Event-ID, or one of another run"),
                         "404": _error("No such run"),
+                        "429": _error(
+                            "Too many open streams: this token's (DAR_EVENTS_STREAMS_PER_TOKEN), "
+                            "its tenant's (DAR_EVENTS_STREAMS_PER_TENANT) or this server's "
+                            "(DAR_EVENTS_STREAMS_MAX); retry after Retry-After seconds"
+                        ),
                     },
                 }
             },

@@ -144,6 +144,14 @@ class Settings:
     reconnects with Last-Event-ID when it still wants it)."""
     events_max_seconds: float = 3600.0
     """DAR_EVENTS_MAX_SECONDS: the longest one stream connection is held open."""
+    events_streams_per_token: int = 8
+    """DAR_EVENTS_STREAMS_PER_TOKEN: event streams one token may hold open in one web process
+    (429 with Retry-After beyond it); 0 is unlimited."""
+    events_streams_per_tenant: int = 32
+    """DAR_EVENTS_STREAMS_PER_TENANT: the same, for all the tokens of one tenant."""
+    events_streams_max: int = 1000
+    """DAR_EVENTS_STREAMS_MAX: event streams one web process holds open in all (default: half
+    of WEB_CONNECTIONS), so the other routes keep connections to answer with."""
     live_maxlen: int = 10_000
     """DAR_LIVE_MAXLEN: the cap (approximate) of a run's Redis stream of text deltas."""
     cancel_poll_seconds: float = 0.2
@@ -225,6 +233,14 @@ class Settings:
             events_heartbeat_seconds=_num(e, "DAR_EVENTS_HEARTBEAT_SECONDS", 15.0, minimum=0.1),
             events_idle_seconds=_num(e, "DAR_EVENTS_IDLE_SECONDS", 300.0, minimum=1),
             events_max_seconds=_num(e, "DAR_EVENTS_MAX_SECONDS", 3600.0, minimum=1),
+            events_streams_per_token=_int(e, "DAR_EVENTS_STREAMS_PER_TOKEN", 8, minimum=0),
+            events_streams_per_tenant=_int(e, "DAR_EVENTS_STREAMS_PER_TENANT", 32, minimum=0),
+            events_streams_max=_int(
+                e,
+                "DAR_EVENTS_STREAMS_MAX",
+                max(1, _int(e, "WEB_CONNECTIONS", 2000, minimum=2) // 2),
+                minimum=1,
+            ),
             live_maxlen=_int(e, "DAR_LIVE_MAXLEN", 10_000, minimum=100),
             cancel_poll_seconds=_num(e, "DAR_CANCEL_POLL_SECONDS", 0.2, minimum=0.01),
             worker_name=_get(e, "DAR_WORKER_NAME", f"{socket.gethostname()}:{os.getpid()}"),

@@ -42,6 +42,9 @@ def auth(name: str) -> dict[str, str]:
 
 
 def make_client(runtime: Runtime, settings: Settings, **changes: Any) -> FlaskClient:
+    if "order-refund" not in runtime.agents:
+        runtime.tickets.seed()
+        runtime.agents.register(build_refund(runtime.tickets))
     runtime.settings = replace(settings, api_tokens=token_env(), **changes)
     return create_app(
         runtime=runtime, celery=make_celery(runtime.settings, register=False)
@@ -50,8 +53,6 @@ def make_client(runtime: Runtime, settings: Settings, **changes: Any) -> FlaskCl
 
 @pytest.fixture
 def client(runtime: Runtime, settings: Settings) -> FlaskClient:
-    runtime.tickets.seed()
-    runtime.agents.register(build_refund(runtime.tickets))
     return make_client(runtime, settings)
 
 
@@ -103,3 +104,61 @@ def test_a_list_of_runs_carries_no_input(client: FlaskClient) -> None:
     assert "input" not in item
     one = client.get(f"/api/runs/{run_id}", headers=auth("alice")).get_json()
     assert one["input"].startswith("secret question")
+
+
+# -- 4. event streams per token and per tenant -----------------------------------------------
+
+
+def test_open_event_streams_are_limited_per_token_and_per_tenant(
+    runtime: Runtime, settings: Settings
+) -> None:
+    client = make_client(runtime, settings, events_streams_per_token=2, events_streams_per_tenant=3)
+    run_id = submit(client, "alice").get_json()["id"]
+    path = f"/api/runs/{run_id}/events"
+
+    def stream(who: str) -> TestResponse:
+        return client.get(path, headers=auth(who), buffered=False)
+
+    held = [stream("alice"), stream("alice")]
+    assert [r.status_code for r in held] == [200, 200]
+    refused = stream("alice")
+    assert refused.status_code == 429
+    assert refused.headers["Retry-After"].isdigit()
+    assert "DAR_EVENTS_STREAMS_PER_TOKEN" in refused.get_json()["error"]["message"]
+
+    held.append(stream("ann"))  # the tenant's third
+    assert held[-1].status_code == 200
+    tenant_full = stream("ann")
+    assert tenant_full.status_code == 429
+    assert "DAR_EVENTS_STREAMS_PER_TENANT" in tenant_full.get_json()["error"]["message"]
+
+    # Another tenant, and the routes that are not streams, are untouched.
+    bob_run = submit(client, "bob").get_json()["id"]
+    other = client.get(f"/api/runs/{bob_run}/events", headers=auth("bob"), buffered=False)
+    assert other.status_code == 200
+    other.close()
+    assert client.get("/healthz").status_code == 200
+    assert submit(client, "alice").status_code == 201
+
+    held.pop(0).close()  # a stream ends: its slot is free again
+    again = stream("alice")
+    assert again.status_code == 200
+    for r in [*held, again]:
+        r.close()
+
+
+def test_the_process_keeps_connections_for_other_routes(
+    runtime: Runtime, settings: Settings
+) -> None:
+    client = make_client(runtime, settings, events_streams_max=2)
+    run_id = submit(client, "alice").get_json()["id"]
+    bob_run = submit(client, "bob").get_json()["id"]
+    held = [
+        client.get(f"/api/runs/{run_id}/events", headers=auth("alice"), buffered=False),
+        client.get(f"/api/runs/{bob_run}/events", headers=auth("bob"), buffered=False),
+    ]
+    refused = client.get(f"/api/runs/{bob_run}/events", headers=auth("bob"), buffered=False)
+    assert refused.status_code == 429
+    assert "DAR_EVENTS_STREAMS_MAX" in refused.get_json()["error"]["message"]
+    for r in held:
+        r.close()
