@@ -671,6 +671,26 @@ ORDER BY 1, 2;
 -- count_stale_leases --
 SELECT count(*) FROM run WHERE status = 'RUNNING' AND locked_until < now();
 
+-- count_ready_runs --
+-- The autoscaling signal, over live runs only (run_claim_idx): "ready" runs could be worked
+-- on now but no worker holds them (a new run, a step handed on and not yet claimed, a timer
+-- come due, a lapsed lease): a backlog that more workers would shrink. A run waiting for a
+-- timer, a key slot or a model's rate limit has run_at in the future and is not ready (more
+-- workers would not help it). A ready run has waited since the latest of: its run_at (a
+-- timer), its last write (a hand-over, a submit) and its lapsed lease; the reaper's
+-- re-dispatch of a lost message does not restart that clock. "in_step": runs inside a step
+-- (a live lease).
+SELECT count(*) FILTER (WHERE ready) AS ready,
+       COALESCE(EXTRACT(EPOCH FROM now() - min(since) FILTER (WHERE ready)), 0)
+           AS oldest_seconds,
+       count(*) FILTER (WHERE locked_until >= now()) AS in_step
+FROM (
+    SELECT run_at <= now() AND (locked_until IS NULL OR locked_until < now()) AS ready,
+           GREATEST(run_at, updated_at, COALESCE(locked_until, '-infinity')) AS since,
+           locked_until
+    FROM run WHERE status IN ('QUEUED', 'RUNNING')
+) live;
+
 -- current_migration --
 SELECT version_num FROM dar_alembic_version;
 

@@ -363,3 +363,13 @@ class NewFork:
     """As a submit's: unique per tenant (the fork's tenant is the source's); a retry with the
     same key and ``request_hash`` gets the fork made first."""
     request_hash: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyRuns:
+    """The autoscaling signal (``count_ready_runs``): runs a worker could take now that none
+    holds, how long the oldest of them has waited, and the runs inside a step."""
+
+    ready: int
+    oldest_seconds: float
+    in_step: int

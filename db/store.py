@@ -40,6 +40,7 @@ from db.records import (
     NewFork,
     NewRun,
     NewStep,
+    ReadyRuns,
     Run,
     RunStatus,
     Stats,
@@ -430,6 +431,13 @@ class RunStore:
     def count_stale_leases(self) -> int:
         with self._statement() as conn:
             return int(conn.execute(Q["count_stale_leases"]).scalar_one())
+
+    def count_ready_runs(self) -> ReadyRuns:
+        """Runs ready for a worker, the oldest one's wait, runs in a step (the fleet's
+        scaling signal)."""
+        with self._statement() as conn:
+            row = conn.execute(Q["count_ready_runs"]).one()
+        return ReadyRuns(int(row.ready), float(row.oldest_seconds), int(row.in_step))
 
     # -- claiming and the lease ---------------------------------------------------------
 

@@ -157,6 +157,24 @@ class FleetCollector(Collector):
         if total > sum(n for _, n in top):
             waiting.add_metric(["(other)"], total - sum(n for _, n in top))
         yield waiting
+        ready = self.store.count_ready_runs()
+        yield GaugeMetricFamily(
+            "dar_runs_ready",
+            "Runs a worker could take now that no worker holds (whole fleet): the backlog "
+            "more workers would shrink. Runs waiting for a timer, a key slot or a rate limit "
+            "are not counted.",
+            value=ready.ready,
+        )
+        yield GaugeMetricFamily(
+            "dar_runs_ready_oldest_seconds",
+            "How long the oldest ready run has waited for a worker (0 with none ready).",
+            value=ready.oldest_seconds,
+        )
+        yield GaugeMetricFamily(
+            "dar_runs_in_step",
+            "Runs inside a step now (a worker holds their lease): the slots in use.",
+            value=ready.in_step,
+        )
         yield GaugeMetricFamily(
             "dar_stale_leases",
             "RUNNING runs whose lease has lapsed: a worker died and the run awaits the reaper.",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
@@ -10,10 +11,11 @@ from dataclasses import replace
 import pytest
 from celery import Celery
 from prometheus_client import CollectorRegistry
+from sqlalchemy import text
 
 from api import create_app
 from api.embedded import free_port
-from db.records import RunStatus
+from db.records import ReadyRuns, RunStatus
 from runtime.bootstrap import Runtime
 from runtime.config import Settings
 from runtime.llm.scripted import ScriptedLlm
@@ -21,7 +23,7 @@ from runtime.metrics import Metrics
 from runtime.tools import tool
 from tasks.celery_app import DRIVE_RUN, make_celery
 from tasks.drive import stop_worker_state
-from tests.support import drive_to_end, register_agent, submit
+from tests.support import drive_to_end, expire_lease, register_agent, submit
 
 PRICES = {"claude-test": {"input": 3, "output": 15, "cache_write": 3.75, "cache_read": 0.3}}
 
@@ -98,3 +100,41 @@ def test_api_metrics_show_fleet_gauges_and_http(runtime: Runtime, llm: ScriptedL
     assert 'dar_runs{status="CANCELLED"} 1.0' in body
     assert "dar_stale_leases 0.0" in body
     assert "dar_http_request_duration_seconds" in body
+
+
+def test_ready_runs_gauges_count_the_backlog_more_workers_would_shrink(
+    runtime: Runtime,
+) -> None:
+    """dar_runs_ready counts runs a worker could take now and none holds; a timer (or a key
+    slot, a rate limit) is not ready; a run in a step is in_step until its lease lapses."""
+    store, engine = runtime.store, runtime.engine
+    assert store.count_ready_runs() == ReadyRuns(0, 0.0, 0)
+    old, _ = submit(store)
+    timer, _ = submit(store)
+    held, held_dispatch = submit(store)
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE run SET run_at = now() + interval '1 hour' WHERE id = :id"),
+            {"id": timer.id},
+        )
+        conn.execute(
+            text(
+                "UPDATE run SET run_at = now() - interval '20 seconds',"
+                " updated_at = now() - interval '12 seconds' WHERE id = :id"
+            ),
+            {"id": old.id},
+        )
+    assert store.claim(held.id, held_dispatch.token, "worker-A", 30) is not None
+    ready = store.count_ready_runs()
+    assert (ready.ready, ready.in_step) == (1, 1)
+    assert 12 <= ready.oldest_seconds < 60, "the wait counts from the last write, not run_at"
+
+    expire_lease(engine, held.id)  # its worker died: ready again, nobody in a step
+    ready = store.count_ready_runs()
+    assert (ready.ready, ready.in_step) == (2, 0)
+
+    client = create_app(runtime=runtime, celery=make_celery(runtime.settings, register=False))
+    body = client.test_client().get("/metrics").get_data(as_text=True)
+    assert "dar_runs_ready 2.0" in body
+    assert "dar_runs_in_step 0.0" in body
+    assert re.search(r"^dar_runs_ready_oldest_seconds 1\d\.\d+", body, re.MULTILINE), body

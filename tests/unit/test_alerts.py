@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 from prometheus_client import CollectorRegistry
 
+from db.records import ReadyRuns
 from runtime.metrics import FleetCollector, Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,6 +23,9 @@ class _Counts:
 
     def count_stale_leases(self) -> int:
         return 0
+
+    def count_ready_runs(self) -> ReadyRuns:
+        return ReadyRuns(0, 0.0, 0)
 
     def count_pending_approvals(self) -> dict[str, int]:
         return {}
@@ -54,3 +58,15 @@ def test_alert_rules_use_exported_metrics() -> None:
         assert used, rule["alert"]
         assert used <= exported, (rule["alert"], used - exported)
         assert rule["labels"]["severity"] in {"warning", "critical"}
+
+
+def test_the_keda_example_scales_on_exported_metrics() -> None:
+    exported = _exported()
+    doc = yaml.safe_load((ROOT / "deploy/keda/scaledobject.yaml").read_text())
+    assert doc["kind"] == "ScaledObject"
+    queries = [t["metadata"]["query"] for t in doc["spec"]["triggers"]]
+    assert any("dar_runs_ready" in q for q in queries)
+    for query in queries:
+        used = set(re.findall(r"\b(dar_[a-z_]+)", query))
+        assert used, query
+        assert used <= exported, (query, used - exported)
