@@ -147,8 +147,7 @@ def _model_step(
     original = modelcall.recorded_answer(task, key, body)
     if original is not None:  # a fork replaying the model, and the request is unchanged
         row = modelcall.replayed_row(seq, key, body, original)
-        task.ensure_lease()
-        dispatch = task.store.record_replayed(task.claim, row, original, hand_over=True)
+        dispatch = task.record_replayed(row, original, hand_over=True)
         log.info("run=%s seq=%d MODEL replayed (request unchanged; 0 tokens)", task.rid, seq)
         return StepResult(Outcome.CONTINUE, dispatch=dispatch)
     refusal = modelcall.strict_budget_refusal(task, request, body)
@@ -202,7 +201,7 @@ def _model_step(
     dispatch = modelcall.record_billed(
         task,
         answer,
-        lambda: task.store.checkpoint_model(task.claim, checkpoint),
+        lambda: task.checkpoint_model(checkpoint),
         key=checkpoint.step_key,
         # committed by a try whose answer was lost: the run carries the token it set
         committed=lambda: Dispatch(task.run_id, task.store.get_run(task.run_id).dispatch_token),
@@ -252,27 +251,13 @@ def _tool_step(task: Task, agent: Agent, use: dict[str, Any]) -> StepResult:
     tool_use_id: str = use["id"]
     name: str = use["name"]
     key = tool_step_key(tool_use_id)
-    existing = next((s for s in task.steps if s.step_key == key), None)
+    found = task.look_up(key)
+    existing = found.row
     seq = existing.seq if existing is not None else task.next_seq
     set_step(seq)
     tool = agent.tools_by_name.get(name)
     limit = task.settings.max_tool_output_chars
     started = time.monotonic()
-
-    def row(status: StepStatus, output: str, latency_ms: int, attempt: int = 1) -> NewStep:
-        return NewStep(
-            seq=seq,
-            step_key=key,
-            kind=StepKind.TOOL,
-            status=status,
-            response=output,
-            error=output if status is StepStatus.ERROR else None,
-            attempt=attempt,
-            latency_ms=latency_ms,
-            tool_name=name,
-            tool_use_id=tool_use_id,
-        )
-
     toolset = mcpcall.recorded_toolset(task) if tool is None else None
     mcp_tool = toolset.get(name) if toolset is not None else None
     server = agent.servers.get(mcp_tool.server) if mcp_tool is not None else None
@@ -284,7 +269,19 @@ def _tool_step(task: Task, agent: Agent, use: dict[str, Any]) -> StepResult:
         if mcp_tool is not None:
             output = f"error: tool {name!r} belongs to MCP server {mcp_tool.server!r}, which "
             output += "this agent no longer declares"
-        return task.checkpoint([row(StepStatus.ERROR, output, 0)])
+        unknown = NewStep(
+            seq=seq,
+            step_key=key,
+            kind=StepKind.TOOL,
+            status=StepStatus.ERROR,
+            response=output,
+            error=output,
+            attempt=1,
+            latency_ms=0,
+            tool_name=name,
+            tool_use_id=tool_use_id,
+        )
+        return task.checkpoint([unknown])
     arguments = dict(use.get("input") or {})
     attempt = (existing.attempt + 1) if existing is not None else 1
     if tool is not None:
@@ -320,23 +317,21 @@ def _tool_step(task: Task, agent: Agent, use: dict[str, Any]) -> StepResult:
     )
     if existing is None:
         log.info("run=%s seq=%d TOOL %s id=%s started", task.rid, seq, name, tool_use_id)
-    verdict = effects.execute(task, effect, existing)
-    if isinstance(verdict, effects.InDoubt):
-        return task.needs_attention(verdict.reason)
-    if isinstance(verdict, effects.StillRunning):
-        log.warning("run=%s seq=%d %s", task.rid, seq, verdict.reason)
-        return task.schedule(task.settings.cancel_grace_seconds, verdict.reason, model_attempts=0)
+    verdict = effects.execute(task, effect, found)
+    stopped = effects.unsettled(task, verdict)
+    if stopped is not None:
+        return stopped
+    status = StepStatus.ERROR if isinstance(verdict, effects.Raised) else StepStatus.DONE
     if isinstance(verdict, effects.WasReconciled):
-        result = row(StepStatus.DONE, render_output(verdict.output, limit), 0, attempt)
+        output = render_output(verdict.output, limit)
     elif isinstance(verdict, effects.Ran) and isinstance(verdict.value, CallResult):
         answer = verdict.value  # an MCP result: its isError decides
         status = StepStatus.ERROR if answer.is_error else StepStatus.DONE
-        result = row(status, render_output(answer.text, limit), verdict.latency_ms, attempt)
+        output = render_output(answer.text, limit)
     elif isinstance(verdict, effects.Ran):
-        result = row(
-            StepStatus.DONE, render_output(verdict.value, limit), verdict.latency_ms, attempt
-        )
+        output = render_output(verdict.value, limit)
     else:
+        assert isinstance(verdict, effects.Raised)
         e = verdict.error
         if verdict.timed_out:
             output = f"error: tool {name!r} timed out after {limit_seconds:g}s"
@@ -346,7 +341,10 @@ def _tool_step(task: Task, agent: Agent, use: dict[str, Any]) -> StepResult:
             output = render_output(mcpcall.error_text(e), limit)
         else:  # a failing tool is information for the model
             output = render_output(f"error: {type(e).__name__}: {e}", limit)
-        result = row(StepStatus.ERROR, output, verdict.latency_ms, attempt)
+    failed = status is StepStatus.ERROR
+    result = effects.row(
+        effect, verdict, status=status, response=output, error=output if failed else None
+    )
     outcome = task.checkpoint([result])
     verdict_word = "done" if result.status is StepStatus.DONE else "error"
     task.observe("TOOL", "ok" if result.status is StepStatus.DONE else "error", started)

@@ -26,8 +26,9 @@ compensation. The rule, written once:
    ``reconcile`` hook is asked; else the run stops ``NEEDS_ATTENTION``, the step left
    ``STARTED`` for the operator.
 
-The caller records the verdict (and so chooses the step's row), in the same transaction that
-hands the lease on.
+The caller turns the verdict into its row (:func:`row`: what the row says is the kind's, how
+it is built is written once here) or into the end of the task (:func:`unsettled`: in doubt or
+still running), and records it in the same transaction that hands the lease on.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from typing import Any
 
 from db.records import NewStep, Step, StepStatus
 from runtime.faults import crash_point
-from runtime.pipeline import KINDS, Policy, StepKind
-from runtime.task import Task
+from runtime.pipeline import KINDS, Found, Policy, StepKind
+from runtime.task import StepResult, Task
 from runtime.tools import OutcomeUnknown, Reconciled, ToolContext
 
 log = logging.getLogger(__name__)
@@ -113,13 +114,13 @@ class StillRunning:
 Verdict = Ran | Raised | WasReconciled | InDoubt | StillRunning
 
 
-def execute(task: Task, effect: Effect, recorded: Step | None) -> Verdict:
-    """Run ``effect`` under the rules above. ``recorded`` is its row when one exists."""
+def execute(task: Task, effect: Effect, found: Found) -> Verdict:
+    """Run ``effect`` under the rules above; ``found`` is what the log says of its key."""
     if not effect.policy.has_effect:
         raise ValueError(f"a {effect.kind} step has no effect to execute (runtime.pipeline)")
     context = ToolContext(run_id=task.run_id, tool_use_id=effect.context_key or effect.key)
-    if recorded is not None and recorded.status is StepStatus.STARTED:
-        decided = _in_doubt(task, effect, recorded, context)
+    if found.in_doubt is not None:
+        decided = _in_doubt(task, effect, found.in_doubt, context)
         if decided is not None:
             return decided
     task.ensure_lease()
@@ -142,7 +143,7 @@ def execute(task: Task, effect: Effect, recorded: Step | None) -> Verdict:
         else None
     )
     if deferred is None:
-        task.store.start_step(task.claim, row)
+        task.start(row)
     crash_point("after_tool_start")
     verdict = _run(task, effect, context, deferred)
     crash_point("after_tool_effect")
@@ -237,6 +238,47 @@ def _reconciled(task: Task, effect: Effect, context: ToolContext) -> Verdict | N
     return None
 
 
+def unsettled(task: Task, verdict: Verdict) -> StepResult | None:
+    """How the task ends when the step's outcome is not known: in doubt, the run stops for
+    an operator; still running past its grace, a timer comes back to decide. ``None``: the
+    verdict is a result or an error, to be recorded (:func:`row`)."""
+    if isinstance(verdict, InDoubt):
+        return task.needs_attention(verdict.reason)
+    if isinstance(verdict, StillRunning):
+        log.warning("run=%s %s", task.rid, verdict.reason)
+        return task.schedule(task.settings.cancel_grace_seconds, verdict.reason)
+    return None
+
+
+def row(
+    effect: Effect,
+    verdict: Verdict,
+    *,
+    status: StepStatus | None = None,
+    response: Any = None,
+    error: str | None = None,
+    compensation: str | None = None,
+) -> NewStep:
+    """The row that records ``verdict`` of ``effect``: ``DONE``, or ``ERROR`` when it raised
+    (unless ``status`` says otherwise); ``response`` and ``error`` as the kind renders them."""
+    if status is None:
+        status = StepStatus.ERROR if isinstance(verdict, Raised) else StepStatus.DONE
+    return NewStep(
+        seq=effect.seq,
+        step_key=effect.key,
+        kind=effect.policy.row,
+        status=status,
+        response=response,
+        error=error,
+        attempt=effect.attempt,
+        latency_ms=verdict.latency_ms if isinstance(verdict, Ran | Raised) else 0,
+        tool_name=effect.tool_name,
+        tool_use_id=effect.tool_use_id,
+        input_hash=effect.input_hash,
+        compensation=compensation,
+    )
+
+
 @dataclass(frozen=True)
 class Deferred:
     """The ``STARTED`` row of an idempotent step, written once it has run ``after`` seconds."""
@@ -247,7 +289,7 @@ class Deferred:
 
     def write(self, context: ToolContext) -> None:
         try:
-            self.task.store.start_step(self.task.claim, self.row)
+            self.task.start(self.row)
         except BaseException:
             context.cancelled.set()  # the lease is gone: the code may stop, its result is moot
             raise

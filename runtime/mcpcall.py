@@ -45,7 +45,7 @@ def clients(task: Task) -> McpClients:
 
 
 def recorded_toolset(task: Task) -> Toolset | None:
-    row = next((s for s in task.steps if s.kind is StepKind.TOOLSET), None)
+    row = task.look_up(TOOLSET_KEY).row
     return Toolset.from_json(row.response) if row is not None else None
 
 

@@ -21,8 +21,10 @@ sequence for anything billed, ``Task`` to record.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from db.records import Step, StepStatus
 from db.records import StepKind as RowKind
 
 
@@ -284,6 +286,62 @@ KINDS: dict[StepKind, Policy] = {
         "framework's usage object and priced from `DAR_PRICES`; the same window as ours",
     ),
 }
+
+# -- the one lookup --------------------------------------------------------------------------
+
+
+class State(enum.StrEnum):
+    """What the step log says of a step key."""
+
+    NEW = "NEW"
+    """No row: the step has not run."""
+    RECORDED = "RECORDED"
+    """Done, failed or rejected: replayed from its row, never run again."""
+    IN_DOUBT = "IN_DOUBT"
+    """``STARTED``: its worker stopped between the effect and its record; the kind's rule
+    after a crash decides (:func:`runtime.effects.execute`)."""
+    OPEN = "OPEN"
+    """Stopped at a known point (paused, waiting to be retried, waiting for or granted an
+    approval): entered again, not in doubt."""
+
+
+_STATES = {
+    StepStatus.DONE: State.RECORDED,
+    StepStatus.ERROR: State.RECORDED,
+    StepStatus.REJECTED: State.RECORDED,
+    StepStatus.STARTED: State.IN_DOUBT,
+    StepStatus.PAUSED: State.OPEN,
+    StepStatus.RETRYING: State.OPEN,
+    StepStatus.PENDING: State.OPEN,
+    StepStatus.APPROVED: State.OPEN,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """A step key looked up in the log: its state, and its row when it has one."""
+
+    state: State
+    row: Step | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.row is not None and self.row.status is StepStatus.DONE
+
+    @property
+    def in_doubt(self) -> Step | None:
+        """The ``STARTED`` row the effect executor must decide about, if any."""
+        return self.row if self.state is State.IN_DOUBT else None
+
+
+NEW = Found(State.NEW)
+
+
+def look_up(log: Mapping[str, Step], key: str) -> Found:
+    """Is the step ``key`` recorded, in doubt, or new? Asked the same way by every kind."""
+    row = log.get(key)
+    return NEW if row is None else Found(_STATES[row.status], row)
+
 
 HEADER = (
     "| step kind | key | written before it runs | after a crash left it unfinished "

@@ -19,7 +19,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from db.errors import LeaseLost
-from db.records import Claim, Dispatch, NewStep, RunStatus, Step, Usage
+from db.records import Claim, Dispatch, ModelCheckpoint, NewStep, RunStatus, Step, Usage
 from db.store import RunStore
 from runtime.config import Settings
 from runtime.flow import FlowControl, Grant
@@ -28,6 +28,7 @@ from runtime.heartbeat import HeldLease
 from runtime.llm.base import LlmClient
 from runtime.mcp.client import McpClients
 from runtime.metrics import Metrics
+from runtime.pipeline import Found, look_up
 from runtime.pricing import PriceTable
 from runtime.prompthash import PromptHashes
 from runtime.replay import ReplayCache
@@ -97,6 +98,7 @@ class Task:
     spent_cost: Decimal = field(default_factory=Decimal)
     admission: Grant | None = None
     """Flow-control admission held by the model call about to be made (settled after it)."""
+    _log: tuple[list[Step], dict[str, Step]] | None = field(default=None, repr=False)
 
     @property
     def store(self) -> RunStore:
@@ -113,6 +115,17 @@ class Task:
     @property
     def rid(self) -> str:
         return short(self.claim.run_id)
+
+    @property
+    def log(self) -> dict[str, Step]:
+        """The run's steps by key, as this task read them."""
+        if self._log is None or self._log[0] is not self.steps:
+            self._log = (self.steps, {s.step_key: s for s in self.steps})
+        return self._log[1]
+
+    def look_up(self, key: str) -> Found:
+        """Is the step ``key`` recorded, in doubt, or new? (:func:`runtime.pipeline.look_up`)"""
+        return look_up(self.log, key)
 
     @property
     def next_seq(self) -> int:
@@ -150,6 +163,49 @@ class Task:
         self.ensure_lease()
         dispatch = self.store.record_steps(self.claim, rows)
         return StepResult(Outcome.CONTINUE, dispatch=dispatch)
+
+    def checkpoint_model(self, checkpoint: ModelCheckpoint) -> Dispatch:
+        """Record the agent loop's model step (its tokens added to the run) and hand the
+        lease on, in one transaction."""
+        return self.store.checkpoint_model(self.claim, checkpoint)
+
+    def record_replayed(self, row: NewStep, original: Step, *, hand_over: bool) -> Dispatch | None:
+        """Record a model step a fork answered from the original's ``original`` row; with
+        ``hand_over`` it is the task's step and the lease is handed on."""
+        self.ensure_lease()
+        return self.store.record_replayed(self.claim, row, original, hand_over=hand_over)
+
+    # -- records that do not end the task -----------------------------------------------------
+
+    def start(self, row: NewStep) -> None:
+        """Write a step with an effect ``STARTED``, before its code runs."""
+        self.store.start_step(self.claim, row)
+
+    def record_child(self, row: NewStep) -> None:
+        """Record a step nested in the running one (the task goes on)."""
+        self.store.record_child(self.claim, row)
+
+    def suspend_for_approval(
+        self,
+        row: NewStep,
+        *,
+        role: str,
+        payload: Any,
+        timeout_seconds: float,
+        timeout_policy: str,
+        discard_copied: bool,
+    ) -> uuid.UUID:
+        """Record the ``PENDING`` approval ``row`` and park the run for its decision."""
+        self.ensure_lease()
+        return self.store.suspend_for_approval(
+            self.claim,
+            row,
+            role=role,
+            payload=payload,
+            timeout_seconds=timeout_seconds,
+            timeout_policy=timeout_policy,
+            discard_copied=discard_copied,
+        )
 
     def schedule(
         self,

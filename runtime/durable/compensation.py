@@ -28,6 +28,7 @@ from runtime import effects, pipeline
 from runtime.codec import decode
 from runtime.durable.api import is_idempotent, resolve_compensation
 from runtime.durable.errors import DurableConfigError
+from runtime.pipeline import State
 from runtime.task import StepResult, Task
 
 
@@ -35,7 +36,9 @@ class Execution(Protocol):
     """What compensating needs of the function's execution."""
 
     task: Task
-    recorded: dict[str, Step]
+
+    @property
+    def recorded(self) -> dict[str, Step]: ...
 
     def take_seq(self) -> int: ...
 
@@ -97,8 +100,7 @@ class Compensations:
         return sorted(out, key=lambda s: s.seq, reverse=True)
 
     def _compensated(self, key: str) -> bool:
-        rec = self.execution.recorded.get(PREFIX + key)
-        return rec is not None and rec.status in (StepStatus.DONE, StepStatus.ERROR)
+        return self.execution.task.look_up(PREFIX + key).state is State.RECORDED
 
     def undo_children(self, parent: str) -> None:
         """Before a failed step's error reaches the function: undo what completed inside it
@@ -142,7 +144,8 @@ class Compensations:
         execution = self.execution
         task = execution.task
         key = PREFIX + target.step_key
-        rec = execution.recorded.get(key)
+        lookup = task.look_up(key)
+        rec = lookup.row
         seq = rec.seq if rec is not None else execution.take_seq()
         attempt = (rec.attempt + 1) if rec is not None else 1
         found = self.registered.get(target.step_key)
@@ -175,30 +178,13 @@ class Compensations:
             idempotent=is_idempotent(fn),
             attempt=attempt,
         )
-        in_doubt = rec if rec is not None and rec.status is StepStatus.STARTED else None
-        verdict = effects.execute(task, effect, in_doubt)
-        if isinstance(verdict, effects.InDoubt):
-            return task.needs_attention(verdict.reason)
-        if isinstance(verdict, effects.StillRunning):
-            return task.schedule(task.settings.cancel_grace_seconds, verdict.reason)
-        status, error, latency = StepStatus.DONE, None, 0
+        verdict = effects.execute(task, effect, lookup)
+        stopped = effects.unsettled(task, verdict)
+        if stopped is not None:
+            return stopped
+        error = None
         if isinstance(verdict, effects.Raised):
-            e = verdict.error
-            status, error, latency = (
-                StepStatus.ERROR,
-                f"{type(e).__name__}: {e}",
-                verdict.latency_ms,
-            )
-        elif isinstance(verdict, effects.Ran):
-            latency = verdict.latency_ms
-        log.info("run=%s seq=%d COMPENSATION %s %s", task.rid, seq, target.step_key, status)
-        row = NewStep(
-            seq,
-            key,
-            StepKind.COMPENSATION,
-            status,
-            error=error,
-            attempt=attempt,
-            latency_ms=latency,
-        )
+            error = f"{type(verdict.error).__name__}: {verdict.error}"
+        row = effects.row(effect, verdict, error=error)
+        log.info("run=%s seq=%d COMPENSATION %s %s", task.rid, seq, target.step_key, row.status)
         return task.checkpoint([row])

@@ -62,7 +62,7 @@ from runtime.mcp.client import CallResult
 from runtime.mcp.errors import McpRemoteError, McpUnavailable
 from runtime.mcp.servers import McpServer, namespaced
 from runtime.mcp.toolset import OfferedTool, idempotent, offered
-from runtime.pipeline import KINDS, StepKind
+from runtime.pipeline import KINDS, Found, State, StepKind
 from runtime.task import Outcome, StepResult, Task
 from runtime.tools import ToolContext
 
@@ -99,7 +99,6 @@ class Execution:
     def __init__(self, task: Task, agent: DurableAgent) -> None:
         self.task = task
         self.agent = agent
-        self.recorded: dict[str, Step] = {s.step_key: s for s in task.steps}
         self.history = [
             s.step_key
             for s in task.steps
@@ -115,6 +114,11 @@ class Execution:
         self.model_diverged: bool | None = None
         """A fork replaying the model met a request that differs in this task (``None``:
         as the log says)."""
+
+    @property
+    def recorded(self) -> dict[str, Step]:
+        """The run's steps by key (the task's log: :meth:`runtime.task.Task.look_up`)."""
+        return self.task.log
 
     # -- the Engine protocol's plain parts --------------------------------------------------
 
@@ -228,8 +232,7 @@ class Execution:
         PAUSED: they were interrupted at a known point, so they are not in doubt."""
         with self.engine_call():
             for frame in self.stack:
-                self.task.store.record_child(
-                    self.task.claim,
+                self.task.record_child(
                     NewStep(
                         frame.seq,
                         frame.key,
@@ -257,7 +260,8 @@ class Execution:
         key = self._key(name)
         if not self.stack:
             self._check_replay(key)
-        rec = self.recorded.get(key)
+        found = self.task.look_up(key)
+        rec = found.row
         if rec is not None and rec.status is StepStatus.DONE:
             value = decode(rec.response, type)
             self.compensations.completed(key, value, compensate)
@@ -267,7 +271,7 @@ class Execution:
             raise self._recorded_error(key, rec)
         if not self.stack:
             self._guard(step_kind)
-        return self._execute(step_kind, key, thunk, type, compensate, options, rec, declared_by)
+        return self._execute(step_kind, key, thunk, type, compensate, options, found, declared_by)
 
     @staticmethod
     def _recorded_error(key: str, rec: Step) -> StepError:
@@ -284,10 +288,11 @@ class Execution:
         type: Any,
         compensate: Callable[[Any], Any] | None,
         options: StepOptions,
-        rec: Step | None,
+        found: Found,
         declared_by: str | None,
         input_hash: str | None = None,
     ) -> Any:
+        rec = found.row
         if rec is None:
             seq, attempt = self.take_seq(), 1
         elif rec.status in (StepStatus.PAUSED, StepStatus.STARTED):
@@ -317,11 +322,10 @@ class Execution:
             attempt=attempt,
             input_hash=input_hash,
         )
-        in_doubt = rec if rec is not None and rec.status is StepStatus.STARTED else None
         self.stack.append(frame)
         try:
             with self.engine_call():
-                verdict = effects.execute(self.task, effect, in_doubt)
+                verdict = effects.execute(self.task, effect, found)
         except Pause as p:
             self.stack.pop()
             paused = NewStep(seq, key, KINDS[kind].row, StepStatus.PAUSED, attempt=attempt)
@@ -335,21 +339,17 @@ class Execution:
         if isinstance(verdict, effects.InDoubt | effects.StillRunning):
             self._pause_open_steps()
             with self.engine_call():
-                if isinstance(verdict, effects.InDoubt):
-                    self.end(self.task.needs_attention(verdict.reason))
-                log.warning("run=%s seq=%d %s", self.task.rid, seq, verdict.reason)
-                self.end(
-                    self.task.schedule(self.task.settings.cancel_grace_seconds, verdict.reason)
-                )
+                stopped = effects.unsettled(self.task, verdict)
+            assert stopped is not None
+            self.end(stopped)
         error: Exception | None = None
         timed_out = False
-        latency = 0
         if isinstance(verdict, effects.WasReconciled):
             value = verdict.output
         elif isinstance(verdict, effects.Ran):
-            value, latency = verdict.value, verdict.latency_ms
+            value = verdict.value
         else:
-            error, latency, timed_out = verdict.error, verdict.latency_ms, verdict.timed_out
+            error, timed_out = verdict.error, verdict.timed_out
         if error is None:
             try:
                 encoded = encode(value)
@@ -359,50 +359,40 @@ class Execution:
             except Exception as e:
                 error = e
         if error is not None:
-            return self._failed(kind, key, seq, attempt, latency, error, timed_out, options)
-        row = NewStep(
-            seq=seq,
-            step_key=key,
-            kind=KINDS[kind].row,
-            status=StepStatus.DONE,
+            return self._failed(effect, verdict, error, timed_out, options)
+        row = effects.row(
+            effect,
+            verdict,
             response=encoded,
-            attempt=attempt,
-            latency_ms=latency,
-            input_hash=input_hash,
             compensation=compensation_ref(compensate, declared_by) if compensate else None,
         )
         self.compensations.completed(key, value, compensate)
         if nested:
             with self.engine_call():
-                self.task.store.record_child(self.task.claim, row)
+                self.task.record_child(row)
             return value
-        log.info("run=%s seq=%d %s %s done %dms", self.task.rid, seq, KINDS[kind].row, key, latency)
+        log.info("run=%s seq=%d %s %s done %dms", self.task.rid, seq, row.kind, key, row.latency_ms)
         with self.engine_call():
             self.end(self.task.checkpoint([row]))
 
     def _failed(
         self,
-        kind: StepKind,
-        key: str,
-        seq: int,
-        attempt: int,
-        latency: int,
+        effect: effects.Effect,
+        verdict: effects.Verdict,
         error: Exception,
         timed_out: bool,
         options: StepOptions,
     ) -> Any:
+        key, seq, attempt = effect.key, effect.seq, effect.attempt
         text = (
             f"StepTimeout: step ran longer than {options.timeout:g}s"
             if timed_out
             else f"{type_name(error)}: {error}"
         )
-        row_kind = KINDS[kind].row
-        row = NewStep(
-            seq, key, row_kind, StepStatus.ERROR, error=text, attempt=attempt, latency_ms=latency
-        )
+        row = effects.row(effect, verdict, status=StepStatus.ERROR, error=text)
         if self.stack:  # nested: recorded, and the parent's code sees the exception
             with self.engine_call():
-                self.task.store.record_child(self.task.claim, row)
+                self.task.record_child(row)
             raise StepTimeout(key, text) if timed_out else error
         if options.retries and attempt < options.retries:
             delay = options.backoff * 2 ** (attempt - 1)
@@ -410,28 +400,20 @@ class Execution:
                 "run=%s seq=%d %s %s attempt %d failed (%s); retry in %.1fs",
                 self.task.rid,
                 seq,
-                row_kind,
+                row.kind,
                 key,
                 attempt,
                 text,
                 delay,
             )
-            retrying = NewStep(
-                seq,
-                key,
-                row_kind,
-                StepStatus.RETRYING,
-                error=text,
-                attempt=attempt,
-                latency_ms=latency,
-            )
+            retrying = effects.row(effect, verdict, status=StepStatus.RETRYING, error=text)
             with self.engine_call():
                 self.end(
                     self.task.schedule(
                         delay, f"{key} attempt {attempt} failed; retrying", rows=[retrying]
                     )
                 )
-        log.info("run=%s seq=%d %s %s failed: %s", self.task.rid, seq, row_kind, key, text)
+        log.info("run=%s seq=%d %s %s failed: %s", self.task.rid, seq, row.kind, key, text)
         with self.engine_call():
             self.end(self.task.checkpoint([row]))
 
@@ -439,7 +421,7 @@ class Execution:
         with self.engine_call():
             if pause.stop is not None:  # the guard stopped the run inside a step
                 for row in rows:
-                    self.task.store.record_child(self.task.claim, row)
+                    self.task.record_child(row)
                 self.end(self.compensations.unwind(pause.stop.status, pause.stop.reason))
             assert pause.delay_seconds is not None
             self.end(
@@ -480,8 +462,7 @@ class Execution:
         parent = self.stack[-1].key if self.stack else ""
         n = self.counters.get((parent, step_name), 0)
         key = f"{parent}/{step_name}:{n}" if parent else f"{step_name}:{n}"
-        rec = self.recorded.get(key)
-        settled = rec is not None and rec.status in (StepStatus.DONE, StepStatus.ERROR)
+        settled = self.task.look_up(key).state is State.RECORDED
         timeout = options.timeout or target.timeout_seconds
         rerun, reconcile = False, None
         entry: OfferedTool | None = None
@@ -536,7 +517,7 @@ class Execution:
             raise DurableConfigError("steps.version() belongs at the top level, not inside a step")
         before = dict(self.counters)
         key = self._key(name)
-        rec = self.recorded.get(key)
+        rec = self.task.look_up(key).row
         if rec is not None and rec.status is StepStatus.DONE:
             self._check_replay(key)
             recorded = int(rec.response)
@@ -573,7 +554,7 @@ class Execution:
             raise DurableConfigError("the model is called inside steps.llm(...)")
         parent = self.stack[-1]
         key = self._key("llm")
-        rec = self.recorded.get(key)
+        rec = self.task.look_up(key).row
         if rec is not None and rec.status is StepStatus.DONE and rec.attempt == parent.attempt:
             return LlmResponse(
                 rec.response or [],
@@ -634,7 +615,7 @@ class Execution:
             modelcall.record_billed(
                 self.task,
                 answer,
-                lambda: self.task.store.record_child(self.task.claim, row),
+                lambda: self.task.record_child(row),
                 key=key,
                 committed=lambda: None,
             )
@@ -786,8 +767,7 @@ class Execution:
             attempt=parent.attempt,
         )
         with self.engine_call():
-            self.task.ensure_lease()
-            self.task.store.record_replayed(self.task.claim, row, original, hand_over=False)
+            self.task.record_replayed(row, original, hand_over=False)
         log.info("run=%s seq=%d MODEL %s replayed (request unchanged)", self.task.rid, row.seq, key)
         return LlmResponse(
             original.response or [],
@@ -820,7 +800,8 @@ class Execution:
         self._check_replay(key)
         payload = {"stepKey": key, "input": encode(list(args))}
         digest = _hash(payload)
-        rec = self.recorded.get(key)
+        found = self.task.look_up(key)
+        rec = found.row
         if rec is not None and rec.origin is not None and rec.input_hash != digest:
             # A fork copied this decision, but its edits changed what would be approved: the
             # decision was not about this payload, so the approver is asked again.
@@ -855,7 +836,7 @@ class Execution:
                 type,
                 None,
                 options,
-                rec,
+                found,
                 None,
                 input_hash=digest,
             )
@@ -879,9 +860,7 @@ class Execution:
             input_hash=digest,
         )
         with self.engine_call():
-            self.task.ensure_lease()
-            approval_id = self.task.store.suspend_for_approval(
-                self.task.claim,
+            approval_id = self.task.suspend_for_approval(
                 row,
                 role=builder.role,
                 payload=payload,
