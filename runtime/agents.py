@@ -168,19 +168,21 @@ class AgentRegistry:
             resolved = tuple(self._tools[t] if isinstance(t, str) else t for t in agent.tools)
             self._agents[name] = replace(agent, tools=resolved)
 
-    def register(self, agent: AnyAgent) -> AnyAgent:
+    def register(self, agent: Any, **options: Any) -> AnyAgent:
         """Add an agent: ours (:class:`Agent`, a durable function), or a framework's
         (a ``pydantic_ai.Agent``, an OpenAI Agents SDK ``agents.Agent``), which runs as the
-        durable function :mod:`runtime.frameworks` makes of it."""
+        durable function :mod:`runtime.frameworks` makes of it (``options``: the adapter's,
+        e.g. ``deps=`` for a Pydantic AI agent)."""
         from runtime.frameworks import adapt
 
-        adapted = adapt(agent)
+        adapted = adapt(agent, **options)
         if adapted is not None:
             agent = adapted
         if agent.name in self._agents:
             raise AgentConfigError(f"two agents are registered under the name {agent.name!r}")
         self._agents[agent.name] = agent
-        return agent
+        registered: AnyAgent = agent
+        return registered
 
     def replace(self, agent: AnyAgent) -> AnyAgent:
         """Swap the code behind a registered name (a deploy, in tests)."""

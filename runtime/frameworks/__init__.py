@@ -12,6 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.durable.api import DurableAgent
+from runtime.frameworks.bridge import idempotency_key
+
+__all__ = ["adapt", "framework_of", "idempotency_key"]
 
 
 def framework_of(agent: object) -> str | None:
@@ -25,11 +28,14 @@ def framework_of(agent: object) -> str | None:
     return None
 
 
-def adapt(agent: Any) -> DurableAgent | None:
-    """The durable function running ``agent`` when it is a framework's agent, else ``None``."""
+def adapt(agent: Any, **options: Any) -> DurableAgent | None:
+    """The durable function running ``agent`` when it is a framework's agent, else ``None``
+    (``options``: the framework adapter's, e.g. ``deps=``)."""
     framework = framework_of(agent)
     if framework == "pydantic_ai":
         from runtime.frameworks import pydantic_ai
 
-        return pydantic_ai.adapt(agent)
+        return pydantic_ai.adapt(agent, **options)
+    if options:
+        raise TypeError(f"register() takes options only for a framework's agent: {sorted(options)}")
     return None

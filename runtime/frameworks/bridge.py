@@ -77,6 +77,25 @@ _live: contextvars.ContextVar[LiveCall | None] = contextvars.ContextVar(
 )
 
 
+_unit_key: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "dar_framework_unit_key", default=None
+)
+
+
+def idempotency_key() -> str | None:
+    """Inside a tool or MCP call a framework agent makes durably: the call's idempotency key
+    (unique across runs: the run id and the step key); pass it downstream."""
+    return _unit_key.get()
+
+
+def _keyed(awaitable_of: Callable[[], Awaitable[Any]], key: str | None) -> Awaitable[Any]:
+    async def run() -> Any:
+        _unit_key.set(key)
+        return await awaitable_of()
+
+    return run()
+
+
 def current_live() -> LiveCall | None:
     """Inside a model unit's body: the call's live stream (text deltas), if the run has one."""
     return _live.get()
@@ -204,7 +223,10 @@ class Bridge:
         billing = item.billing
         if billing is None:
             return self.steps.run(
-                item.name, lambda: on_loop(item.body()), type=Any, idempotent=item.policy.idempotent
+                item.name,
+                lambda: on_loop(_keyed(item.body, f"{self.steps.run_id}:{self.steps.key}")),
+                type=Any,
+                idempotent=item.policy.idempotent,
             )
 
         def call(live: LiveCall | None) -> Billed:

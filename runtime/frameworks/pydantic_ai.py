@@ -240,6 +240,13 @@ class DarDurability(BaseDurabilityCapability[Any]):
         return TOOL
 
 
+def _annotated_safe(tool: Any) -> bool:
+    """An MCP tool its server annotates read-only or idempotent: safe to call again."""
+    metadata = getattr(getattr(tool, "tool_def", None), "metadata", None) or {}
+    annotations = metadata.get("annotations") or {}
+    return bool(annotations.get("readOnlyHint") or annotations.get("idempotentHint"))
+
+
 def durable(agent: PydanticAgent[Any, Any]) -> PydanticAgent[Any, Any]:
     """``agent`` with :class:`DarDurability` attached: the agent itself when it already has it,
     else a copy (the user's agent object is left as it was)."""
@@ -263,17 +270,21 @@ def prompt_of(value: Any) -> str:
     )
 
 
-def _run(agent: PydanticAgent[Any, Any], value: Any, steps: Steps) -> Any:
-    prompt = prompt_of(value)
-    result = Bridge(steps).run(agent.run(prompt))
+def _run(agent: PydanticAgent[Any, Any], deps: Any, value: Any, steps: Steps) -> Any:
+    user_prompt = prompt_of(value)
+    made = deps() if callable(deps) else deps
+    result = Bridge(steps).run(agent.run(user_prompt, deps=made))
     return result.output
 
 
-def adapt(agent: PydanticAgent[Any, Any]) -> DurableAgent:
-    """The durable function that runs ``agent`` (registered under the agent's name)."""
+def adapt(agent: PydanticAgent[Any, Any], *, deps: Any = None) -> DurableAgent:
+    """The durable function that runs ``agent`` (registered under the agent's name).
+
+    ``deps``: the run's dependencies, or a function that makes them; made in the worker for
+    every task, never written into a step."""
     if not agent.name:
         raise ValueError(
             "a Pydantic AI agent needs a name to be registered: Agent(..., name='support')"
         )
     twin = durable(agent)
-    return DurableAgent(name=agent.name, fn=functools.partial(_run, twin), input_type=Any)
+    return DurableAgent(name=agent.name, fn=functools.partial(_run, twin, deps), input_type=Any)

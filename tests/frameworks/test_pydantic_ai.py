@@ -3,23 +3,32 @@ model against the fake Messages API, PostgreSQL for the step log."""
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("pydantic_ai")
 
+from fastmcp.client.transports import StdioTransport
+from pydantic import BaseModel
 from pydantic_ai import Agent as PydanticAgent
+from pydantic_ai import RunContext
+from pydantic_ai.mcp import MCPToolset
 from pydantic_ai.models.anthropic import AnthropicModel
 from pydantic_ai.providers.anthropic import AnthropicProvider
 
 import api
 from db.records import Dispatch, RunStatus, StepStatus, Usage
 from runtime.bootstrap import Runtime
+from runtime.frameworks import idempotency_key
 from runtime.frameworks.bridge import on_loop
 from tasks.celery_app import make_celery
 from tests.fakes.messages_api import FakeMessagesApi
+from tests.mcp.support import COUNTING, Ledger
 from tests.support import drive_to_end
 
 MODEL = "claude-test-model"
@@ -104,3 +113,80 @@ def test_the_api_submits_a_pydantic_ai_agent_by_name(
     assert fake.bodies()[0]["messages"] == [
         {"role": "user", "content": [{"type": "text", "text": "hello"}]}
     ]
+
+
+class Answer(BaseModel):
+    order: str
+    status: str
+    notes: int
+
+
+@dataclass
+class Desk:
+    prefix: str
+
+
+def desk_agent(model: AnthropicModel, ledger: Ledger) -> PydanticAgent[Desk, Answer]:
+    """Two function tools (one using deps), an MCP server, structured output."""
+    notes = MCPToolset(
+        StdioTransport(sys.executable, [COUNTING, "--ledger", str(ledger.path)]), id="notes"
+    )
+    agent = PydanticAgent(model, name="desk", deps_type=Desk, output_type=Answer, toolsets=[notes])
+
+    @agent.tool
+    def lookup(ctx: RunContext[Desk], order: str) -> str:
+        """Look an order up."""
+        CALLS.append(("lookup", idempotency_key()))
+        return f"{ctx.deps.prefix}{order} shipped"
+
+    @agent.tool_plain(metadata={"dar": {"idempotent": True}})
+    def carrier(order: str) -> str:
+        """The carrier of an order."""
+        CALLS.append(("carrier", idempotency_key()))
+        return "DHL"
+
+    return agent
+
+
+CALLS: list[tuple[str, str | None]] = []
+
+
+def script_desk(fake: FakeMessagesApi) -> None:
+    fake.then_tool_use("toolu_1", "lookup", {"order": "A-7"})
+    fake.then_tool_use("toolu_2", "carrier", {"order": "A-7"})
+    fake.then_tool_use("toolu_3", "add_note", {"text": "asked about A-7"})
+    fake.then_tool_use("toolu_4", "final_result", {"order": "A-7", "status": "shipped", "notes": 1})
+
+
+def test_two_tools_an_mcp_server_structured_output_and_deps(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel, tmp_path: Path
+) -> None:
+    CALLS.clear()
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    rt.agents.register(desk_agent(model, ledger), deps=lambda: Desk("order "))
+    script_desk(fake)
+
+    run, dispatch = rt.submit("desk", "Where is A-7? Note that they asked.")
+    drive_to_end(rt.driver(), dispatch)
+
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.result == {"order": "A-7", "status": "shipped", "notes": 1}
+    steps = rt.store.steps(run.id)
+    assert [s.step_key for s in steps] == [
+        "mcp.notes.tools:0",
+        "model.request:0",
+        "tool.lookup:0",
+        "model.request:1",
+        "tool.carrier:0",
+        "model.request:2",
+        "mcp.notes.add_note:0",
+        "model.request:3",
+    ], "step names are a persistence format: changing them strands runs in flight"
+    assert [name for name, _ in CALLS] == ["lookup", "carrier"], "each tool ran once"
+    assert CALLS[0][1] == f"{run.id}:tool.lookup:0", "the tool's idempotency key"
+    assert ledger.count("add_note") == 1, "the MCP call was made once"
+    assert fake.calls == 4
+    lookup = next(s for s in steps if s.step_key == "tool.lookup:0")
+    assert "order A-7 shipped" in json.dumps(lookup.response), "deps reached the tool"
+    assert done.tokens_used == 4 * 15
