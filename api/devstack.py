@@ -226,13 +226,14 @@ class DevStack:
     def preflight(self) -> None:
         """What would make every child fail, checked once here, before any child starts:
         the settings, the API tokens, the agents."""
-        from api.auth import TokenTable, check_approval_roles
+        from api.auth import TokenTable, check_approval_roles, check_token_roles
         from runtime.config import Settings
         from runtime.preflight import check_agents, unknown_agent_message
 
         settings = Settings.from_env(self._child_env())
         tokens = TokenTable.parse(settings.api_tokens)
         registry = check_agents(settings)
+        check_token_roles(tokens, registry.approval_roles())  # a typo'd role: one line, now
         check_approval_roles(tokens, registry.approval_roles())
         if self.agent is not None and self.agent not in registry:
             raise StackError(unknown_agent_message(self.agent, registry))

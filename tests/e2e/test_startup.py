@@ -94,6 +94,12 @@ def test_a_second_dar_dev_on_the_same_data_is_refused(tmp_path: Path) -> None:
             "followed by :tenant (make one with `dar token new NAME --roles read,submit`)",
         ),
         (
+            {"DAR_API_TOKENS": f"ci:sumbit:{'0' * 64}"},
+            "dar: DAR_API_TOKENS entry 'ci' names the unknown role 'sumbit' (did you mean "
+            "'submit'?): roles are read, submit, cancel, approve, admin, or an approval role a "
+            "durable function declares (none declared)",
+        ),
+        (
             {"DAR_AGENT_MODULES": "nowhere.agents"},
             "dar: DAR_AGENT_MODULES names 'nowhere.agents', which fails to import: No module "
             "named 'nowhere' (start the process in the directory that holds it, or add it to "
@@ -105,7 +111,7 @@ def test_a_second_dar_dev_on_the_same_data_is_refused(tmp_path: Path) -> None:
             "acme-tickets; register it with DAR_AGENT_MODULES=your.module",
         ),
     ],
-    ids=["url-parse", "url-connect", "tokens", "agent-module", "default-agent"],
+    ids=["url-parse", "url-connect", "tokens", "role-typo", "agent-module", "default-agent"],
 )
 def test_a_broken_setting_is_one_line_and_no_process_starts(
     database_url: str,
