@@ -1,4 +1,4 @@
-"""The REST API: a Flask app factory with its blueprints."""
+"""The REST API's Flask app factory: blueprints, request checks, metrics."""
 
 from __future__ import annotations
 

@@ -1,13 +1,33 @@
 """The engine: replay, guard, driver, model clients, tools and agents.
 
 It imports no Flask and no Celery: the same driver runs under a Celery task, a test, or a
-plain loop.
+plain loop. The names below are imported on first use, so that a light module of this
+package (:mod:`runtime.client`, used by ``dar``) loads without SQLAlchemy or the SDKs.
 """
 
-from runtime.agents import Agent, AgentRegistry
-from runtime.driver import Driver, Outcome, StepResult
-from runtime.mcp import McpServer, ToolPolicy
-from runtime.tools import Tool, ToolContext, tool
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runtime.agents import Agent, AgentRegistry
+    from runtime.driver import Driver, Outcome, StepResult
+    from runtime.mcp import McpServer, ToolPolicy
+    from runtime.tools import Tool, ToolContext, tool
+
+_HOME = {
+    "Agent": "runtime.agents",
+    "AgentRegistry": "runtime.agents",
+    "Driver": "runtime.driver",
+    "Outcome": "runtime.driver",
+    "StepResult": "runtime.driver",
+    "McpServer": "runtime.mcp",
+    "ToolPolicy": "runtime.mcp",
+    "Tool": "runtime.tools",
+    "ToolContext": "runtime.tools",
+    "tool": "runtime.tools",
+}
 
 __all__ = [
     "Agent",
@@ -21,3 +41,12 @@ __all__ = [
     "ToolPolicy",
     "tool",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
