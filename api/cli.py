@@ -130,23 +130,40 @@ def _ps(args: argparse.Namespace) -> int:
     if state is None:
         print(f"dar: no `dar dev` is running on {args.data_dir}", file=sys.stderr)
         return 1
-    rows = [["dar dev", state["pid"], "running"]]
+    held = _runs_held(str(state["api"]))
+    rows = [["dar dev", state["pid"], "running", ""]]
     for name, pid in state["processes"].items():
-        rows.append([name, pid, "running" if pid and pid_alive(int(pid)) else "restarting"])
-    print(_table(["PROCESS", "PID", "STATE"], rows))
+        alive = "running" if pid and pid_alive(int(pid)) else "restarting"
+        rows.append([name, pid, alive, " ".join(held.get(name, []))])
+    print(_table(["PROCESS", "PID", "STATE", "HOLDS RUN"], rows))
     print(f"API: {state['api']}")
     return 0
 
 
-def _wait_for(stack: Any, run_id: str, timeout: float, seen: set[int]) -> dict[str, Any]:
+def _runs_held(api: str) -> dict[str, list[str]]:
+    """Which worker holds which running run (id prefixes), so `kill -9` can pick its victim;
+    empty when the API does not answer (a token is needed, or it is restarting)."""
+    held: dict[str, list[str]] = {}
+    try:
+        page = api_call(api, "GET", "/api/runs?status=RUNNING&limit=100")
+    except CliError:
+        return held
+    for run in page.get("items", []):
+        if run.get("lockedBy"):
+            held.setdefault(str(run["lockedBy"]), []).append(str(run["id"])[:8])
+    return held
+
+
+def _wait_for(stack: Any, run_id: str, timeout: float, seen: set[int | str]) -> dict[str, Any]:
     """Poll the run until it ends or waits, printing each step once it has finished."""
     deadline = time.monotonic() + timeout
     run: dict[str, Any] = {}
     while time.monotonic() < deadline:
         _, steps = stack.request("GET", f"/api/runs/{run_id}/timeline")
         for s in steps:
-            if s["seq"] not in seen and s["status"] not in ("STARTED", "PENDING"):
-                seen.add(s["seq"])
+            key = s["stepKey"] if s["seq"] is None else s["seq"]  # an audit entry has no seq
+            if key not in seen and s["status"] not in ("STARTED", "PENDING"):
+                seen.add(key)
                 print(f"  {_step_line(s)}", flush=True)
         _, run = stack.request("GET", f"/api/runs/{run_id}")
         if RunStatus(run["status"]) in TERMINAL or run["status"] in ("NEEDS_ATTENTION", "WAITING"):
@@ -156,10 +173,19 @@ def _wait_for(stack: Any, run_id: str, timeout: float, seen: set[int]) -> dict[s
 
 
 def _step_line(s: dict[str, Any]) -> str:
+    if s["seq"] is None:  # an operator's or the runtime's action between steps: no seq
+        detail = s.get("detail")
+        if isinstance(detail, dict | list):
+            detail = json.dumps(detail, separators=(",", ":"))
+        by = f" by {s['actor']}" if s.get("actor") else ""
+        return f"{s['kind']} {s.get('action') or s['stepKey']}{by}" + (
+            f": {detail}" if detail else ""
+        )
     what = s["toolName"] or s["stopReason"] or s["stepKey"]
     tokens = f" in={s['inputTokens']} out={s['outputTokens']}" if s["kind"] == "MODEL" else ""
     latency = f" {s['latencyMs']}ms" if s["latencyMs"] is not None else ""
-    return f"seq={s['seq']} {s['kind']} {what} {s['status']}{tokens}{latency} ({s['worker']})"
+    worker = f" ({s['worker']})" if s.get("worker") else ""
+    return f"seq={s['seq']} {s['kind']} {what} {s['status']}{tokens}{latency}{worker}"
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -188,7 +214,7 @@ def _demo(args: argparse.Namespace) -> int:
         if status != 201:
             raise CliError(f"submit failed: {status} {_error_message(accepted)}")
         print(f"dar: submitted run {accepted['id']}", flush=True)
-        seen: set[int] = set()
+        seen: set[int | str] = set()
         run = _wait_for(stack, accepted["id"], args.timeout, seen)
         while run["status"] == "WAITING" and (args.approve or args.reject):
             _, page = stack.request("GET", "/api/approvals")

@@ -115,7 +115,7 @@ class Settings:
     retention_batch: int = 500
     strict_replay: bool = False
     approval_webhook_url: str | None = None
-    demo_latency_ms: int = 1500
+    demo_latency_ms: int = 3000
     queue: str = "dar"
     visibility_timeout_seconds: float = 3600.0
     max_body_bytes: int = 1_048_576
@@ -212,7 +212,7 @@ class Settings:
             retention_batch=_int(e, "DAR_RETENTION_BATCH", 500, minimum=1),
             strict_replay=_bool(e, "DAR_STRICT_REPLAY", False),
             approval_webhook_url=e.get("DAR_APPROVAL_WEBHOOK_URL") or None,
-            demo_latency_ms=_int(e, "DAR_DEMO_LATENCY_MS", 1500),
+            demo_latency_ms=_int(e, "DAR_DEMO_LATENCY_MS", 3000),
             queue=_get(e, "DAR_QUEUE", "dar"),
             visibility_timeout_seconds=_num(e, "DAR_VISIBILITY_TIMEOUT_SECONDS", 3600, minimum=60),
             max_body_bytes=_int(e, "DAR_MAX_BODY_BYTES", 1_048_576, minimum=1024),

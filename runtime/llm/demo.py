@@ -97,7 +97,7 @@ def _summary(results: list[dict[str, Any]]) -> str:
 
 
 class DemoModel:
-    def __init__(self, latency_ms: int = 1500) -> None:
+    def __init__(self, latency_ms: int = 3000) -> None:
         self.latency_ms = latency_ms
 
     def send(self, request: LlmRequest) -> LlmResponse:

@@ -71,8 +71,13 @@ class DarDev:
         out = subprocess.run(
             [*DAR, "ps"], cwd=self.cwd, env=self.env, capture_output=True, text=True, check=True
         ).stdout
-        rows = [line.split() for line in out.splitlines()[1:] if line and line[0] != "A"]
-        return {row[-3] if row[0] != "dar" else "dar": int(row[-2]) for row in rows}
+        pids: dict[str, int] = {}
+        for line in out.splitlines()[1:]:  # PROCESS PID STATE [HOLDS RUN ...]; then API: …
+            if line.startswith("dar dev"):
+                pids["dar"] = int(line.split()[2])
+            elif line and not line.startswith("API:"):
+                pids[line.split()[0]] = int(line.split()[1])
+        return pids
 
 
 @pytest.fixture
@@ -115,8 +120,8 @@ def test_the_readme_kill_demo_under_dar_dev(dar_dev: DarDev, tmp_path: Path) -> 
     assert "Sending due task" not in dar_dev.output, "the beat's per-second line is quiet"
     assert "Context impl" not in dar_dev.output, "Alembic's lines are quiet"
 
-    # `dar ps` before the run: on a loaded machine the command takes seconds, longer than
-    # the model step it must interrupt (the pids do not change until the kill).
+    # `dar ps` before the run: on a loaded machine a command can take longer than the model
+    # step it must interrupt (the pids do not change until the kill).
     pids = dar_dev.ps()
     accepted = dar_dev.api(
         "POST",

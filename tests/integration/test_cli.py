@@ -207,3 +207,14 @@ def test_runs_waiting_shows_what_each_run_waits_for(
     assert "acme-co" in line
     assert " 4 " in line
     assert "concurrency key acme-co: 2 of 2 in steps" in line
+
+
+def test_dar_ps_names_the_run_each_worker_holds(api: str, runtime: Runtime) -> None:
+    from api.cli import _runs_held
+    from tests.support import submit
+
+    run, dispatch = submit(runtime.store, agent="acme-tickets")
+    submit(runtime.store, agent="acme-tickets")  # queued, held by no one
+    assert runtime.store.claim(run.id, dispatch.token, "worker-B", 30.0) is not None
+    assert _runs_held(api) == {"worker-B": [str(run.id)[:8]]}
+    assert _runs_held("http://127.0.0.1:9") == {}, "no API: the column stays empty"

@@ -74,7 +74,7 @@ def test_defaults_with_an_empty_environment() -> None:
     assert s.on_max_tokens == "fail"
     assert s.strict_budget is False
     assert s.prices_json is None
-    assert s.demo_latency_ms == 1500
+    assert s.demo_latency_ms == 3000
     assert s.queue == "dar"
     assert s.visibility_timeout_seconds == 3600.0
     assert s.max_body_bytes == 1_048_576
