@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_seconds(command)  # warm the page cache and the bytecode
         samples = [cpu_seconds(command) for _ in range(args.repeats)]
         print(
-            f"{name:34} {statistics.median(samples):12.3f} "
-            f"{min(samples):7.3f} {max(samples):7.3f}"
+            f"{name:34} {statistics.median(samples):12.3f} {min(samples):7.3f} {max(samples):7.3f}"
         )
     return 0
 
