@@ -104,6 +104,14 @@ def submit() -> tuple[Response, int, dict[str, str]]:
     body = json_body(request, limit_input=settings.max_input_chars)
     sub = parse_submission(body, settings, s.runtime.agents)
     principal = current_principal()
+    if principal is not None and not principal.admin and sub.priority > settings.token_max_priority:
+        raise ApiError(
+            403,
+            f"priority: {sub.priority} is above {settings.token_max_priority}, the highest a "
+            "token without the admin role may give (DAR_TOKEN_MAX_PRIORITY)",
+            code="forbidden",
+            field="priority",
+        )
     key = idempotency_key(request)
     try:
         run, created = s.runtime.store.create_run(

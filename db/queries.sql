@@ -587,14 +587,15 @@ SET run_at = now(), dispatch_token = gen_random_uuid(),
 WHERE id = :id AND status IN ('QUEUED', 'RUNNING') AND locked_by IS NULL AND run_at > now()
 RETURNING id, dispatch_token;
 
--- count_waiting_by_key --
--- The "runs waiting by concurrency key" gauge: the :top keys with the most runs parked for
--- a key slot, and the total over every key (so the rest can be summed, not labelled).
+-- count_key_waiters_by_tenant --
+-- The "runs waiting for a concurrency key" gauge: the :top tenants with the most runs
+-- parked for a key slot, and the total (so the rest can be summed, not labelled). By tenant,
+-- never by key: a key's name is its tenant's business.
 WITH w AS (
-    SELECT concurrency_key AS key, count(*) AS n FROM run
+    SELECT tenant AS key, count(*) AS n FROM run
     WHERE concurrency_key IS NOT NULL AND status IN ('QUEUED', 'RUNNING')
       AND locked_by IS NULL AND wait_reason LIKE 'concurrency key %'
-    GROUP BY concurrency_key
+    GROUP BY tenant
 )
 SELECT key, n, sum(n) OVER () AS total FROM w ORDER BY n DESC, key LIMIT :top;
 

@@ -387,11 +387,11 @@ class RunStore:
         with self._statement() as conn:
             return {r.status: r.n for r in conn.execute(Q["count_runs_by_status"])}
 
-    def count_waiting_by_key(self, top: int) -> tuple[list[tuple[str, int]], int]:
-        """The ``top`` concurrency keys with the most runs waiting for a slot, and the total
-        waiting over every key."""
+    def count_key_waiters_by_tenant(self, top: int) -> tuple[list[tuple[str, int]], int]:
+        """The ``top`` tenants with the most runs waiting for a slot of a concurrency key,
+        and the total waiting over every tenant."""
         with self._statement() as conn:
-            rows = conn.execute(Q["count_waiting_by_key"], {"top": top}).all()
+            rows = conn.execute(Q["count_key_waiters_by_tenant"], {"top": top}).all()
         return [(r.key, int(r.n)) for r in rows], int(rows[0].total) if rows else 0
 
     def count_runs(self, *, tenant: str | None = None, agent: str | None = None) -> dict[str, int]:

@@ -101,6 +101,9 @@ class Settings:
     submit_rate_per_minute: int = 0
     model_limits_json: str | None = None
     token_max_active_runs: int = 0
+    token_max_priority: int = 10
+    """DAR_TOKEN_MAX_PRIORITY: the highest ``priority`` a submit by a token without ``admin``
+    may carry (403 above it), so one tenant cannot jump every queue."""
     key_concurrency: int = 0
     """DAR_KEY_CONCURRENCY: at most this many runs of one concurrencyKey inside a step at
     once (0: no limit)."""
@@ -203,6 +206,7 @@ class Settings:
             submit_rate_per_minute=_int(e, "DAR_SUBMIT_RATE_PER_MINUTE", 0),
             model_limits_json=e.get("DAR_MODEL_LIMITS") or None,
             token_max_active_runs=_int(e, "DAR_TOKEN_MAX_ACTIVE_RUNS", 0),
+            token_max_priority=_int(e, "DAR_TOKEN_MAX_PRIORITY", 10, minimum=-1000),
             key_concurrency=_int(e, "DAR_KEY_CONCURRENCY", 0),
             key_concurrency_overrides_json=e.get("DAR_KEY_CONCURRENCY_OVERRIDES") or None,
             key_recheck_seconds=_num(e, "DAR_KEY_RECHECK_SECONDS", 30.0, minimum=0.5),

@@ -36,7 +36,7 @@ from runtime.durable.execution import Execution
 from runtime.faults import crash_point
 from runtime.flow import FlowControl
 from runtime.heartbeat import Heartbeat
-from runtime.keys import KeyGate, KeyWait, Slot
+from runtime.keys import KeyGate, KeyWait, Slot, tenant_key
 from runtime.llm.base import LlmClient
 from runtime.logctx import log_context
 from runtime.mcp.client import McpClients
@@ -157,11 +157,12 @@ class Driver:
         if self.keys is None or run.concurrency_key is None:
             return self._execute(claim, token)
         got = self.keys.acquire(
-            run.concurrency_key,
+            tenant_key(run.tenant, run.concurrency_key),
             run.id,
             claim.epoch,
             priority=run.priority,
             submitted_at=run.created_at.timestamp(),
+            label=run.concurrency_key,
         )
         if got is None:  # no limit for this key, or Redis is away (fail open)
             return self._execute(claim, token)

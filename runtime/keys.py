@@ -82,6 +82,15 @@ def parse_key_overrides(raw: str | None) -> dict[str, int]:
     return out
 
 
+def tenant_key(tenant: str, key: str) -> str:
+    """The name a run's concurrency key has in Redis, in the flow-control queues and in
+    overrides: scoped by its tenant (``tenant/key``), so tenants sharing a key's name share
+    nothing, neither slots nor waiters nor what a wait reason reports. Tenant names hold no
+    ``/`` (:data:`api.auth.NAME`); with authentication off the tenant is ``""`` and the key
+    is its own name."""
+    return f"{tenant}/{key}" if tenant else key
+
+
 def waiter_score(priority: int, submitted_at: float) -> float:
     """Higher priority first, then the earlier submitted: a run keeps its place in the queue
     across its steps and its waits."""
@@ -105,10 +114,13 @@ class KeyWait:
     delay_seconds: float
     woken_ahead: int = 0
     """Runs already woken for the slots free now, ahead of this one."""
+    label: str = ""
+    """The key as the run named it (``key`` is scoped by tenant: :func:`tenant_key`)."""
 
     @property
     def reason(self) -> str:
-        reason = f"concurrency key {self.key}: {self.in_steps} of {self.limit} in steps"
+        name = self.label or self.key
+        reason = f"concurrency key {name}: {self.in_steps} of {self.limit} in steps"
         if self.in_steps < self.limit:
             reason += f", {self.woken_ahead} woken runs ahead"
         return reason
@@ -253,21 +265,32 @@ class KeyGate:
             "concurrency keys unavailable: steps go ahead without a key slot until Redis is back",
         )
 
-    def limit(self, key: str) -> int:
-        """The key's limit; ``0``: none."""
-        return self.overrides.get(key, self.default_limit)
+    def limit(self, key: str, label: str | None = None) -> int:
+        """The key's limit; ``0``: none. An override may name the scoped key (``tenant/key``,
+        one tenant's) or the key as runs name it (``label``: that name in every tenant)."""
+        if key in self.overrides:
+            return self.overrides[key]
+        return self.overrides.get(label if label is not None else key, self.default_limit)
 
     def _keys(self, key: str) -> list[str]:
         base = f"{self.prefix}:{{{key}}}"
         return [f"{base}:held", f"{base}:waiters", f"{base}:due"]
 
     def acquire(
-        self, key: str, run_id: uuid.UUID, epoch: int, *, priority: int, submitted_at: float
+        self,
+        key: str,
+        run_id: uuid.UUID,
+        epoch: int,
+        *,
+        priority: int,
+        submitted_at: float,
+        label: str | None = None,
     ) -> Slot | KeyWait | None:
         """A :class:`Slot` to give back with :meth:`release`, a :class:`KeyWait` (the key is
         full: wait for a wake, or the fallback timer), or ``None``: the key has no limit, or
-        Redis is unreachable (fail open)."""
-        limit = self.limit(key)
+        Redis is unreachable (fail open). ``key`` is scoped (:func:`tenant_key`); ``label``
+        is the name the run gave it, for the wait reason and overrides."""
+        limit = self.limit(key, label)
         if limit <= 0:
             return None
         score = waiter_score(priority, submitted_at)
@@ -294,7 +317,7 @@ class KeyGate:
             return slot
         if self.metrics is not None:
             self.metrics.key_refused.inc()
-        return KeyWait(key, limit, int(n), self.fallback_seconds, int(ahead))
+        return KeyWait(key, limit, int(n), self.fallback_seconds, int(ahead), label or "")
 
     def release(self, slot: Slot, *, continuing: bool) -> uuid.UUID | None:
         """Give the slot back; returns the waiter to wake now (send its message), if any.

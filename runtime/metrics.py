@@ -124,7 +124,7 @@ class Metrics:
 
 
 TOP_KEYS = 20
-"""Concurrency keys named in ``dar_runs_waiting_by_key``; the others are summed."""
+"""Tenants named in ``dar_runs_waiting_for_key``; the others are summed."""
 
 
 class FleetCollector(Collector):
@@ -146,12 +146,13 @@ class FleetCollector(Collector):
             approvals.add_metric([role], n)
         yield approvals
         waiting = GaugeMetricFamily(
-            "dar_runs_waiting_by_key",
-            f"Runs waiting for a slot of their concurrency key, for the {TOP_KEYS} keys with "
-            'the most waiting (the rest summed under key="(other)"): a bounded label set.',
-            labels=["key"],
+            "dar_runs_waiting_for_key",
+            "Runs waiting for a slot of their concurrency key, by tenant (never by key: a "
+            f"key's name is its tenant's), for the {TOP_KEYS} tenants with the most waiting "
+            '(the rest summed under tenant="(other)"): a bounded label set.',
+            labels=["tenant"],
         )
-        top, total = self.store.count_waiting_by_key(TOP_KEYS)
+        top, total = self.store.count_key_waiters_by_tenant(TOP_KEYS)
         for key, n in top:
             waiting.add_metric([key], n)
         if total > sum(n for _, n in top):

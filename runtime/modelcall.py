@@ -25,6 +25,7 @@ from db.errors import LeaseLost
 from db.records import NewStep, Step, StepKind, StepStatus, Usage
 from runtime.faults import crash_point
 from runtime.flow import Refusal
+from runtime.keys import tenant_key
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.billing import Meter, metering
 from runtime.llm.live import ModelCallCancelled, live_call
@@ -109,7 +110,7 @@ def admit(task: Task, request: LlmRequest, body: dict[str, Any]) -> Wait | None:
         request.max_tokens,
         waiter=str(run.id),
         priority=run.priority,
-        key=run.concurrency_key,
+        key=tenant_key(run.tenant, run.concurrency_key) if run.concurrency_key else None,
     )
     if isinstance(decision, Refusal):
         return Wait(decision.delay_seconds, decision.reason)

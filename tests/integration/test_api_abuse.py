@@ -162,3 +162,17 @@ def test_the_process_keeps_connections_for_other_routes(
     assert "DAR_EVENTS_STREAMS_MAX" in refused.get_json()["error"]["message"]
     for r in held:
         r.close()
+
+
+# -- 3. priority is bounded per token ---------------------------------------------------------
+
+
+def test_a_token_without_admin_cannot_jump_every_queue(client: FlaskClient) -> None:
+    body = {"input": "Which tickets?", "concurrencyKey": "shared"}
+    assert submit(client, "alice", {**body, "priority": 10}).status_code == 201
+    refused = submit(client, "alice", {**body, "priority": 1000})
+    assert refused.status_code == 403
+    error = refused.get_json()["error"]
+    assert error["field"] == "priority"
+    assert "DAR_TOKEN_MAX_PRIORITY" in error["message"]
+    assert submit(client, "root", {**body, "priority": 1000}).status_code == 201

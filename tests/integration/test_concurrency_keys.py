@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import redis
 from flask.testing import FlaskClient
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 import api
 from db.records import Dispatch, NewFork, NewRun, Run, RunStatus, Usage
@@ -31,7 +31,7 @@ from runtime.bootstrap import Runtime
 from runtime.config import Settings
 from runtime.driver import Driver, Outcome
 from runtime.flow import FlowControl, ModelLimit, Refusal
-from runtime.keys import KeyGate, KeyWait, Slot
+from runtime.keys import KeyGate, KeyWait, Slot, tenant_key
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.metrics import FleetCollector, Metrics
 from runtime.testkit import SimulatedCrash
@@ -472,25 +472,91 @@ def test_a_waiter_cancelled_while_parked_does_not_swallow_the_wake(
         rt.close()
 
 
-def test_the_gauge_counts_waiting_runs_by_key_with_bounded_labels(keyed: Runtime) -> None:
+def test_the_gauge_counts_waiting_runs_by_tenant_with_bounded_labels_and_no_key_names(
+    keyed: Runtime,
+) -> None:
     driver = keyed.driver()
-    for key, n in (("A", 4), ("B", 3)):
+    for tenant, key, n in (("red", "A", 4), ("blue", "B", 3)):
         for i in range(n):
-            _, d = _keyed(keyed, f"{key} {i}", key)
+            run, _ = keyed.store.create_run(
+                NewRun(
+                    agent="test-agent",
+                    input=f"{key} {i}",
+                    model=MODEL,
+                    max_steps=10,
+                    token_budget=10_000,
+                    timeout_seconds=600,
+                    concurrency_key=key,
+                    tenant=tenant,
+                )
+            )
             # nothing finishes: the first two claim a slot each and are abandoned mid-step
-            claim = keyed.store.claim(d.run_id, d.token, "w", 30)
+            claim = keyed.store.claim(run.id, run.dispatch_token, "w", 30)
             assert claim is not None
             assert driver.keys is not None
-            got = driver.keys.acquire(key, d.run_id, claim.epoch, priority=0, submitted_at=i)
+            got = driver.keys.acquire(
+                tenant_key(tenant, key), run.id, claim.epoch, priority=0, submitted_at=i, label=key
+            )
             if isinstance(got, KeyWait):
                 keyed.store.schedule(claim, 30, reason=got.reason, admission=True)
-    top, total = keyed.store.count_waiting_by_key(1)
-    assert top == [("A", 2)]
+    top, total = keyed.store.count_key_waiters_by_tenant(1)
+    assert top == [("red", 2)]
     assert total == 3
     registry = CollectorRegistry()
     registry.register(FleetCollector(keyed.store))
-    assert registry.get_sample_value("dar_runs_waiting_by_key", {"key": "A"}) == 2
-    assert registry.get_sample_value("dar_runs_waiting_by_key", {"key": "B"}) == 1
+    assert registry.get_sample_value("dar_runs_waiting_for_key", {"tenant": "red"}) == 2
+    assert registry.get_sample_value("dar_runs_waiting_for_key", {"tenant": "blue"}) == 1
+    exposed = generate_latest(registry).decode()
+    assert 'key="A"' not in exposed
+    assert 'key="B"' not in exposed
+
+
+def test_tenants_sharing_a_key_name_share_no_slot_and_see_nothing_of_each_other(
+    settings: Settings, rclient: redis.Redis
+) -> None:
+    s = replace(settings, key_concurrency=1)
+    model = SlowModel(0.0)
+    rt = Runtime.build(s, llm=model, pool_size=4)
+    register_agent(rt.agents)
+    try:
+        driver = rt.driver()
+
+        def keyed_run(text: str, tenant: str) -> Run:
+            run, _ = rt.store.create_run(
+                NewRun(
+                    agent="test-agent",
+                    input=text,
+                    model=MODEL,
+                    max_steps=10,
+                    token_budget=10_000,
+                    timeout_seconds=600,
+                    concurrency_key="shared",
+                    tenant=tenant,
+                )
+            )
+            return run
+
+        blue = keyed_run("hold blue's step", "blue")
+        holder = threading.Thread(target=driver.drive, args=(blue.id, blue.dispatch_token))
+        holder.start()
+        try:
+            assert model.hold_entered.wait(10)
+            assert driver.keys is not None
+            assert driver.keys.in_steps(tenant_key("blue", "shared")) == 1
+            red = keyed_run("red runs", "red")
+            result = driver.drive(red.id, red.dispatch_token)
+            assert result.outcome is not Outcome.WAITING, rt.store.get_run(red.id).wait_reason
+            assert rt.store.get_run(red.id).wait_reason is None
+            # blue's second run waits for blue's slot, and its reason names only blue's key
+            second = keyed_run("blue again", "blue")
+            assert driver.drive(second.id, second.dispatch_token).outcome is Outcome.WAITING
+            reason = rt.store.get_run(second.id).wait_reason
+            assert reason == "concurrency key shared: 1 of 1 in steps"
+        finally:
+            model.hold_go.set()
+            holder.join(10)
+    finally:
+        rt.close()
 
 
 # -- the API -----------------------------------------------------------------------------------

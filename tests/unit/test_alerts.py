@@ -30,7 +30,7 @@ class _Counts:
     def count_pending_approvals(self) -> dict[str, int]:
         return {}
 
-    def count_waiting_by_key(self, top: int) -> tuple[list[tuple[str, int]], int]:
+    def count_key_waiters_by_tenant(self, top: int) -> tuple[list[tuple[str, int]], int]:
         return [], 0
 
 
