@@ -241,6 +241,7 @@ def _wait(task: Task, seq: int, e: RetryLater) -> StepResult:
         e.delay_seconds,
         f"model call {status}; retrying in {e.delay_seconds:.1f}s",
         model_attempts=e.attempts,
+        admission=e.back_pressure,  # the API asked us to wait: not a claim without progress
     )
 
 

@@ -185,9 +185,10 @@ class Runtime:
         )
 
     def flow_control(self, metrics: Metrics | None = None) -> FlowControl | None:
-        """Admission against DAR_MODEL_LIMITS in Redis; ``None`` when no limit is set."""
+        """Admission in Redis against the limits learned from the API's headers (and
+        DAR_MODEL_LIMITS); ``None`` with DAR_FLOW_CONTROL=off or without Redis."""
         limits = parse_model_limits(self.settings.model_limits_json)
-        if not limits:
+        if not self.settings.flow_control or not self.settings.redis_url:
             return None
         import redis
 
@@ -207,6 +208,7 @@ class Runtime:
             limits,
             lease_seconds=self.settings.model_timeout_seconds + LEASE_MARGIN_SECONDS,
             metrics=metrics,
+            prefix=self.settings.flow_prefix,
         )
 
     def key_gate(self, metrics: Metrics | None = None) -> KeyGate | None:

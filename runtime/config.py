@@ -100,6 +100,11 @@ class Settings:
     api_tokens: str | None = field(default=None, repr=False)
     submit_rate_per_minute: int = 0
     model_limits_json: str | None = None
+    flow_control: bool = True
+    """DAR_FLOW_CONTROL (default on): admit model calls against the limits learned from the
+    API's rate-limit headers (and DAR_MODEL_LIMITS), fleet-wide in Redis."""
+    flow_prefix: str = "dar:flow"
+    """Where flow control keeps its buckets in Redis (tests use their own)."""
     token_max_active_runs: int = 0
     token_max_priority: int = 10
     """DAR_TOKEN_MAX_PRIORITY: the highest ``priority`` a submit by a token without ``admin``
@@ -205,6 +210,7 @@ class Settings:
             api_tokens=e.get("DAR_API_TOKENS") or None,
             submit_rate_per_minute=_int(e, "DAR_SUBMIT_RATE_PER_MINUTE", 0),
             model_limits_json=e.get("DAR_MODEL_LIMITS") or None,
+            flow_control=_bool(e, "DAR_FLOW_CONTROL", True),
             token_max_active_runs=_int(e, "DAR_TOKEN_MAX_ACTIVE_RUNS", 0),
             token_max_priority=_int(e, "DAR_TOKEN_MAX_PRIORITY", 10, minimum=-1000),
             key_concurrency=_int(e, "DAR_KEY_CONCURRENCY", 0),

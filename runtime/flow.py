@@ -1,5 +1,12 @@
 """Flow control: fleet-wide admission of model calls, by requests, tokens and concurrency.
 
+On by default (DAR_FLOW_CONTROL=off turns it off), with nothing to configure: each model's
+limits are learned from the API's ``anthropic-ratelimit-*`` headers, which every answer and
+every 429 carries (the limit and what remains). Until a model's first answer its calls go
+ahead; from then on they are paced at what the API grants. DAR_MODEL_LIMITS only adds limits
+the API does not send (``maxConcurrent``) or tightens them (the lower of the configured and
+the learned value applies).
+
 Before a model call the worker asks :meth:`FlowControl.admit` for the call's estimated input
 tokens and its ``max_tokens``; after the call :meth:`FlowControl.settle` returns what was not
 used (or takes the excess). A refusal names the limit and a delay: the engine turns it into a
@@ -395,6 +402,11 @@ class FlowControl:
             "of 429s until Redis is back",
         )
 
+    def limit(self, model: str) -> ModelLimit:
+        """The configured limit of ``model`` (DAR_MODEL_LIMITS), else one of its own with no
+        configured value: its bucket holds only what the API's headers taught it."""
+        return limit_for(self.limits, model) or ModelLimit(model)
+
     def _keys(self, limit: ModelLimit) -> list[str]:
         base = f"{self.prefix}:{{{limit.match}}}"
         return [
@@ -416,12 +428,11 @@ class FlowControl:
         key: str | None = None,
     ) -> Grant | Refusal | None:
         """A :class:`Grant` to hold until :meth:`settle`, a :class:`Refusal` (come back
-        after its delay), or ``None``: no limit applies, or Redis is unreachable. Refused
+        after its delay), or ``None``: Redis is unreachable (fail open). A model with no
+        configured limit is admitted at once until the API's headers taught its limits. Refused
         callers queue by ``priority`` (higher first), then arrival; the callers of each
         concurrency ``key`` are interleaved with other keys' round-robin."""
-        limit = limit_for(self.limits, model)
-        if limit is None:
-            return None
+        limit = self.limit(model)
         lease = uuid.uuid4().hex
         # one key's waiters are spaced by about one request's share of the limit
         spacing = 60_000 / limit.requests_per_minute if limit.requests_per_minute else 250.0
@@ -498,17 +509,13 @@ class FlowControl:
 
     def in_flight(self, model: str) -> int:
         """Calls holding admission now (expired slots excluded)."""
-        limit = limit_for(self.limits, model)
-        if limit is None:
-            return 0
+        limit = self.limit(model)
         now = self.client.time()
         return int(self.client.zcount(self._keys(limit)[1], now[0] + now[1] / 1e6, "+inf"))
 
     def level(self, model: str, dim: str) -> float | None:
         """The bucket's stored level for ``dim`` (not refilled to now), for tests and tools."""
-        limit = limit_for(self.limits, model)
-        if limit is None:
-            return None
+        limit = self.limit(model)
         raw = self.client.hget(self._keys(limit)[0], f"lvl:{dim}")
         return None if raw is None else float(raw)
 

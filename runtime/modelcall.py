@@ -26,7 +26,7 @@ from db.records import NewStep, Step, StepKind, StepStatus, Usage
 from runtime.faults import crash_point
 from runtime.flow import Refusal
 from runtime.keys import tenant_key
-from runtime.llm.base import LlmRequest, LlmResponse
+from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.billing import Meter, metering
 from runtime.llm.live import ModelCallCancelled, live_call
 from runtime.llm.retry import prior_attempts, reset_prior_attempts
@@ -97,9 +97,10 @@ class Wait:
 
 
 def admit(task: Task, request: LlmRequest, body: dict[str, Any]) -> Wait | None:
-    """Ask flow control (DAR_MODEL_LIMITS) to admit this call with its estimated input tokens
-    and its ``max_tokens``. ``None``: go ahead (the admission is held on the task and
-    settled by :func:`send`); a :class:`Wait`: end the task on a durable timer instead."""
+    """Ask flow control (limits learned from the API's headers, DAR_MODEL_LIMITS) to admit
+    this call with its estimated input tokens and its ``max_tokens``. ``None``: go ahead
+    (the admission is held on the task and settled by :func:`send`); a :class:`Wait`: end
+    the task on a durable timer instead."""
     flow = task.services.flow
     if flow is None:
         return None
@@ -118,14 +119,17 @@ def admit(task: Task, request: LlmRequest, body: dict[str, Any]) -> Wait | None:
     return None
 
 
-def settle(task: Task, response: LlmResponse | None) -> None:
-    """Settle the task's flow-control admission with what the call used (``None``: failed)."""
+def settle(
+    task: Task, response: LlmResponse | None, refusal: tuple[tuple[str, str], ...] = ()
+) -> None:
+    """Settle the task's flow-control admission with what the call used (``None``: failed;
+    ``refusal``: the failed call's rate-limit headers, which teach the limit)."""
     grant, task.admission = task.admission, None
     flow = task.services.flow
     if grant is None or flow is None:
         return
     if response is None:  # the API refused or failed: nothing billed, the request counted
-        flow.settle(grant, 0, 0, billed=False)
+        flow.settle(grant, 0, 0, billed=False, headers=refusal)
         return
     u = response.usage
     flow.settle(
@@ -151,6 +155,7 @@ def send(
     started = time.monotonic()
     token = prior_attempts(task.claim.run.model_attempts)
     response: LlmResponse | None = None
+    refusal: tuple[tuple[str, str], ...] = ()
     try:
         with live_scope(task, key), metering(_lost_attempts(task)):
             response = task.services.llm.send(request)
@@ -159,12 +164,16 @@ def send(
         task.store.record_unrecorded_usage(task.run_id, e.usage, cost)
         task.observe("MODEL", "cancelled", started)
         raise
+    except LlmError as e:
+        refusal = e.rate_limits  # a 429 says the limit and what remains: learn them
+        task.observe("MODEL", "error", started)
+        raise
     except Exception:
         task.observe("MODEL", "error", started)
         raise
     finally:
         reset_prior_attempts(token)
-        settle(task, response)
+        settle(task, response, refusal)
     latency_ms = int((time.monotonic() - started) * 1000)
     crash_point("after_model_response")
     model = response.model or request.model

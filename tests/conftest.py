@@ -127,6 +127,7 @@ def settings(database_url: str, redis_url: str) -> Settings:
         database_url=database_url,
         redis_url=redis_url,
         queue=f"dar-test-{uuid.uuid4().hex[:10]}",
+        flow_prefix=f"dar-test-flow:{uuid.uuid4().hex[:10]}",
         lease_seconds=5.0,
         heartbeat_seconds=1.0,
         demo_latency_ms=0,

@@ -101,6 +101,7 @@ def _status_error(e: anthropic.APIStatusError) -> LlmError:
         retry_after=parse_retry_after(e.response.headers),
         request_id=e.request_id,
         retryable=retryable,
+        rate_limits=_rate_limit_headers(e.response.headers),
     )
 
 

@@ -55,6 +55,9 @@ class LlmError(DarError):
     the server's requested wait in seconds, when it sent one.
     """
 
+    BACK_PRESSURE_STATUSES = frozenset({429, 529})
+    """Rate limited or overloaded: "come back later", not a failure of the call."""
+
     RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504, 529, -1})
 
     def __init__(
@@ -65,12 +68,22 @@ class LlmError(DarError):
         retry_after: float | None = None,
         request_id: str | None = None,
         retryable: bool | None = None,
+        rate_limits: tuple[tuple[str, str], ...] = (),
     ) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
         self.request_id = request_id
         self._retryable = retryable
+        self.rate_limits = rate_limits
+        """The error response's ``anthropic-ratelimit-*`` headers (a 429 carries them)."""
+
+    @property
+    def back_pressure(self) -> bool:
+        """The API asks to come back later (429 rate limit, 529 ``overloaded_error``, also
+        in a stream): retryable, and no fault of the call's. A 429 for a spend limit is not
+        retryable, so not back-pressure."""
+        return self.retryable and self.status in self.BACK_PRESSURE_STATUSES
 
     @property
     def retryable(self) -> bool:

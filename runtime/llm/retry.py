@@ -176,6 +176,7 @@ class RetryLater(LlmError):
             retry_after=error.retry_after,
             request_id=error.request_id,
             retryable=True,
+            rate_limits=error.rate_limits,
         )
         self.error = error
         self.delay_seconds = delay_seconds
@@ -185,6 +186,11 @@ class RetryLater(LlmError):
 class RetryingLlmClient:
     """Retries retryable :class:`LlmError` s of ``delegate`` with full jitter.
 
+    * Back-pressure (429 rate limited, 529 overloaded: :attr:`LlmError.back_pressure`) is
+      never slept on and costs no attempt: :class:`RetryLater` at once, after the server's
+      ``retry-after`` (at least a jittered 1 s .. ``long_wait_threshold``), with the
+      attempts made so far unchanged. The engine's durable timer brings the call back through
+      flow control, which has learned the limit from the refusal's headers meanwhile.
     * Non-retryable errors (``error.retryable`` false: 400, 401, 403, 404, a spend limit...)
       and the error of the last allowed attempt are raised unchanged.
     * The wait is ``max(uniform(0, min(cap, base * 2**attempt)), retry_after)``.
@@ -230,6 +236,8 @@ class RetryingLlmClient:
             try:
                 return self.delegate.send(request)
             except LlmError as e:
+                if e.back_pressure:
+                    raise self._come_back_later(e, attempt) from e
                 made = attempt + 1
                 if not e.retryable or made >= self.policy.max_attempts:
                     raise
@@ -261,6 +269,21 @@ class RetryingLlmClient:
                 )
                 self.sleeper.sleep(wait)
                 attempt += 1
+
+    def _come_back_later(self, e: LlmError, attempt: int) -> RetryLater:
+        """Back-pressure (429, 529): a durable timer that costs no attempt. The engine asks
+        flow control again when it is due, which has learned the limit from the headers by
+        then; only the run's deadline or budget ends the waiting."""
+        wait = self.rng.uniform(1.0, max(1.0, self.policy.long_wait_threshold))
+        if e.retry_after is not None:
+            wait = max(wait, e.retry_after)
+        log.info(
+            "model call refused (status %d, back-pressure); coming back in %.1f s",
+            e.status,
+            wait,
+            extra={"event": "llm.retry", "action": "back_pressure"},
+        )
+        return RetryLater(e, wait, attempts=attempt)
 
 
 # --- per-attempt wall-clock limit -------------------------------------------------------

@@ -8,6 +8,7 @@ import logging
 import random
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,8 @@ import pytest
 
 from runtime.llm.anthropic import AnthropicClient, parse_retry_after
 from runtime.llm.base import JsonObj, LlmError, LlmRequest
-from runtime.llm.retry import RetryingLlmClient, RetryPolicy, TimeLimitedLlmClient
-from tests.fakes.messages_api import FakeMessagesApi, dumps, validate_request
+from runtime.llm.retry import RetryingLlmClient, RetryLater, RetryPolicy, TimeLimitedLlmClient
+from tests.fakes.messages_api import FakeMessagesApi, dumps, error, validate_request
 
 MODEL = "claude-test-model"
 
@@ -144,11 +145,11 @@ def test_null_usage_fields_become_zero(fake: FakeMessagesApi, client: AnthropicC
     assert (response.usage.cache_creation_input_tokens, response.usage.total) == (0, 7)
 
 
-def test_429_with_retry_after_is_retried_after_at_least_that_long(
+def test_503_with_retry_after_is_retried_after_at_least_that_long(
     fake: FakeMessagesApi, client: AnthropicClient
 ) -> None:
-    fake.then_error(429, "Rate limited.", retry_after=7).then_error(
-        429, "Rate limited.", retry_after=7
+    fake.then_error(503, "Unavailable.", retry_after=7).then_error(
+        503, "Unavailable.", retry_after=7
     )
     fake.then_text("finally")
     sleeper = FakeSleeper()
@@ -185,11 +186,35 @@ def test_spend_limit_429_is_not_retried(fake: FakeMessagesApi, client: Anthropic
     assert fake.calls == 1
 
 
-@pytest.mark.parametrize(("status", "error_type"), [(529, "overloaded_error"), (500, "api_error")])
+@pytest.mark.parametrize("status", [429, 529])
+def test_back_pressure_comes_back_later_with_the_limit_headers(
+    fake: FakeMessagesApi, client: AnthropicClient, status: int
+) -> None:
+    fake.then(
+        replace(
+            error(status, retry_after=2),
+            headers=(
+                ("retry-after", "2"),
+                ("anthropic-ratelimit-requests-limit", "50"),
+                ("anthropic-ratelimit-requests-remaining", "0"),
+            ),
+        )
+    )
+    sleeper = FakeSleeper()
+    with pytest.raises(RetryLater) as info:
+        retrying(client, sleeper).send(ask([user("hi")]))
+    assert (info.value.status, info.value.attempts) == (status, 0)
+    assert info.value.delay_seconds >= 2.0
+    assert ("anthropic-ratelimit-requests-limit", "50") in info.value.rate_limits
+    assert sleeper.sleeps == []
+    assert fake.calls == 1
+
+
+@pytest.mark.parametrize(("status", "error_type"), [(500, "api_error"), (504, "timeout_error")])
 def test_server_errors_are_retried(
     fake: FakeMessagesApi, client: AnthropicClient, status: int, error_type: str
 ) -> None:
-    fake.then_error(status, "Overloaded" if status == 529 else "Internal server error")
+    fake.then_error(status, "Internal server error")
     fake.then_text("recovered")
     sleeper = FakeSleeper()
     response = retrying(client, sleeper).send(ask([user("hi")]))

@@ -191,9 +191,6 @@ def limited(settings: Settings, llm: ScriptedLlm, prefix: str) -> Iterator[Runti
 def test_a_run_not_admitted_waits_on_a_durable_timer(
     limited: Runtime, llm: ScriptedLlm, rclient: redis.Redis
 ) -> None:
-    # the runtime's flow keys are not per test: start from an empty bucket state
-    for key in rclient.scan_iter("dar:flow:{claude-*}:*"):
-        rclient.delete(key)
     register_agent(limited.agents)
     llm.then_text("done")
     driver = limited.driver(metrics=Metrics(CollectorRegistry()))
@@ -208,3 +205,73 @@ def test_a_run_not_admitted_waits_on_a_durable_timer(
     assert run.locked_by is None  # holds no lease while it waits
     assert (run.run_at - limited.store.get_run(first.id).finished_at).total_seconds() > 30
     assert len(llm.requests) == 1
+
+
+# -- on by default: limits learned from the API's headers (issue 26) ---------------------------
+
+
+@pytest.fixture
+def unset(settings: Settings) -> Iterator[tuple[Runtime, FakeMessagesApi]]:
+    """The production client against an API limited to 2 requests/min; no DAR_MODEL_LIMITS."""
+    with FakeMessagesApi(
+        default_responder=True, rate_limits={"claude-*": RateLimit(requests_per_minute=2)}
+    ) as fake:
+        s = replace(settings, anthropic_api_key="k", anthropic_base_url=fake.url)
+        assert s.model_limits_json is None
+        rt = Runtime.build(s, pool_size=5)
+        try:
+            yield rt, fake
+        finally:
+            rt.close()
+
+
+def test_with_no_settings_the_limit_is_learned_from_the_answers(
+    unset: tuple[Runtime, FakeMessagesApi],
+) -> None:
+    rt, fake = unset
+    register_agent(rt.agents)
+    driver = rt.driver(metrics=Metrics(CollectorRegistry()))
+    runs = [submit(rt.store, model=MODEL) for _ in range(3)]
+    for _, dispatch in runs[:2]:
+        assert drive_to_end(driver, dispatch)[-1] is Outcome.FINISHED
+    third, dispatch = runs[2]
+    assert driver.drive(dispatch.run_id, dispatch.token).outcome is Outcome.WAITING
+    waiting = rt.store.get_run(third.id)
+    assert waiting.wait_reason == f"rate limit: requests/min for {MODEL}"
+    assert (fake.calls, fake.rate_limited) == (2, 0)  # refused here, not by the API
+    assert waiting.run_at is not None
+    assert (waiting.run_at - waiting.updated_at).total_seconds() > 20  # 1 request at 2/min
+
+
+def test_a_429_teaches_the_limit_and_costs_the_run_no_attempt(
+    unset: tuple[Runtime, FakeMessagesApi],
+) -> None:
+    rt, fake = unset
+    request = LlmRequest(MODEL, 50, [{"role": "user", "content": "hi"}])
+    with AnthropicClient(base_url=fake.url, api_key="k", timeout_seconds=5) as other:
+        other.send(request)  # another client spends the API's limit: this fleet never saw it
+        other.send(request)
+    register_agent(rt.agents)
+    driver = rt.driver()
+    first, d1 = submit(rt.store, model=MODEL)
+    assert driver.drive(d1.run_id, d1.token).outcome is Outcome.WAITING
+    assert fake.rate_limited == 1
+    run = rt.store.get_run(first.id)
+    assert run.status is not RunStatus.FAILED
+    assert (run.model_attempts, run.claims_without_progress) == (0, 0)
+    assert "HTTP 429" in (run.wait_reason or "")
+    # the 429's headers said none remain: the next run waits here, without asking the API
+    second, d2 = submit(rt.store, model=MODEL)
+    assert driver.drive(d2.run_id, d2.token).outcome is Outcome.WAITING
+    assert rt.store.get_run(second.id).wait_reason == f"rate limit: requests/min for {MODEL}"
+    assert fake.calls == 3
+
+
+def test_flow_control_can_be_turned_off(settings: Settings) -> None:
+    assert Settings.from_env({"DAR_FLOW_CONTROL": "off"}).flow_control is False
+    assert Settings.from_env({}).flow_control is True
+    rt = Runtime.build(replace(settings, flow_control=False), llm=ScriptedLlm(), pool_size=2)
+    try:
+        assert rt.flow_control() is None
+    finally:
+        rt.close()

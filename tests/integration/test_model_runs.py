@@ -202,7 +202,7 @@ def test_retry_after_beyond_the_deadline_times_the_run_out(
 def test_short_server_errors_are_retried_in_the_worker(
     claude: Runtime, fake: FakeMessagesApi
 ) -> None:
-    fake.then_error(529).then_error(500).then_error(503).then_text("ok")
+    fake.then_error(502).then_error(500).then_error(503).then_text("ok")
     register_agent(claude.agents)
     run, dispatch = submit(claude.store, model=MODEL)
     drive_to_end(claude.driver(), dispatch)

@@ -277,21 +277,38 @@ def test_answered_calls_are_replayed_after_a_crash_in_the_llm_step(runtime: Runt
 # -- scenario 4: model attempts are capped across durable timers ------------------------------
 
 
-def test_a_model_that_rate_limits_forever_fails_after_max_attempts(runtime: Runtime) -> None:
-    class Always429:
-        calls = 0
+class _Always:
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.calls = 0
 
-        def send(self, request: LlmRequest) -> LlmResponse:
-            Always429.calls += 1
-            raise LlmError("rate limited", status=429, retry_after=30)
+    def send(self, request: LlmRequest) -> LlmResponse:
+        self.calls += 1
+        raise LlmError("no", status=self.status, retry_after=30)
 
-    runtime.llm = RetryingLlmClient(Always429(), RetryPolicy(max_attempts=3, long_wait_threshold=1))
+
+def test_a_model_that_fails_forever_fails_after_max_attempts(runtime: Runtime) -> None:
+    model = _Always(503)
+    runtime.llm = RetryingLlmClient(model, RetryPolicy(max_attempts=3, long_wait_threshold=1))
     run, dispatch = runtime.submit("acme-tickets", "hi", timeout_seconds=7 * 86400)
     status = _drive(runtime, dispatch)
     assert status is RunStatus.FAILED
-    assert Always429.calls == 3
+    assert model.calls == 3
     after = runtime.store.get_run(run.id)
-    assert "HTTP 429" in (after.error or "")
+    assert "HTTP 503" in (after.error or "")
+
+
+@pytest.mark.parametrize("status", [429, 529])
+def test_back_pressure_never_fails_a_run_before_its_deadline(runtime: Runtime, status: int) -> None:
+    model = _Always(status)
+    runtime.llm = RetryingLlmClient(model, RetryPolicy(max_attempts=3, long_wait_threshold=1))
+    run, dispatch = runtime.submit("acme-tickets", "hi", timeout_seconds=7 * 86400)
+    assert _drive(runtime, dispatch) is RunStatus.RUNNING  # 50 claims later: still waiting
+    assert model.calls == 50
+    after = runtime.store.get_run(run.id)
+    assert (after.model_attempts, after.claims_without_progress) == (0, 0)
+    assert after.wait_reason is not None
+    assert f"HTTP {status}" in after.wait_reason
 
 
 def test_a_timer_is_not_progress(runtime: Runtime) -> None:

@@ -71,17 +71,60 @@ def retrying(
     )
 
 
-def test_two_429s_with_retry_after_then_success() -> None:
+def test_two_503s_with_retry_after_then_success() -> None:
     sleeper = FakeSleeper()
     delegate = Scripted(
-        LlmError("rate limited", status=429, retry_after=7.0),
-        LlmError("rate limited", status=429, retry_after=7.0),
+        LlmError("unavailable", status=503, retry_after=7.0),
+        LlmError("unavailable", status=503, retry_after=7.0),
         OK,
     )
     assert retrying(delegate, sleeper).send(REQUEST) is OK
     assert delegate.calls == 3
     assert len(sleeper.sleeps) == 2
     assert all(s >= 7.0 for s in sleeper.sleeps)
+
+
+@pytest.mark.parametrize(
+    ("status", "retry_after"), [(429, 7.0), (429, None), (529, None), (529, 12.0)]
+)
+def test_back_pressure_comes_back_later_and_costs_no_attempt(
+    status: int, retry_after: float | None
+) -> None:
+    sleeper = FakeSleeper()
+    limits = (("anthropic-ratelimit-requests-remaining", "0"),)
+    cause = LlmError("slow down", status=status, retry_after=retry_after, rate_limits=limits)
+    delegate = Scripted(cause, OK)
+    client = RetryingLlmClient(
+        delegate, RetryPolicy(max_attempts=2), sleeper, random.Random(1), first_attempt=1
+    )
+    with pytest.raises(RetryLater) as info:
+        client.send(REQUEST)
+    later = info.value
+    assert later.attempts == 1  # the one made before: the refusal cost none
+    assert later.delay_seconds >= max(1.0, retry_after or 0)
+    assert later.rate_limits == limits  # flow control learns the limit from them
+    assert sleeper.sleeps == []  # a durable timer, not a sleeping worker
+    assert delegate.calls == 1
+
+
+def test_back_pressure_waits_are_spread() -> None:
+    waits = set()
+    for seed in range(20):
+        delegate = Scripted(LlmError("overloaded", status=529), OK)
+        client = RetryingLlmClient(delegate, RetryPolicy(), FakeSleeper(), random.Random(seed))
+        with pytest.raises(RetryLater) as info:
+            client.send(REQUEST)
+        assert 1.0 <= info.value.delay_seconds <= 5.0
+        waits.add(round(info.value.delay_seconds, 3))
+    assert len(waits) > 15
+
+
+def test_a_spend_limit_429_is_not_back_pressure() -> None:
+    spend = LlmError("spend limit", status=429, retryable=False)
+    assert not spend.back_pressure
+    assert LlmError("", status=429).back_pressure
+    assert LlmError("", status=529).back_pressure
+    assert not LlmError("", status=503).back_pressure
 
 
 def test_400_is_not_retried() -> None:
@@ -102,7 +145,7 @@ def test_other_client_errors_are_not_retried(status: int) -> None:
     assert delegate.calls == 1
 
 
-@pytest.mark.parametrize("status", [529, 500, 502, 503, 504])
+@pytest.mark.parametrize("status", [500, 502, 503, 504])
 def test_server_errors_are_retried(status: int) -> None:
     sleeper = FakeSleeper()
     delegate = Scripted(LlmError("busy", status=status), OK)
@@ -142,7 +185,7 @@ def test_jitter_of_a_real_retry_sequence_stays_within_bounds() -> None:
     policy = RetryPolicy(max_attempts=8, base=0.5, cap=4.0, long_wait_threshold=1e9)
     for seed in range(50):
         sleeper = FakeSleeper()
-        delegate = Scripted(*[LlmError("busy", status=529) for _ in range(7)], OK)
+        delegate = Scripted(*[LlmError("busy", status=503) for _ in range(7)], OK)
         RetryingLlmClient(delegate, policy, sleeper, random.Random(seed)).send(REQUEST)
         assert len(sleeper.sleeps) == 7
         for attempt, wait in enumerate(sleeper.sleeps):
@@ -210,7 +253,7 @@ def test_classify(
 
 def test_a_wait_above_the_threshold_raises_retry_later_without_sleeping() -> None:
     sleeper = FakeSleeper()
-    cause = LlmError("rate limited", status=429, retry_after=30.0, request_id="req_1")
+    cause = LlmError("unavailable", status=503, retry_after=30.0, request_id="req_1")
     delegate = Scripted(cause, OK)
     client = retrying(delegate, sleeper, policy=RetryPolicy(long_wait_threshold=5.0))
     with pytest.raises(RetryLater) as info:
@@ -220,7 +263,7 @@ def test_a_wait_above_the_threshold_raises_retry_later_without_sleeping() -> Non
     assert later.error is cause
     assert later.__cause__ is cause
     assert later.attempts == 1
-    assert (later.status, later.request_id, later.retryable) == (429, "req_1", True)
+    assert (later.status, later.request_id, later.retryable) == (503, "req_1", True)
     assert isinstance(later, LlmError)
     assert sleeper.sleeps == []
     assert delegate.calls == 1
@@ -228,14 +271,14 @@ def test_a_wait_above_the_threshold_raises_retry_later_without_sleeping() -> Non
 
 def test_a_short_wait_is_slept_not_deferred() -> None:
     sleeper = FakeSleeper()
-    delegate = Scripted(LlmError("rate limited", status=429, retry_after=2.0), OK)
+    delegate = Scripted(LlmError("unavailable", status=503, retry_after=2.0), OK)
     client = retrying(delegate, sleeper, policy=RetryPolicy(long_wait_threshold=5.0))
     assert client.send(REQUEST) is OK
     assert sleeper.sleeps == [2.0]
 
 
 def test_the_last_attempt_raises_the_error_not_retry_later() -> None:
-    delegate = Scripted(LlmError("rate limited", status=429, retry_after=30.0))
+    delegate = Scripted(LlmError("unavailable", status=503, retry_after=30.0))
     client = retrying(delegate, FakeSleeper(), policy=RetryPolicy(max_attempts=1))
     with pytest.raises(LlmError) as info:
         client.send(REQUEST)
@@ -243,7 +286,7 @@ def test_the_last_attempt_raises_the_error_not_retry_later() -> None:
 
 
 def test_first_attempt_carries_over_attempts_made_before_a_timer() -> None:
-    delegate = Scripted(LlmError("busy", status=529), OK)
+    delegate = Scripted(LlmError("busy", status=503), OK)
     client = RetryingLlmClient(
         delegate, RetryPolicy(max_attempts=3), FakeSleeper(), random.Random(1), first_attempt=2
     )
@@ -254,7 +297,7 @@ def test_first_attempt_carries_over_attempts_made_before_a_timer() -> None:
 
 def test_a_wait_past_the_deadline_raises_the_original_error() -> None:
     sleeper = FakeSleeper()
-    cause = LlmError("rate limited", status=429, retry_after=10.0)
+    cause = LlmError("unavailable", status=503, retry_after=10.0)
     delegate = Scripted(cause, OK)
     client = retrying(delegate, sleeper, deadline_remaining=lambda: 3.0)
     with pytest.raises(LlmError) as info:
@@ -266,7 +309,7 @@ def test_a_wait_past_the_deadline_raises_the_original_error() -> None:
 
 def test_a_wait_within_the_deadline_is_slept() -> None:
     sleeper = FakeSleeper()
-    delegate = Scripted(LlmError("rate limited", status=429, retry_after=1.0), OK)
+    delegate = Scripted(LlmError("unavailable", status=503, retry_after=1.0), OK)
     client = retrying(delegate, sleeper, deadline_remaining=lambda: 100.0)
     assert client.send(REQUEST) is OK
     assert sleeper.sleeps == [1.0]
