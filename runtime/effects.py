@@ -68,7 +68,8 @@ class Effect:
     tool_use_id: str | None = None
     input_hash: str | None = None
     context_key: str | None = None
-    """The idempotency key the code sees (``ctx.idempotency_key``); the step key if unset."""
+    """The key within the run the code sees (``ctx.key``; ``ctx.idempotency_key`` is
+    ``<run id>/<it>``); the step key if unset."""
 
     @property
     def policy(self) -> Policy:

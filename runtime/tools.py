@@ -39,11 +39,18 @@ class ToolContext:
 
     @property
     def idempotency_key(self) -> str:
-        """Stable across re-executions of the same call: pass it downstream."""
-        return self.tool_use_id
+        """``<run id>/<tool_use id>`` (for a durable step ``<run id>/<step key>``): the same
+        for every execution of this call in this run (after a crash, a retry by an
+        operator), different in every other run of the same agent or function and in a
+        fork for any step the fork runs again. Pass it downstream (an ``Idempotency-Key``
+        header, a unique column): a system that de-duplicates on it performs the call once
+        per run."""
+        return idempotency_key(self.run_id, self.tool_use_id)
 
     @property
     def key(self) -> str:
+        """The call's key within its run: the ``tool_use`` id, or the durable step's key.
+        Not unique across runs: pass :attr:`idempotency_key` downstream instead."""
         return self.tool_use_id
 
     def remaining(self, default: float | None = None) -> float | None:
@@ -54,6 +61,12 @@ class ToolContext:
         if self.deadline is None:
             return default
         return max(0.0, self.deadline - time.monotonic())
+
+
+def idempotency_key(run_id: uuid.UUID, step_key: str) -> str:
+    """The idempotency key handed to user code and to MCP servers for one step of one run:
+    unique across runs (a fork is a run of its own), stable across a step's executions."""
+    return f"{run_id}/{step_key}"
 
 
 StepContext = ToolContext

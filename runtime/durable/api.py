@@ -23,7 +23,7 @@ from runtime.codec import return_type
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.live import LiveCall
 from runtime.mcp.servers import McpServer
-from runtime.tools import Reconciled, ToolContext
+from runtime.tools import Reconciled, ToolContext, idempotency_key
 
 T = TypeVar("T")
 
@@ -434,8 +434,11 @@ class Steps:
 
     @property
     def key(self) -> str | None:
-        """The key of the step running now: pass it downstream as an idempotency key."""
-        return self._engine.current_key()
+        """The idempotency key of the step running now, ``<run id>/<step key>`` (as
+        ``steps.context.idempotency_key``): pass it downstream. Unique across runs, a fork's
+        included; the same for every execution of the step in this run."""
+        key = self._engine.current_key()
+        return None if key is None else idempotency_key(self.run_id, key)
 
     @property
     def context(self) -> ToolContext | None:

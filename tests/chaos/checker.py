@@ -378,7 +378,7 @@ def _check_side_effects(
     for s in steps:
         if s.kind is not StepKind.TOOL or s.tool_name != ev.side_effect_tool:
             continue
-        key = s.tool_use_id or ""
+        key = f"{run.id}/{s.tool_use_id}"  # the tool's ctx.idempotency_key
         seen_keys.add(key)
         rows = comments_by_key.get(key, [])
         if len(rows) != 1:

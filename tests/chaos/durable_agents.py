@@ -110,7 +110,8 @@ def _here() -> tuple[str, str]:
     key = steps.key if steps is not None else None
     if steps is None or key is None:
         raise RuntimeError("called outside a step")
-    return str(steps.run_id), key
+    # the checker reads effects by step key: the idempotency key is <run id>/<step key>
+    return str(steps.run_id), key.removeprefix(f"{steps.run_id}/")
 
 
 def _effect(kind: str, *, idempotent_body: bool) -> dict[str, Any]:

@@ -139,7 +139,7 @@ def good_evidence() -> Evidence:
     return Evidence(
         runs=[make_run()],
         steps={RUN_ID: steps},
-        comments=[Comment(7, 101, "please look", "toolu_1", at(1.5))],
+        comments=[Comment(7, 101, "please look", f"{RUN_ID}/toolu_1", at(1.5))],
         calls=[
             call_for(steps, 1, "req_fake_0001", at(0.5).timestamp()),
             call_for(steps, 3, "req_fake_0002", at(2.5).timestamp()),
@@ -192,7 +192,8 @@ MUTATIONS: dict[str, tuple[Callable[[Evidence], Evidence], str]] = {
     ),
     "side effect twice": (
         lambda ev: dataclasses.replace(
-            ev, comments=[*ev.comments, Comment(8, 101, "please look", "toolu_1", at(1.6))]
+            ev,
+            comments=[*ev.comments, Comment(8, 101, "please look", f"{RUN_ID}/toolu_1", at(1.6))],
         ),
         checker.SIDE_EFFECTS,
     ),
@@ -202,13 +203,13 @@ MUTATIONS: dict[str, tuple[Callable[[Evidence], Evidence], str]] = {
     ),
     "orphan side effect": (
         lambda ev: dataclasses.replace(
-            ev, comments=[*ev.comments, Comment(9, 102, "x", "toolu_never", at(1.6))]
+            ev, comments=[*ev.comments, Comment(9, 102, "x", f"{RUN_ID}/toolu_never", at(1.6))]
         ),
         checker.SIDE_EFFECTS,
     ),
     "side effect before its model turn was committed": (
         lambda ev: dataclasses.replace(
-            ev, comments=[Comment(7, 101, "please look", "toolu_1", at(0.7))]
+            ev, comments=[Comment(7, 101, "please look", f"{RUN_ID}/toolu_1", at(0.7))]
         ),
         checker.FENCING,
     ),

@@ -128,7 +128,7 @@ def test_a_crash_before_the_row_runs_the_tool_again_and_the_run_ends(
     (redispatch,) = runtime.store.redispatch_due(redispatch_after=3600)
     drive_to_end(runtime.driver(worker="worker-B"), redispatch)
 
-    assert calls == ["toolu_c", "toolu_c"], "ran again, with the same key"
+    assert calls == [f"{run.id}/toolu_c"] * 2, "ran again, with the same key"
     assert runtime.store.get_run(run.id).status is RunStatus.SUCCEEDED
     assert [s.status for s in runtime.store.steps(run.id)] == [StepStatus.DONE] * 3
 

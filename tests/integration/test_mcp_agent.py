@@ -98,12 +98,14 @@ def test_mcp_tools_are_offered_next_to_python_tools_and_called_as_tool_steps(
     assert steps[3].tool_name == "notes__add_note"
     assert steps[3].response == "note 1 added: hi"
     (entry,) = ledger.entries("add_note")
-    assert entry["key"] == "toolu_2", "the tool_use id travels as the idempotency key in _meta"
+    assert entry["key"] == f"{run.id}/toolu_2", (
+        "the tool_use id travels as the idempotency key in _meta"
+    )
     results = llm.requests[1].messages[-1]["content"]
     assert [r["tool_use_id"] for r in results] == ["toolu_1", "toolu_2"]
     assert llm.requests[1].tools == llm.requests[0].tools
     deadline = time.monotonic() + 5
-    wanted = f"run={str(run.id)[:8]} mcp=notes stderr: calling add_note key=toolu_2"
+    wanted = f"run={str(run.id)[:8]} mcp=notes stderr: calling add_note key={run.id}/toolu_2"
     while wanted not in caplog.text and time.monotonic() < deadline:
         time.sleep(0.05)  # the stderr pump is a thread of its own
     assert wanted in caplog.text, "the server's stderr is in the worker log, with the run id"

@@ -96,7 +96,7 @@ def test_steps_tool_is_a_recorded_step_replayed_not_repeated(
     assert_run(done).completed().has_steps("notes__add_note", "notes__count_notes")
     assert ledger.count("add_note") == 1, "replayed from the log, not called again"
     (entry,) = ledger.entries("add_note")
-    assert entry["key"] == "notes__add_note:0", "the step key is the idempotency key"
+    assert entry["key"] == f"{crashed.run_id}/notes__add_note:0", "run id / step key"
     assert done.result == {
         "added": {"result": "note 1 added: hello"},
         "counted": {"result": "1 notes"},

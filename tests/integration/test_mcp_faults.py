@@ -82,7 +82,7 @@ def test_a_read_only_tool_in_doubt_is_called_again_with_the_same_key(
     _register(runtime, stdio_server(ledger))
     run_id = _crash_then_resume(runtime, llm, "count_notes", {})
     assert runtime.store.get_run(run_id).status is RunStatus.SUCCEEDED
-    assert [e["key"] for e in ledger.entries("count_notes")] == ["toolu_1", "toolu_1"]
+    assert [e["key"] for e in ledger.entries("count_notes")] == [f"{run_id}/toolu_1"] * 2
 
 
 def test_a_destructive_tool_in_doubt_is_not_called_again(
@@ -120,7 +120,7 @@ def test_an_operator_override_makes_a_destructive_tool_re_run(
     _register(runtime, stdio_server(ledger))
     run_id = _crash_then_resume(runtime, llm, "add_note", {"text": "pay"})
     assert runtime.store.get_run(run_id).status is RunStatus.SUCCEEDED
-    assert [e["key"] for e in ledger.entries("add_note")] == ["toolu_1", "toolu_1"]
+    assert [e["key"] for e in ledger.entries("add_note")] == [f"{run_id}/toolu_1"] * 2
 
 
 def already_written(ctx: Any) -> Any:
@@ -141,7 +141,7 @@ def test_a_configured_reconcile_decides_for_a_destructive_tool(
     run_id = _crash_then_resume(runtime, llm, "add_note", {"text": "pay"})
     assert runtime.store.get_run(run_id).status is RunStatus.SUCCEEDED
     assert ledger.count("add_note") == 1
-    assert runtime.store.steps(run_id)[2].response == "already written under toolu_1"
+    assert runtime.store.steps(run_id)[2].response == f"already written under {run_id}/toolu_1"
 
 
 # -- HTTP ------------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def test_http_server_with_a_token_from_the_environment(
         run, dispatch = submit(runtime.store, agent="mcp-agent")
         drive_to_end(runtime.driver(), dispatch)
     assert runtime.store.get_run(run.id).status is RunStatus.SUCCEEDED
-    assert [e["key"] for e in ledger.entries("add_note")] == ["toolu_1"]
+    assert [e["key"] for e in ledger.entries("add_note")] == [f"{run.id}/toolu_1"]
     assert secret not in caplog.text
 
 

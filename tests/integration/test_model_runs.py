@@ -84,7 +84,7 @@ def test_tool_use_then_end_turn_through_the_sdk(claude: Runtime, fake: FakeMessa
     assert second["messages"][2]["content"][0]["type"] == "tool_result"
     assert json.loads(second["messages"][2]["content"][0]["content"]) == {
         "q": "x",
-        "key": "toolu_a",
+        "key": f"{run.id}/toolu_a",
     }
     # The cacheable prefix is marked; the SDK's own retries are off (one call per attempt).
     assert second["system"][0]["cache_control"] == {"type": "ephemeral"}

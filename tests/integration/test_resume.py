@@ -65,7 +65,7 @@ def test_resumed_run_does_not_repeat_model_calls(runtime: Runtime, llm: Scripted
     assert done.status is RunStatus.SUCCEEDED, done.error
     assert done.result == "done"
     assert len(llm.requests) == 2, "the first model call was not repeated"
-    assert executed == ["toolu_1", "toolu_1"], "the tool ran again with the same key"
+    assert executed == [f"{run.id}/toolu_1"] * 2, "the tool ran again with the same key"
     assert done.tokens_used == 100 + 20 + 150 + 5
     steps = runtime.store.steps(run.id)
     assert [(s.seq, s.kind, s.status) for s in steps] == [

@@ -3,6 +3,7 @@ re-execution after a crash, reconcile hooks, NEEDS_ATTENTION and the operator's 
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import replace
@@ -230,7 +231,7 @@ def test_crash_after_the_side_effect_reexecutes_once_and_the_effect_appears_once
     drive_to_end(runtime.driver(worker="worker-B"), redispatch)
 
     assert runtime.store.get_run(run.id).status is RunStatus.SUCCEEDED
-    assert keys == ["toolu_c", "toolu_c"], "re-executed once, with the same key"
+    assert keys == [f"{run.id}/toolu_c"] * 2, "re-executed once, with the same key"
     assert runtime.tickets.count_comments(101) == 1, "and the effect appears once"
     assert '"created": false' in str(_result_seen_by_model(llm)["content"])
 
@@ -250,8 +251,10 @@ def test_reconcile_saying_done_takes_its_result(runtime: Runtime, llm: ScriptedL
     run, redispatch = _crash_mid_tool(runtime, llm, charge)
     drive_to_end(runtime.driver(worker="worker-B"), redispatch)
     assert runtime.store.get_run(run.id).status is RunStatus.SUCCEEDED
-    assert effects == ["toolu_1"], "not charged twice"
-    assert _result_seen_by_model(llm)["content"] == '{"charged": true, "key": "toolu_1"}'
+    assert effects == [f"{run.id}/toolu_1"], "not charged twice"
+    assert _result_seen_by_model(llm)["content"] == json.dumps(
+        {"charged": True, "key": f"{run.id}/toolu_1"}
+    )
 
 
 def test_reconcile_saying_not_done_runs_the_tool(runtime: Runtime, llm: ScriptedLlm) -> None:
@@ -268,7 +271,7 @@ def test_reconcile_saying_not_done_runs_the_tool(runtime: Runtime, llm: Scripted
     run, redispatch = _crash_mid_tool(runtime, llm, charge)
     drive_to_end(runtime.driver(worker="worker-B"), redispatch)
     assert runtime.store.get_run(run.id).status is RunStatus.SUCCEEDED
-    assert effects == ["toolu_1", "toolu_1"]
+    assert effects == [f"{run.id}/toolu_1"] * 2
     assert _result_seen_by_model(llm)["content"] == "charged"
 
 
@@ -317,7 +320,7 @@ def test_non_idempotent_started_tool_needs_attention(
     timeline = client.get(f"/api/runs/{run.id}/timeline").get_json()
     assert timeline[1]["status"] == "STARTED"
     assert timeline[1]["toolName"] == "charge"
-    assert effects == ["toolu_1"], "never guessed"
+    assert effects == [f"{run.id}/toolu_1"], "never guessed"
     assert runtime.store.get_run(run.id).locked_by is None
 
 
@@ -334,7 +337,7 @@ def test_operator_supplies_the_result(
     assert resp.get_json()["status"] == "RUNNING"
     drive_to_end(runtime.driver(), _next_message(runtime, run.id))
     assert runtime.store.get_run(run.id).status is RunStatus.SUCCEEDED
-    assert effects == ["toolu_1"]
+    assert effects == [f"{run.id}/toolu_1"]
     assert _result_seen_by_model(llm)["content"] == "charged by hand, ref 77"
     step = runtime.store.steps(run.id)[1]
     assert step.resolution == "supplied"
@@ -351,7 +354,7 @@ def test_operator_authorises_a_retry(
     assert resp.status_code == 200
     drive_to_end(runtime.driver(), _next_message(runtime, run.id))
     assert runtime.store.get_run(run.id).status is RunStatus.SUCCEEDED
-    assert effects == ["toolu_1", "toolu_1"]
+    assert effects == [f"{run.id}/toolu_1"] * 2
     assert _result_seen_by_model(llm)["content"] == "charged"
 
 

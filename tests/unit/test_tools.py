@@ -198,8 +198,8 @@ def test_invoke_passes_the_arguments_and_injects_the_context() -> None:
         return f"{q}:{limit}:{ctx.idempotency_key}"
 
     context = ToolContext(run_id=RUN_ID, tool_use_id="toolu_01Ab")
-    assert lookup.invoke({"q": "x"}, context) == "x:5:toolu_01Ab"
-    assert lookup.invoke({"q": "y", "limit": 2}, context) == "y:2:toolu_01Ab"
+    assert lookup.invoke({"q": "x"}, context) == f"x:5:{RUN_ID}/toolu_01Ab"
+    assert lookup.invoke({"q": "y", "limit": 2}, context) == f"y:2:{RUN_ID}/toolu_01Ab"
     assert seen[0][2] is context
     assert seen[0][2].run_id == RUN_ID
 
@@ -289,9 +289,13 @@ def test_a_heterogeneous_tuple_accepts_its_own_shape() -> None:
     assert at.invoke({"point": [1, "x"]}, ToolContext(run_id=RUN_ID, tool_use_id="t")) == "1x"
 
 
-def test_the_idempotency_key_is_the_tool_use_id() -> None:
+def test_the_idempotency_key_is_the_run_id_and_the_tool_use_id() -> None:
+    """Issue 23 defect 2: unique across runs (a downstream ledger de-duplicates on it)."""
     ctx = ToolContext(run_id=RUN_ID, tool_use_id="toolu_01Ab")
-    assert ctx.idempotency_key == "toolu_01Ab"
+    assert ctx.idempotency_key == f"{RUN_ID}/toolu_01Ab"
+    assert ctx.key == "toolu_01Ab"
+    other = ToolContext(run_id=uuid.uuid4(), tool_use_id="toolu_01Ab")
+    assert other.idempotency_key != ctx.idempotency_key
 
 
 def test_render_output_keeps_strings_as_they_are() -> None:
@@ -357,6 +361,9 @@ def test_a_pydantic_model_parameter_gives_the_schema_and_the_value() -> None:
     assert schema["required"] == ["order_id", "amount"]
     assert schema["properties"]["amount"]["type"] == "number"
     context = ToolContext(run_id=RUN_ID, tool_use_id="toolu_9")
-    assert refund.invoke({"order_id": 7, "amount": 2.5}, context) == "7:2.5:unspecified:toolu_9"
+    assert (
+        refund.invoke({"order_id": 7, "amount": 2.5}, context)
+        == f"7:2.5:unspecified:{RUN_ID}/toolu_9"
+    )
     with pytest.raises(ToolInputError, match="order_id"):
         refund.invoke({"amount": 2.5}, context)
