@@ -10,7 +10,13 @@ from flask import Flask, Response, g, jsonify, request
 from prometheus_client import CollectorRegistry
 from prometheus_flask_exporter import PrometheusMetrics
 
-from api.auth import TokenTable, check_approval_roles, check_token_roles, warn_if_open
+from api.auth import (
+    TokenTable,
+    check_approval_roles,
+    check_role,
+    check_token_roles,
+    warn_if_open,
+)
 from api.errors import ApiError, register_error_handlers
 from api.openapi import openapi_document
 from api.schemas import check_text
@@ -83,6 +89,12 @@ def create_app(
                 code="unknown_parameter",
                 field=unknown[0],
             )
+
+    @app.before_request
+    def _metrics_role() -> None:
+        # Fleet-wide counts of every tenant: a token with the metrics role, unless opened.
+        if request.path == "/metrics" and not settings.metrics_public:
+            check_role("metrics")
 
     @app.before_request
     def _log_context() -> None:

@@ -8,7 +8,7 @@ from flask import Blueprint, Response, jsonify, request
 
 from api.auth import current_principal, requires, tenant_scope
 from api.errors import ApiError, invalid
-from api.runs import audit, load_run
+from api.runs import audit
 from api.schemas import check_text, decision_schema, validate
 from api.serialize import approval_json
 from api.state import state
@@ -27,16 +27,11 @@ def _approval_id(raw: str) -> uuid.UUID:
 
 
 def _load(approval_id: uuid.UUID) -> Approval:
-    """The approval, if the request's tenant may see its run; 404 otherwise."""
-    approval = state().runtime.store.get_approval(approval_id)
+    """The approval, if the request's tenant may see its run; 404 otherwise, by the same
+    single statement whether the id is another tenant's or nobody's (no timing tells)."""
+    approval = state().runtime.store.get_approval(approval_id, tenant=tenant_scope())
     if approval is None:
         raise ApiError(404, f"no approval with id {approval_id}", code="not_found")
-    scope = tenant_scope()
-    if scope is not None:
-        try:
-            load_run(approval.run_id)
-        except ApiError:
-            raise ApiError(404, f"no approval with id {approval_id}", code="not_found") from None
     return approval
 
 
@@ -109,7 +104,16 @@ def _decide(approval_id: str, decision: ApprovalStatus) -> tuple[Response, int]:
         decided_by=decider,
         comment=comment,
         payload_hash=approval.payload_hash,
-        audit=audit(verb, {"stepKey": approval.step_key, "role": approval.role}, aid),
+        audit=audit(
+            verb,
+            {
+                "stepKey": approval.step_key,
+                "role": approval.role,
+                "payloadHash": approval.payload_hash,
+                **({"comment": comment} if comment else {}),
+            },
+            aid,
+        ),
     )
     if dispatch is None:
         current = _load(aid)

@@ -29,10 +29,11 @@ from runtime.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-ROLES = ("read", "submit", "cancel", "approve", "admin")
+ROLES = ("read", "submit", "cancel", "approve", "metrics", "admin")
 """``admin`` holds every one of these roles, in every tenant (and alone may resolve a run that
 needs attention). It does not hold the approval roles of durable functions: an approval is
-decided only by a token that names its role."""
+decided only by a token that names its role. ``metrics`` reads the web process's
+``/metrics`` (fleet-wide counts, every tenant's), unless ``DAR_METRICS_PUBLIC`` opens it."""
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 ROLE = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -145,19 +146,26 @@ def requires(role: str) -> Callable[[F], F]:
     def decorate(view: F) -> F:
         @wraps(view)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            principal = _authenticate()
-            if principal is not None and not principal.has(role):
-                raise ApiError(
-                    403,
-                    f"token {principal.name!r} lacks the role {role!r} "
-                    f"(it has: {', '.join(sorted(principal.roles))})",
-                    code="forbidden",
-                )
+            check_role(role)
             return view(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+def check_role(role: str) -> Principal | None:
+    """The request's principal, which must hold ``role``: 401 without a valid token, 403
+    without the role (``None``, anything allowed, when authentication is off)."""
+    principal = _authenticate()
+    if principal is not None and not principal.has(role):
+        raise ApiError(
+            403,
+            f"token {principal.name!r} lacks the role {role!r} "
+            f"(it has: {', '.join(sorted(principal.roles))})",
+            code="forbidden",
+        )
+    return principal
 
 
 def authenticated(view: F) -> F:

@@ -9,7 +9,15 @@ from flask import Blueprint, Response, jsonify, request, url_for
 
 from api.auth import current_principal, requires
 from api.errors import ApiError
-from api.runs import audit, key_reused, load_run, parse_run_id, rate_limited, submit_quota
+from api.runs import (
+    audit,
+    check_run_limits,
+    key_reused,
+    load_run,
+    parse_run_id,
+    rate_limited,
+    submit_quota,
+)
 from api.schemas import fork_schema, validate
 from api.serialize import forked_from_json
 from api.state import state
@@ -36,7 +44,11 @@ def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
     body = json_body(request, limit_input=settings.max_input_chars)
     durable = any(not isinstance(agents.get(n), Agent) for n in agents.names())
     validate(body, fork_schema(settings, any_json_input=durable))
-    load_run(rid)  # another tenant's run is no run
+    source = load_run(rid)  # another tenant's run is no run
+    # A fork is a resume from an earlier step: the same limits (a larger budget needs admin).
+    check_run_limits(
+        source, whole(body.get("tokenBudget")), whole(body.get("timeoutSeconds")), "forking"
+    )
     key = idempotency_key(request)
     edit = body.get("toolResult")
     principal = current_principal()

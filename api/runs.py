@@ -268,6 +268,34 @@ def resolve(run_id: str) -> tuple[Response, int]:
     return jsonify({"id": str(rid), "status": str(run.status)}), 200
 
 
+def check_run_limits(run: Run, budget: int | None, timeout: int | None, doing: str) -> int:
+    """A token without ``admin`` stays within the run's own limits when it resumes or forks
+    it: no larger token budget, no longer timeout (403 naming the field). Returns the
+    timeout the run was given, in seconds."""
+    principal = current_principal()
+    admin = principal is None or principal.admin
+    granted = run.timeout_seconds or max(
+        1, math.ceil((run.deadline_at - run.created_at).total_seconds())
+    )
+    if not admin and budget is not None and budget > run.token_budget:
+        raise ApiError(
+            403,
+            f"tokenBudget: {doing} a run with a token budget above its own "
+            f"({run.token_budget}; asked {budget}) needs the admin role",
+            code="forbidden",
+            field="tokenBudget",
+        )
+    if not admin and timeout is not None and timeout > granted:
+        raise ApiError(
+            403,
+            f"timeoutSeconds: {doing} a run with a timeout longer than it was given "
+            f"({granted} s) needs the admin role",
+            code="forbidden",
+            field="timeoutSeconds",
+        )
+    return granted
+
+
 @bp.post("/runs/<run_id>/resume")
 @requires("submit")
 def resume(run_id: str) -> tuple[Response, int]:
@@ -286,25 +314,7 @@ def resume(run_id: str) -> tuple[Response, int]:
     run = load_run(rid)
     principal = current_principal()
     admin = principal is None or principal.admin
-    granted = run.timeout_seconds or max(
-        1, math.ceil((run.deadline_at - run.created_at).total_seconds())
-    )
-    if not admin and budget is not None and budget > run.token_budget:
-        raise ApiError(
-            403,
-            f"tokenBudget: raising the run's token budget ({run.token_budget}) to {budget} "
-            "needs the admin role",
-            code="forbidden",
-            field="tokenBudget",
-        )
-    if not admin and timeout is not None and timeout > granted:
-        raise ApiError(
-            403,
-            f"timeoutSeconds: a timeout longer than the run was given ({granted} s) needs the "
-            "admin role",
-            code="forbidden",
-            field="timeoutSeconds",
-        )
+    granted = check_run_limits(run, budget, timeout, "resuming")
     # A deadline already past (by the database's clock) would stop it at once: the store
     # gives it the default again, within the run's own limit.
     fresh_timeout = (

@@ -352,7 +352,11 @@ WHERE id = :id AND status = 'WAITING'
 RETURNING id;
 
 -- get_approval --
-SELECT * FROM approval WHERE id = :approval_id;
+-- One approval, if its run is in :tenant (NULL: any tenant). Another tenant's approval and
+-- no approval are the same statement, the same plan and the same empty answer: its time does
+-- not tell the two apart.
+SELECT a.* FROM approval a JOIN run r ON r.id = a.run_id
+WHERE a.id = :approval_id AND (CAST(:tenant AS text) IS NULL OR r.tenant = :tenant);
 
 -- list_approvals --
 SELECT * FROM approval
@@ -763,7 +767,9 @@ SELECT pg_advisory_xact_lock(hashtextextended('dar-submit:' || :submitted_by, 0)
 
 -- submitter_usage --
 -- One submitter's quota usage: runs it submitted or resumed in the last :window_seconds (and
--- the age of the oldest of those), and its runs in flight (QUEUED or RUNNING).
+-- the age of the oldest of those), and its runs in flight (QUEUED or RUNNING): those it
+-- submitted and those it resumed, whoever submitted them (resuming another token's runs
+-- would otherwise put any number in flight).
 WITH recent AS (
     SELECT created_at AS at FROM run
     WHERE submitted_by = :submitted_by
@@ -775,5 +781,9 @@ WITH recent AS (
 )
 SELECT (SELECT count(*) FROM recent) AS n,
        (SELECT EXTRACT(EPOCH FROM (now() - min(at))) FROM recent) AS oldest_age,
-       (SELECT count(*) FROM run
-        WHERE submitted_by = :submitted_by AND status IN ('QUEUED', 'RUNNING')) AS active;
+       (SELECT count(*) FROM run r
+        WHERE r.status IN ('QUEUED', 'RUNNING')
+          AND (r.submitted_by = :submitted_by
+               OR EXISTS (SELECT 1 FROM audit_event a
+                          WHERE a.run_id = r.id AND a.actor = :submitted_by
+                            AND a.action = 'resume'))) AS active;

@@ -768,9 +768,11 @@ class RunStore:
                 _record_audit(conn, row.run_id, audit)
         return Dispatch(row.run_id, token)
 
-    def get_approval(self, approval_id: uuid.UUID) -> Approval | None:
+    def get_approval(self, approval_id: uuid.UUID, *, tenant: str | None = None) -> Approval | None:
+        """The approval, if its run belongs to ``tenant`` (``None``: any tenant)."""
+        params = {"approval_id": approval_id, "tenant": tenant}
         with self._statement() as conn:
-            row = conn.execute(Q["get_approval"], {"approval_id": approval_id}).mappings().first()
+            row = conn.execute(Q["get_approval"], params).mappings().first()
         return _approval(row) if row else None
 
     def list_approvals(

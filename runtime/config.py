@@ -97,6 +97,9 @@ class Settings:
     llm_factory: str | None = None
     metrics_port: int = 0
     metrics_addr: str = "127.0.0.1"
+    metrics_public: bool = False
+    """DAR_METRICS_PUBLIC: the web process's /metrics answers without a token (with tokens
+    configured it otherwise needs the ``metrics`` role)."""
     api_tokens: str | None = field(default=None, repr=False)
     submit_rate_per_minute: int = 0
     model_limits_json: str | None = None
@@ -207,6 +210,7 @@ class Settings:
             llm_factory=e.get("DAR_LLM_FACTORY") or None,
             metrics_port=_int(e, "DAR_METRICS_PORT", 0),
             metrics_addr=_get(e, "DAR_METRICS_ADDR", "127.0.0.1"),
+            metrics_public=_bool(e, "DAR_METRICS_PUBLIC", False),
             api_tokens=e.get("DAR_API_TOKENS") or None,
             submit_rate_per_minute=_int(e, "DAR_SUBMIT_RATE_PER_MINUTE", 0),
             model_limits_json=e.get("DAR_MODEL_LIMITS") or None,

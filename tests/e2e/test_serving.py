@@ -254,7 +254,7 @@ def test_unauthenticated_chunked_uploads_cost_the_web_process_no_memory(
     )
 
 
-def test_a_slow_chunked_body_is_a_408_not_a_500(
+def test_a_slow_chunked_body_is_a_408_and_a_token_in_a_url_is_not_logged(
     database_url: str, redis_url: str, settings: Settings, tmp_path: Path
 ) -> None:
     entry = f"ci:read+submit:{hash_token(TOKEN)}"
@@ -265,6 +265,14 @@ def test_a_slow_chunked_body_is_a_408_not_a_500(
         s.sendall(_chunked_head(TOKEN) + b'5\r\n{"inp\r\n')
         started = time.monotonic()
         reply = _reply(s)
+        # A token sent in a URL is refused, and not written to the access log either.
+        _get(port, f"/api/runs?access_token={TOKEN}&token={TOKEN}", timeout=5)
+        _get(port, "/api/runs?limit=1&api_key=secret-in-url", timeout=5)
+        time.sleep(0.5)
     assert reply.startswith(b"HTTP/1.1 408"), reply[:300]
     assert b"DAR_HTTP_BODY_TIMEOUT_SECONDS" in reply
     assert time.monotonic() - started < 10
+    log = (tmp_path / "web.log").read_text()
+    assert "/api/runs?access_token=[redacted]&token=[redacted]" in log, log[-2000:]
+    assert TOKEN not in log
+    assert "secret-in-url" not in log

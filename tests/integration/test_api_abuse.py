@@ -4,21 +4,25 @@ low-privilege caller can cost the server, and what one tenant can learn or take 
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import replace
 from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
+from sqlalchemy import text
 from werkzeug.test import TestResponse
 
 from api import create_app
 from api.auth import hash_token
 from api.errors import ApiError
 from api.schemas import MAX_JSON_DEPTH, check_json
+from db.records import Dispatch, NewRun
 from examples.order_refund import build as build_refund
 from runtime.bootstrap import Runtime
 from runtime.config import Settings
 from tasks.celery_app import make_celery
+from tests.support import drive_to_end
 
 # name: (roles, token, tenant)
 TOKENS = {
@@ -41,11 +45,16 @@ def auth(name: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {TOKENS[name][1]}"}
 
 
-def make_client(runtime: Runtime, settings: Settings, **changes: Any) -> FlaskClient:
+def make_client(
+    runtime: Runtime,
+    settings: Settings,
+    tokens: dict[str, tuple[str, str, str]] = TOKENS,
+    **changes: Any,
+) -> FlaskClient:
     if "order-refund" not in runtime.agents:
         runtime.tickets.seed()
         runtime.agents.register(build_refund(runtime.tickets))
-    runtime.settings = replace(settings, api_tokens=token_env(), **changes)
+    runtime.settings = replace(settings, api_tokens=token_env(tokens), **changes)
     return create_app(
         runtime=runtime, celery=make_celery(runtime.settings, register=False)
     ).test_client()
@@ -176,3 +185,117 @@ def test_a_token_without_admin_cannot_jump_every_queue(client: FlaskClient) -> N
     assert error["field"] == "priority"
     assert "DAR_TOKEN_MAX_PRIORITY" in error["message"]
     assert submit(client, "root", {**body, "priority": 1000}).status_code == 201
+
+
+# -- 7. quotas, lookups, /metrics, audit -------------------------------------------------------
+
+
+def _failed_run(runtime: Runtime, submitted_by: str, tenant: str) -> str:
+    run, _ = runtime.store.create_run(
+        NewRun(
+            agent="acme-tickets",
+            input="Which tickets?",
+            model="claude-sonnet-4-5",
+            max_steps=10,
+            token_budget=1000,
+            timeout_seconds=600,
+            submitted_by=submitted_by,
+            tenant=tenant,
+        )
+    )
+    with runtime.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE run SET status = 'FAILED', finished_at = now() WHERE id = :id"),
+            {"id": run.id},
+        )
+    return str(run.id)
+
+
+def test_resuming_another_tokens_runs_counts_against_the_active_run_limit(
+    runtime: Runtime, settings: Settings
+) -> None:
+    client = make_client(runtime, settings, token_max_active_runs=2)
+    theirs = [_failed_run(runtime, "alice", "red") for _ in range(3)]
+    answers = [
+        client.post(f"/api/runs/{rid}/resume", headers=auth("amy")).status_code for rid in theirs
+    ]
+    assert answers == [202, 202, 429], "amy resumed alice's runs past her own limit"
+
+
+def test_a_fork_gets_no_larger_budget_or_timeout_than_a_resume_would(
+    client: FlaskClient, runtime: Runtime
+) -> None:
+    rid = _failed_run(runtime, "alice", "red")
+    for field, value in (("tokenBudget", 1_000_000), ("timeoutSeconds", 86_400)):
+        refused = client.post(
+            f"/api/runs/{rid}/fork", json={"fromSeq": 1, field: value}, headers=auth("alice")
+        )
+        assert refused.status_code == 403, refused.get_json()
+        assert refused.get_json()["error"]["field"] == field
+        resumed = client.post(f"/api/runs/{rid}/resume", json={field: value}, headers=auth("alice"))
+        assert resumed.status_code == 403
+    within = client.post(
+        f"/api/runs/{rid}/fork", json={"fromSeq": 1, "tokenBudget": 500}, headers=auth("alice")
+    )
+    assert within.status_code == 201, within.get_json()
+
+
+def _approval(client: FlaskClient, runtime: Runtime) -> dict[str, Any]:
+    created = submit(
+        client,
+        "alice",
+        {"agent": "order-refund", "input": {"order_id": 105, "amount": 9.5, "reason": "x"}},
+    )
+    run = runtime.store.get_run(uuid.UUID(created.get_json()["id"]))
+    drive_to_end(runtime.driver(), Dispatch(run.id, run.dispatch_token))
+    (approval,) = client.get("/api/approvals", headers=auth("ann")).get_json()["items"]
+    return dict(approval)
+
+
+def test_another_tenants_approval_and_no_approval_answer_alike(
+    client: FlaskClient, runtime: Runtime
+) -> None:
+    theirs = _approval(client, runtime)["id"]
+    nobody = str(uuid.uuid4())
+    for verb in ("get", "approve"):
+        answers = []
+        for aid in (theirs, nobody):
+            path = f"/api/approvals/{aid}" + ("" if verb == "get" else "/approve")
+            call = client.get if verb == "get" else client.post
+            response = call(path, headers=auth("bob"))
+            answers.append(
+                (response.status_code, response.get_json()["error"]["message"].replace(aid, "X"))
+            )
+        assert answers[0] == answers[1] == (404, "no approval with id X")
+    assert runtime.store.get_approval(uuid.UUID(theirs), tenant="blue") is None
+    assert runtime.store.get_approval(uuid.UUID(theirs), tenant="red") is not None
+
+
+def test_a_decision_is_audited_with_its_comment_and_payload_hash(
+    client: FlaskClient, runtime: Runtime
+) -> None:
+    approval = _approval(client, runtime)
+    decided = client.post(
+        f"/api/approvals/{approval['id']}/approve",
+        json={"comment": "ok, refund it"},
+        headers=auth("ann"),
+    )
+    assert decided.status_code == 200
+    (event,) = [
+        e for e in runtime.store.audit_events(uuid.UUID(approval["runId"])) if e.action == "approve"
+    ]
+    assert event.detail["comment"] == "ok, refund it"
+    assert event.detail["payloadHash"] == approval["payloadHash"]
+
+
+def test_metrics_need_the_metrics_role_unless_opened(runtime: Runtime, settings: Settings) -> None:
+    tokens = {**TOKENS, "prom": ("metrics", "tok-prom", "ops")}
+    client = make_client(runtime, settings, tokens)
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers=auth("alice")).status_code == 403
+    ok = client.get("/metrics", headers={"Authorization": "Bearer tok-prom"})
+    assert ok.status_code == 200
+    assert "dar_runs" in ok.get_data(as_text=True)
+    assert client.get("/metrics", headers=auth("root")).status_code == 200
+    opened = make_client(runtime, settings, tokens, metrics_public=True)
+    assert opened.get("/metrics").status_code == 200

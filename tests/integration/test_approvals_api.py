@@ -23,6 +23,7 @@ TOKENS = {
     "ann": ("read+approve+finance", "tok-ann"),
     "sam": ("read+approve", "tok-sam"),
     "ci": ("read+submit+cancel", "tok-ci"),
+    "prom": ("metrics", "tok-prom"),
 }
 
 
@@ -123,7 +124,7 @@ def test_approve_after_cancel_is_refused(client: FlaskClient, runtime: Runtime) 
 
 def test_pending_approvals_gauge(client: FlaskClient, runtime: Runtime) -> None:
     _waiting_refund(client, runtime)
-    metrics = client.get("/metrics").get_data(as_text=True)
+    metrics = client.get("/metrics", headers=_h("prom")).get_data(as_text=True)
     assert 'dar_approvals_pending{role="finance"} 1.0' in metrics
 
 

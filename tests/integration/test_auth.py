@@ -94,8 +94,10 @@ def test_every_route_demands_its_role(
 
 
 def test_open_routes_stay_open(client: FlaskClient) -> None:
-    for path in ("/healthz", "/readyz", "/metrics", "/api/openapi.json"):
+    for path in ("/healthz", "/readyz", "/api/openapi.json"):
         assert client.get(path).status_code == 200, path
+    assert client.get("/metrics").status_code == 401, "every tenant's counts: a token"
+    assert client.get("/metrics", headers=_auth("metrics")).status_code == 200
 
 
 def test_runs_remember_who_submitted_them(client: FlaskClient) -> None:
