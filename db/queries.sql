@@ -524,12 +524,15 @@ WHERE run_id = :id AND step_key = :step_key;
 -- list_runs --
 -- Newest first, keyset-paginated on (created_at, id).
 -- :tenant NULL lists every tenant's runs (admin).
--- :agent and :id_prefix (lower-case hex and dashes, as the API checks) narrow it further.
+-- :agent and an id prefix narrow it further. The prefix arrives as the range of ids that
+-- start with it (:id_low .. :id_high, the prefix padded with 0s and fs): a range of the
+-- primary key, not a LIKE over every id's text (uuids order as their hex digits do).
 SELECT * FROM run
 WHERE (CAST(:status AS text) IS NULL OR status = :status)
   AND (CAST(:tenant AS text) IS NULL OR tenant = :tenant)
   AND (CAST(:agent AS text) IS NULL OR agent = :agent)
-  AND (CAST(:id_prefix AS text) IS NULL OR CAST(id AS text) LIKE :id_prefix || '%')
+  AND (CAST(:id_low AS uuid) IS NULL
+       OR id BETWEEN CAST(:id_low AS uuid) AND CAST(:id_high AS uuid))
   AND (CAST(:before_created AS timestamptz) IS NULL
        OR (created_at, id) < (CAST(:before_created AS timestamptz), CAST(:before_id AS uuid)))
 ORDER BY created_at DESC, id DESC
@@ -646,12 +649,17 @@ ORDER BY 1, 2;
 -- stats_cost_by_model --
 -- Recorded cost of the steps that finished in the window, per UTC hour and model. (Usage
 -- that could not be checkpointed is in the run's counters only: see run.unrecorded_cost_usd.)
-SELECT date_trunc('hour', s.finished_at, 'UTC') AS bucket, COALESCE(s.model, r.model) AS key,
+-- On run_step_finished_idx, which carries the columns read: with no tenant the run table is
+-- not touched (the EXISTS is evaluated only for a tenant; a step without its model, rare,
+-- takes its run's).
+SELECT date_trunc('hour', s.finished_at, 'UTC') AS bucket,
+       COALESCE(s.model, (SELECT r.model FROM run r WHERE r.id = s.run_id)) AS key,
        sum(s.cost_usd) AS usd
-FROM run_step s JOIN run r ON r.id = s.run_id
+FROM run_step s
 WHERE s.finished_at >= now() - make_interval(secs => :window_seconds)
   AND s.cost_usd > 0
-  AND (CAST(:tenant AS text) IS NULL OR r.tenant = :tenant)
+  AND (CAST(:tenant AS text) IS NULL
+       OR EXISTS (SELECT 1 FROM run r WHERE r.id = s.run_id AND r.tenant = :tenant))
 GROUP BY 1, 2
 ORDER BY 1, 2;
 
@@ -663,13 +671,13 @@ SELECT date_trunc('hour', s.finished_at, 'UTC') AS bucket, s.kind AS key,
        percentile_cont(0.95) WITHIN GROUP (ORDER BY d.ms) AS p95,
        count(*) AS n
 FROM run_step s
-JOIN run r ON r.id = s.run_id
 CROSS JOIN LATERAL (
     SELECT COALESCE(s.latency_ms,
                     EXTRACT(EPOCH FROM (s.finished_at - s.started_at)) * 1000) AS ms
 ) d
 WHERE s.finished_at >= now() - make_interval(secs => :window_seconds)
-  AND (CAST(:tenant AS text) IS NULL OR r.tenant = :tenant)
+  AND (CAST(:tenant AS text) IS NULL
+       OR EXISTS (SELECT 1 FROM run r WHERE r.id = s.run_id AND r.tenant = :tenant))
 GROUP BY 1, 2
 ORDER BY 1, 2;
 

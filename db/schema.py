@@ -125,6 +125,7 @@ Index(
 Index("run_status_created_idx", run.c.status, run.c.created_at.desc(), run.c.id.desc())
 Index("run_created_idx", run.c.created_at.desc(), run.c.id.desc())
 Index("run_tenant_created_idx", run.c.tenant, run.c.created_at.desc(), run.c.id.desc())
+Index("run_agent_created_idx", run.c.agent, run.c.created_at.desc(), run.c.id.desc())
 # The retention sweep scans finished runs by age; the submit rate limit counts by submitter.
 Index("run_finished_idx", run.c.finished_at, postgresql_where=text("finished_at IS NOT NULL"))
 Index(
@@ -200,6 +201,13 @@ run_step = Table(
 )
 
 Index("run_step_key_uk", run_step.c.run_id, run_step.c.step_key, unique=True)
+# The console's stats read the steps finished in a window, from the index alone (0013).
+Index(
+    "run_step_finished_idx",
+    run_step.c.finished_at,
+    postgresql_include=["kind", "model", "cost_usd", "latency_ms", "started_at", "run_id"],
+    postgresql_where=text("finished_at IS NOT NULL"),
+)
 Index(
     "step_tool_uk",
     run_step.c.run_id,

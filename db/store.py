@@ -123,6 +123,22 @@ def _run(row: Mapping[Any, Any]) -> Run:
     )
 
 
+_UUID_DASHES = (8, 13, 18, 23)
+
+
+def _id_range(prefix: str | None) -> dict[str, str | None]:
+    """The ids that start with ``prefix`` (lower-case hex and dashes) as a range of uuids:
+    ``{"id_low", "id_high"}``, both ``None`` without a prefix. A prefix that no uuid's text
+    can start with (a dash out of place) gives an empty range."""
+    if prefix is None:
+        return {"id_low": None, "id_high": None}
+    if any((c == "-") != (i in _UUID_DASHES) for i, c in enumerate(prefix)):
+        empty = "ffffffff-ffff-ffff-ffff-ffffffffffff"
+        return {"id_low": empty, "id_high": "00000000-0000-0000-0000-000000000000"}
+    digits = prefix.replace("-", "")
+    return {"id_low": digits.ljust(32, "0"), "id_high": digits.ljust(32, "f")}
+
+
 def _step(row: Mapping[Any, Any]) -> Step:
     return Step(
         run_id=row["run_id"],
@@ -374,7 +390,7 @@ class RunStore:
             "status": status,
             "tenant": tenant,
             "agent": agent,
-            "id_prefix": id_prefix,
+            **_id_range(id_prefix),
             "limit": limit,
             "before_created": before[0] if before else None,
             "before_id": before[1] if before else None,
