@@ -13,12 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from db.records import Dispatch, ModelCheckpoint, NewStep, RunStatus, StepKind, StepStatus
+from db.records import NewStep, RunStatus, StepKind, StepStatus
 from runtime import effects, mcpcall, modelcall, pipeline
 from runtime.agents import Agent
 from runtime.llm.base import LlmError, LlmRequest
-from runtime.llm.live import ModelCallCancelled
-from runtime.llm.retry import RetryLater
 from runtime.logctx import set_step
 from runtime.mcp.client import CallResult
 from runtime.mcp.toolset import Toolset
@@ -142,35 +140,22 @@ def _model_step(
     seq = task.next_seq
     set_step(seq)
     request = _request(task, agent, conversation, toolset)
-    body = request.to_json()
     key = model_step_key(conversation.model_turns + 1)
-    original = modelcall.recorded_answer(task, key, body)
-    if original is not None:  # a fork replaying the model, and the request is unchanged
-        row = modelcall.replayed_row(seq, key, body, original)
-        dispatch = task.record_replayed(row, original, hand_over=True)
-        log.info("run=%s seq=%d MODEL replayed (request unchanged; 0 tokens)", task.rid, seq)
-        return StepResult(Outcome.CONTINUE, dispatch=dispatch)
-    refusal = modelcall.strict_budget_refusal(task, request, body)
-    if refusal:
-        return task.finish(RunStatus.FAILED, error=refusal)
-    wait = modelcall.admit(task, request, body)
-    if wait is not None:  # flow control: a durable timer, holding nothing
-        attempts = task.claim.run.model_attempts
+    outcome = modelcall.call(task, request, kind=pipeline.StepKind.MODEL, key=key, seq=seq)
+    if isinstance(outcome, modelcall.Failed):
+        assert isinstance(outcome.error, LlmError)
+        return task.finish(RunStatus.FAILED, error=modelcall.failure(outcome.error))
+    if isinstance(outcome, modelcall.Stopped):
+        return task.finish(outcome.status, error=outcome.reason)
+    if isinstance(outcome, modelcall.Later):
         return task.schedule(
-            wait.delay_seconds, wait.reason, model_attempts=attempts, admission=True
+            outcome.delay_seconds,
+            outcome.reason,
+            model_attempts=outcome.model_attempts,
+            admission=outcome.admission,
         )
-    try:
-        answer = modelcall.send(task, request, body, key=key)
-    except RetryLater as e:
-        return _wait(task, seq, e)
-    except ModelCallCancelled:
-        return task.finish(RunStatus.CANCELLED, error="cancelled by request (model call aborted)")
-    except LlmError as e:
-        rid = f" (request id {e.request_id})" if e.request_id else ""
-        status = "I/O error or timeout" if e.status == -1 else f"HTTP {e.status}"
-        return task.finish(RunStatus.FAILED, error=f"model call failed: {status}: {e}{rid}")
-    response = answer.response
-    if span is not None:
+    response = outcome.response
+    if span is not None and outcome.answer is not None:
         span.set(
             {
                 "gen_ai.request.max_tokens": request.max_tokens,
@@ -185,64 +170,7 @@ def _model_step(
                 "gen_ai.usage.cache_read.input_tokens": response.usage.cache_read_input_tokens,
             }
         )
-    checkpoint = ModelCheckpoint(
-        seq=seq,
-        step_key=key,
-        model=answer.model,
-        prompt_hash=modelcall.request_hash(task, body),
-        request=body if task.settings.store_requests else None,
-        response=response.content,
-        stop_reason=response.stop_reason,
-        usage=response.usage,
-        cost_usd=answer.cost,
-        latency_ms=answer.latency_ms,
-        request_id=response.request_id,
-    )
-    dispatch = modelcall.record_billed(
-        task,
-        answer,
-        lambda: task.checkpoint_model(checkpoint),
-        key=checkpoint.step_key,
-        # committed by a try whose answer was lost: the run carries the token it set
-        committed=lambda: Dispatch(task.run_id, task.store.get_run(task.run_id).dispatch_token),
-    )
-    log.info(
-        "run=%s seq=%d MODEL stop=%s in=%d out=%d latency=%dms",
-        task.rid,
-        seq,
-        response.stop_reason,
-        response.usage.input_tokens,
-        response.usage.output_tokens,
-        answer.latency_ms,
-    )
-    return StepResult(Outcome.CONTINUE, dispatch=dispatch)
-
-
-def _wait(task: Task, seq: int, e: RetryLater) -> StepResult:
-    """The model asked us to come back later: a durable timer, not a sleeping worker."""
-    remaining = (task.claim.run.deadline_at - task.claim.db_now).total_seconds()
-    if e.delay_seconds >= remaining:
-        return task.finish(
-            RunStatus.TIMED_OUT,
-            error=(
-                f"model call failed ({e.error}) and the retry it asks for in "
-                f"{e.delay_seconds:.1f}s would pass the run's deadline"
-            ),
-        )
-    status = "I/O error" if e.status == -1 else f"HTTP {e.status}"
-    log.info(
-        "run=%s seq=%d MODEL %s; waiting %.1fs on a durable timer",
-        task.rid,
-        seq,
-        status,
-        e.delay_seconds,
-    )
-    return task.schedule(
-        e.delay_seconds,
-        f"model call {status}; retrying in {e.delay_seconds:.1f}s",
-        model_attempts=e.attempts,
-        admission=e.back_pressure,  # the API asked us to wait: not a claim without progress
-    )
+    return StepResult(Outcome.CONTINUE, dispatch=outcome.dispatch)
 
 
 # -- tool step ------------------------------------------------------------------------------

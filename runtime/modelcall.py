@@ -1,11 +1,14 @@
-"""One model call, for every kind of step that makes one: the agent loop's model step and each
-model call inside a durable ``steps.llm``.
+"""One model call, for every kind of step that makes one: the agent loop's model step, each
+model call inside a durable ``steps.llm``, a framework's model request (``steps.model_call``).
 
-Written once here: the strict-budget refusal, the attempts already made (persisted on the run
-across durable timers, so the total stays capped), the crash points, the price, the metrics,
-and the rule that a billed call is counted against the run even when its checkpoint is
-refused (:func:`record_billed`). What to record and when is the caller's: the agent loop
-checkpoints the call as its step, a durable step records it as a child step at once.
+The sequence is written once, :func:`call`: a fork's recorded answer, the strict-budget
+refusal, admission (flow control), the call (the attempts already made persisted on the run
+across durable timers, so the total stays capped; crash points; the live stream), its
+classification (a retry later, a cancel, a deadline), the price and the metrics, and the
+record, with the rule that a billed call is counted against the run even when its checkpoint
+is refused (:func:`record_billed`). Whether the record is the task's step or a child of the
+running step is the kind's (``runtime.pipeline.KINDS``); what the outcome means for the run
+is the caller's.
 """
 
 from __future__ import annotations
@@ -22,14 +25,15 @@ from typing import Any, TypeVar
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from db.errors import LeaseLost
-from db.records import NewStep, Step, StepKind, StepStatus, Usage
+from db.records import Dispatch, NewStep, RunStatus, Step, StepKind, StepStatus, Usage
+from runtime import pipeline
 from runtime.faults import crash_point
 from runtime.flow import Refusal
 from runtime.keys import tenant_key
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.billing import Meter, metering
 from runtime.llm.live import ModelCallCancelled, live_call
-from runtime.llm.retry import prior_attempts, reset_prior_attempts
+from runtime.llm.retry import RetryLater, prior_attempts, reset_prior_attempts
 from runtime.prompthash import prompt_hash as prompt_hash
 from runtime.task import Task
 
@@ -141,11 +145,19 @@ def settle(
 
 
 def send(
-    task: Task, request: LlmRequest, body: dict[str, Any] | None = None, *, key: str | None = None
+    task: Task,
+    request: LlmRequest,
+    body: dict[str, Any] | None = None,
+    *,
+    key: str | None = None,
+    make: Callable[[], LlmResponse] | None = None,
 ) -> Answer:
     """Call the model (the client's retries inside, capped across timers). Raises the
     client's :class:`~runtime.llm.base.LlmError` (or ``RetryLater``) unchanged. Settles the
     task's flow-control admission (:func:`admit`), if any, with the actual usage.
+
+    ``make`` makes the call instead of the run's client (a framework's own model request,
+    answered as an :class:`LlmResponse`).
 
     With the step's ``key`` and a live channel, a streaming client's text goes to the run's
     live stream and a cancel aborts the call: :class:`ModelCallCancelled` is raised after
@@ -158,7 +170,7 @@ def send(
     refusal: tuple[tuple[str, str], ...] = ()
     try:
         with live_scope(task, key), metering(_lost_attempts(task)):
-            response = task.services.llm.send(request)
+            response = make() if make is not None else task.services.llm.send(request)
     except ModelCallCancelled as e:
         cost = task.services.pricing.cost(request.model, e.usage)
         task.store.record_unrecorded_usage(task.run_id, e.usage, cost)
@@ -295,6 +307,180 @@ def record_billed(
     )
     task.spent_cost += answer.cost
     return result
+
+
+# -- the whole sequence, for every kind of step that calls the model --------------------------
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """The call was made (or, in a fork, answered from the original) and recorded."""
+
+    response: LlmResponse
+    row: NewStep
+    dispatch: Dispatch | None
+    """The hand-over's message, when the call was the task's step."""
+    answer: Answer | None
+    """What was paid for (``None``: answered from the original run, nothing billed)."""
+
+
+@dataclass(frozen=True)
+class Later:
+    """Not called now: come back on a durable timer (flow control, or the API asked for a
+    retry later)."""
+
+    delay_seconds: float
+    reason: str
+    model_attempts: int
+    admission: bool
+    """Refused capacity before it began (not a claim without progress)."""
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The run ends here: refused by the strict budget, cancelled while the call was in
+    flight, or a retry that would pass the deadline."""
+
+    status: RunStatus
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The call itself failed for good: the client's :class:`LlmError` (or what ``make``
+    raised). What it means is the caller's: the agent loop fails the run, a durable step's
+    code sees the exception."""
+
+    error: Exception
+
+
+Outcome = Recorded | Later | Stopped | Failed
+
+
+def call(
+    task: Task,
+    request: LlmRequest,
+    *,
+    kind: pipeline.StepKind,
+    key: str,
+    seq: int,
+    attempt: int = 1,
+    body: dict[str, Any] | None = None,
+    make: Callable[[], LlmResponse] | None = None,
+    diverged: bool | None = None,
+    guard: bool = False,
+) -> Outcome:
+    """One model call of a step of ``kind``, start to record: a fork's recorded answer,
+    the guard (with ``guard``: cancel, deadline, budget), the strict budget, admission, the
+    call, its classification, its price and its record (retried across a database blip;
+    billed even when the fence refuses it). An exception other than the call's own
+    (:class:`Failed`) is the engine's: the database, the lease."""
+    policy = pipeline.KINDS[kind]
+    assert policy.bills, f"a {kind} step does not call the model"
+    body = body if body is not None else request.to_json()
+    original = recorded_answer(task, key, body, diverged=diverged) if make is None else None
+    if original is not None:  # a fork replaying the model, and the request is unchanged
+        row = replayed_row(seq, key, body, original, attempt=attempt if policy.child else 0)
+        dispatch = task.record_replayed(row, original, hand_over=not policy.child)
+        log.info("run=%s seq=%d MODEL %s replayed (request unchanged)", task.rid, seq, key)
+        response = LlmResponse(
+            original.response or [],
+            original.stop_reason,
+            Usage(),
+            original.model or request.model,
+            original.request_id,
+        )
+        return Recorded(response, row, dispatch, None)
+    stop = task.guard(steps_taken=0, next_is_model=True) if guard else None
+    if stop is not None:
+        return Stopped(stop.status, stop.reason)
+    refusal = strict_budget_refusal(task, request, body)
+    if refusal:
+        return Stopped(RunStatus.FAILED, refusal)
+    wait = admit(task, request, body)
+    if wait is not None:  # flow control: a durable timer, holding nothing
+        return Later(wait.delay_seconds, wait.reason, task.claim.run.model_attempts, True)
+    try:
+        answer = send(task, request, body, key=key, make=make)
+    except RetryLater as e:
+        return _later(task, key, e)
+    except ModelCallCancelled:
+        return Stopped(RunStatus.CANCELLED, "cancelled by request (model call aborted)")
+    except LlmError as e:
+        return Failed(e)
+    except Exception as e:
+        if make is None:
+            raise  # not the client's error: the engine's
+        return Failed(e)
+    response = answer.response
+    row = NewStep(
+        seq=seq,
+        step_key=key,
+        kind=policy.row,
+        status=StepStatus.DONE,
+        response=response.content,
+        attempt=attempt,
+        model=answer.model,
+        prompt_hash=request_hash(task, body),
+        usage=response.usage,
+        cost_usd=answer.cost,
+        latency_ms=answer.latency_ms,
+        request_id=response.request_id,
+        stop_reason=response.stop_reason,
+        request=body if task.settings.store_requests else None,
+    )
+    dispatch = record_billed(
+        task,
+        answer,
+        lambda: task.record_model(row, child=policy.child),
+        key=key,
+        # committed by a try whose answer was lost: the run carries the token it set
+        committed=lambda: (
+            None
+            if policy.child
+            else Dispatch(task.run_id, task.store.get_run(task.run_id).dispatch_token)
+        ),
+    )
+    log.info(
+        "run=%s seq=%d MODEL%s stop=%s in=%d out=%d latency=%dms",
+        task.rid,
+        seq,
+        "" if kind is pipeline.StepKind.MODEL else f" {key}",
+        response.stop_reason,
+        response.usage.input_tokens,
+        response.usage.output_tokens,
+        answer.latency_ms,
+    )
+    return Recorded(response, row, dispatch, answer)
+
+
+def _later(task: Task, key: str, e: RetryLater) -> Outcome:
+    """The API asked us to come back later: a durable timer, not a sleeping worker."""
+    remaining = (task.claim.run.deadline_at - task.claim.db_now).total_seconds()
+    if e.delay_seconds >= remaining:
+        return Stopped(
+            RunStatus.TIMED_OUT,
+            f"model call failed ({e.error}) and the retry it asks for in "
+            f"{e.delay_seconds:.1f}s would pass the run's deadline",
+        )
+    status = "I/O error" if e.status == -1 else f"HTTP {e.status}"
+    log.info(
+        "run=%s %s MODEL %s; waiting %.1fs on a durable timer",
+        task.rid,
+        key,
+        status,
+        e.delay_seconds,
+    )
+    reason = f"{key}: model call {status}; retrying in {e.delay_seconds:.1f}s"
+    # back-pressure (429, 529): the API asked us to wait, not a claim without progress
+    return Later(e.delay_seconds, reason, e.attempts, e.back_pressure)
+
+
+def failure(e: LlmError) -> str:
+    """A model call that failed for good, as the run's error."""
+    rid = f" (request id {e.request_id})" if e.request_id else ""
+    status = "I/O error or timeout" if e.status == -1 else f"HTTP {e.status}"
+    return f"model call failed: {status}: {e}{rid}"
 
 
 # -- forks: replaying recorded answers ------------------------------------------------------

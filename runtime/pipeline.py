@@ -101,6 +101,8 @@ class Policy:
     """It calls the model: its tokens and cost are recorded with it."""
     notes: str
     """The README row's last cell."""
+    child: bool = False
+    """Recorded inside the step that is running (the task goes on), not as the task's step."""
 
     @property
     def guarded_as_model(self) -> bool:
@@ -156,6 +158,7 @@ KINDS: dict[StepKind, Policy] = {
         compensable=False,
         bills=True,
         notes="recorded the moment it returns; the same window and cap as the agent loop's",
+        child=True,
     ),
     StepKind.TOOL: Policy(
         name="tool",

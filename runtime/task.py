@@ -19,7 +19,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from db.errors import LeaseLost
-from db.records import Claim, Dispatch, ModelCheckpoint, NewStep, RunStatus, Step, Usage
+from db.records import Claim, Dispatch, NewStep, RunStatus, Step, Usage
 from db.store import RunStore
 from runtime.config import Settings
 from runtime.flow import FlowControl, Grant
@@ -164,10 +164,13 @@ class Task:
         dispatch = self.store.record_steps(self.claim, rows)
         return StepResult(Outcome.CONTINUE, dispatch=dispatch)
 
-    def checkpoint_model(self, checkpoint: ModelCheckpoint) -> Dispatch:
-        """Record the agent loop's model step (its tokens added to the run) and hand the
-        lease on, in one transaction."""
-        return self.store.checkpoint_model(self.claim, checkpoint)
+    def record_model(self, row: NewStep, *, child: bool) -> Dispatch | None:
+        """Record a model call (its tokens added to the run): as the task's step, handing
+        the lease on in the same statement; or, with ``child``, inside the running step."""
+        if child:
+            self.store.record_child(self.claim, row)
+            return None
+        return self.store.checkpoint_model(self.claim, row)
 
     def record_replayed(self, row: NewStep, original: Step, *, hand_over: bool) -> Dispatch | None:
         """Record a model step a fork answered from the original's ``original`` row; with

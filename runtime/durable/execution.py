@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from db.records import Dispatch, NewStep, RunStatus, Step, StepStatus, Usage
+from db.records import NewStep, RunStatus, Step, StepStatus
 from db.records import StepKind as RowKind
 from runtime import effects, mcpcall, modelcall
 from runtime.codec import decode, encode
@@ -52,11 +52,9 @@ from runtime.durable.errors import (
     Yield,
 )
 from runtime.durable.notify import notify_approval
-from runtime.faults import crash_point
 from runtime.guard import Stop
-from runtime.llm.base import LlmError, LlmRequest, LlmResponse
-from runtime.llm.live import LiveCall, ModelCallCancelled, current_live_call
-from runtime.llm.retry import RetryLater
+from runtime.llm.base import LlmRequest, LlmResponse
+from runtime.llm.live import LiveCall, current_live_call
 from runtime.logctx import set_step
 from runtime.mcp.client import CallResult
 from runtime.mcp.errors import McpRemoteError, McpUnavailable
@@ -563,73 +561,31 @@ class Execution:
                 rec.model or request.model,
                 rec.request_id,
             )
-        body = request.to_json()
         with self.engine_call():
-            original = modelcall.recorded_answer(self.task, key, body, diverged=self.model_diverged)
-        if original is not None:  # a fork replaying the model, and the request is unchanged
-            return self._replayed(key, rec, parent, body, original)
-        self.model_diverged = True
-        with self.engine_call():
-            stop = self.task.guard(steps_taken=0, next_is_model=True)
-            refusal = modelcall.strict_budget_refusal(self.task, request, body)
-        if stop is None and refusal:
-            stop = Stop(RunStatus.FAILED, refusal)
-        if stop is not None:
-            raise Pause(stop.reason, stop=stop)
-        with self.engine_call():
-            wait = modelcall.admit(self.task, request, body)
-        if wait is not None:  # flow control: a durable timer, holding nothing
-            attempts = self.task.claim.run.model_attempts
-            raise Pause(wait.reason, delay_seconds=wait.delay_seconds, model_attempts=attempts)
-        try:
-            answer = modelcall.send(self.task, request, body, key=key)
-        except ModelCallCancelled:
-            stop = Stop(RunStatus.CANCELLED, "cancelled by request (model call aborted)")
-            raise Pause(stop.reason, stop=stop) from None
-        except RetryLater as e:
-            status = "I/O error" if e.status == -1 else f"HTTP {e.status}"
-            raise Pause(
-                f"{key}: model call {status}; retrying in {e.delay_seconds:.1f}s",
-                delay_seconds=e.delay_seconds,
-                model_attempts=e.attempts,
-            ) from None
-        except LlmError:
-            raise
-        response = answer.response
-        row = NewStep(
-            seq=rec.seq if rec is not None else self.take_seq(),
-            step_key=key,
-            kind=KINDS[StepKind.LLM_CALL].row,
-            status=StepStatus.DONE,
-            response=response.content,
-            attempt=parent.attempt,
-            model=answer.model,
-            prompt_hash=modelcall.request_hash(self.task, body),
-            usage=response.usage,
-            cost_usd=answer.cost,
-            latency_ms=answer.latency_ms,
-            request_id=response.request_id,
-            stop_reason=response.stop_reason,
-        )
-        with self.engine_call():
-            modelcall.record_billed(
+            outcome = modelcall.call(
                 self.task,
-                answer,
-                lambda: self.task.record_child(row),
+                request,
+                kind=StepKind.LLM_CALL,
                 key=key,
-                committed=lambda: None,
+                seq=rec.seq if rec is not None else self.take_seq(),
+                attempt=parent.attempt,
+                diverged=self.model_diverged,
+                guard=True,
             )
-        log.info(
-            "run=%s seq=%d MODEL %s stop=%s in=%d out=%d latency=%dms",
-            self.task.rid,
-            row.seq,
-            key,
-            response.stop_reason,
-            response.usage.input_tokens,
-            response.usage.output_tokens,
-            answer.latency_ms,
-        )
-        return response
+        if isinstance(outcome, modelcall.Failed):
+            self.model_diverged = True
+            raise outcome.error
+        if isinstance(outcome, modelcall.Stopped):
+            raise Pause(outcome.reason, stop=Stop(outcome.status, outcome.reason))
+        if isinstance(outcome, modelcall.Later):
+            raise Pause(
+                outcome.reason,
+                delay_seconds=outcome.delay_seconds,
+                model_attempts=outcome.model_attempts,
+            )
+        if outcome.answer is not None:
+            self.model_diverged = True
+        return outcome.response
 
     # -- a framework's model call -----------------------------------------------------------
 
@@ -651,131 +607,51 @@ class Execution:
         self._guard(StepKind.FRAMEWORK_MODEL)
         seq = rec.seq if rec is not None else self.take_seq()
         set_step(seq)
+        task = self.task
         body = {"model": model, "prompt": prompt}
         request = LlmRequest(model=model, max_tokens=self.default_max_tokens, messages=[])
-        with self.engine_call():
-            wait = modelcall.admit(self.task, request, body)
-            if wait is not None:  # flow control: a durable timer, holding nothing
-                self.end(self.task.schedule(wait.delay_seconds, wait.reason, admission=True))
-        task = self.task
-        crash_point("before_model_call")
-        started = time.monotonic()
-        billed: Billed | None = None
-        try:
-            with modelcall.live_scope(task, key):
-                billed = fn(current_live_call())
-        except ModelCallCancelled as e:
-            with self.engine_call():
-                task.store.record_unrecorded_usage(
-                    task.run_id, e.usage, task.services.pricing.cost(model, e.usage)
-                )
-            task.observe("MODEL", "cancelled", started)
-            self.end(
-                self.compensations.unwind(
-                    RunStatus.CANCELLED, "cancelled by request (model call aborted)"
-                )
-            )
-        except Exception as e:
-            task.observe("MODEL", "error", started)
-            latency = int((time.monotonic() - started) * 1000)
-            text = f"{type_name(e)}: {e}"
-            row = NewStep(
-                seq,
-                key,
-                KINDS[StepKind.FRAMEWORK_MODEL].row,
-                StepStatus.ERROR,
-                error=text,
-                attempt=1,
-                latency_ms=latency,
-                model=model,
-            )
-            log.info("run=%s seq=%d MODEL %s failed: %s", task.rid, seq, key, text)
-            with self.engine_call():
-                self.end(task.checkpoint([row]))
-        finally:
-            with self.engine_call():
-                modelcall.settle(
-                    task,
-                    None
-                    if billed is None
-                    else LlmResponse([], billed.stop_reason, billed.usage, billed.model),
-                )
-        latency = int((time.monotonic() - started) * 1000)
-        crash_point("after_model_response")
-        used = billed.model or model
-        cost = task.services.pricing.cost(used, billed.usage)
-        if task.services.metrics is not None:  # billed, whatever happens to the checkpoint
-            task.services.metrics.model_call(used, billed.usage, cost)
-            task.services.metrics.step("MODEL", "ok", latency / 1000)
-        with self.engine_call():
+
+        def make() -> LlmResponse:
+            billed = fn(current_live_call())
             value = encode(billed.value)
-            row = NewStep(
-                seq=seq,
-                step_key=key,
-                kind=KINDS[StepKind.FRAMEWORK_MODEL].row,
-                status=StepStatus.DONE,
-                response=value,
-                attempt=1,
-                model=used,
-                prompt_hash=modelcall.request_hash(task, body),
-                usage=billed.usage,
-                cost_usd=cost,
-                latency_ms=latency,
-                request_id=billed.request_id,
-                stop_reason=billed.stop_reason,
-            )
-            answer = modelcall.Answer(
-                request,
-                body,
-                LlmResponse([], billed.stop_reason, billed.usage, used, billed.request_id),
-                cost,
-                latency,
-            )
-            log.info(
-                "run=%s seq=%d MODEL %s stop=%s in=%d out=%d latency=%dms",
-                task.rid,
-                seq,
-                key,
-                billed.stop_reason,
-                billed.usage.input_tokens,
-                billed.usage.output_tokens,
-                latency,
-            )
-            self.end(
-                modelcall.record_billed(
-                    task,
-                    answer,
-                    lambda: task.checkpoint([row]),
-                    key=key,
-                    committed=lambda: StepResult(
-                        Outcome.CONTINUE,
-                        dispatch=Dispatch(
-                            task.run_id, task.store.get_run(task.run_id).dispatch_token
-                        ),
-                    ),
-                )
+            return LlmResponse(
+                value, billed.stop_reason, billed.usage, billed.model or model, billed.request_id
             )
 
-    def _replayed(
-        self, key: str, rec: Step | None, parent: Frame, body: dict[str, Any], original: Step
-    ) -> LlmResponse:
-        row = modelcall.replayed_row(
-            rec.seq if rec is not None else self.take_seq(),
-            key,
-            body,
-            original,
-            attempt=parent.attempt,
-        )
+        started = time.monotonic()
         with self.engine_call():
-            self.task.record_replayed(row, original, hand_over=False)
-        log.info("run=%s seq=%d MODEL %s replayed (request unchanged)", self.task.rid, row.seq, key)
-        return LlmResponse(
-            original.response or [],
-            original.stop_reason,
-            Usage(),
-            original.model or self.default_model,
-            original.request_id,
+            outcome = modelcall.call(
+                task, request, kind=StepKind.FRAMEWORK_MODEL, key=key, seq=seq, body=body, make=make
+            )
+        if isinstance(outcome, modelcall.Recorded):
+            self.end(StepResult(Outcome.CONTINUE, dispatch=outcome.dispatch))
+        if isinstance(outcome, modelcall.Later):
+            with self.engine_call():
+                self.end(
+                    task.schedule(
+                        outcome.delay_seconds,
+                        outcome.reason,
+                        model_attempts=outcome.model_attempts,
+                        admission=outcome.admission,
+                    )
+                )
+        if isinstance(outcome, modelcall.Stopped):
+            with self.engine_call():
+                self.end(self.compensations.unwind(outcome.status, outcome.reason))
+        text = f"{type_name(outcome.error)}: {outcome.error}"
+        row = NewStep(
+            seq,
+            key,
+            KINDS[StepKind.FRAMEWORK_MODEL].row,
+            StepStatus.ERROR,
+            error=text,
+            attempt=1,
+            latency_ms=int((time.monotonic() - started) * 1000),
+            model=model,
         )
+        log.info("run=%s seq=%d MODEL %s failed: %s", task.rid, seq, key, text)
+        with self.engine_call():
+            self.end(task.checkpoint([row]))
 
     # -- approvals ----------------------------------------------------------------------------
 
