@@ -66,7 +66,7 @@ def _stack(args: argparse.Namespace, **extra: Any) -> Any:
         data_dir=Path(args.data_dir),
         port=args.port,
         workers=args.workers,
-        concurrency=args.concurrency,
+        **({"concurrency": args.concurrency} if args.concurrency else {}),
         metrics_port_base=args.metrics_port,
         flower_port=args.flower_port if getattr(args, "flower", False) else 0,
         restart=RestartPolicy(limit=getattr(args, "restart_limit", 5)),
@@ -86,6 +86,7 @@ dar: the stack is up: API on http://127.0.0.1:{port}; {pids}.
     curl -s -X POST localhost:{port}/api/runs -H 'Content-Type: application/json' \\
       -d '{{"input":"{DEMO_QUESTION}","tokenBudget":50000,"timeoutSeconds":300}}'
   Watch it:   dar timeline <id>      (or: curl -s localhost:{port}/api/runs/<id>/timeline)
+  Workers:    {stack.workers} x celery worker --pool {stack.pool} --concurrency {stack.concurrency}
   Processes:  dar ps                 (kill -9 <pid> of a worker: it is restarted){flower}
   Stop:       Ctrl-C stops every process this command started.
 """
@@ -710,7 +711,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="the API's port on 127.0.0.1 ($PORT)",
         )  # fmt: skip
         p.add_argument("--workers", type=int, default=2, help="worker processes")
-        p.add_argument("--concurrency", type=int, default=16, help="threads per worker")
+        p.add_argument(
+            "--concurrency",
+            type=int,
+            default=None,
+            help="steps per worker process (default: $DAR_WORKER_CONCURRENCY, else 1000)",
+        )
         p.add_argument("--data-dir", default=".dar", help=data_dir_help)
         p.add_argument(
             "--metrics-port",

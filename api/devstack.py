@@ -36,6 +36,7 @@ from db.engine import make_engine
 from db.errors import DarError
 from db.migrate import upgrade
 from runtime.agents import AgentRegistry
+from runtime.config import WORKER_CONCURRENCY, WORKER_POOL
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +129,13 @@ class DevStack:
     data_dir: Path = field(default_factory=lambda: Path(".dar"))
     port: int = 8080
     workers: int = 2
-    concurrency: int = 16
-    pool: str = field(default_factory=lambda: os.environ.get("DAR_WORKER_POOL", "threads"))
-    """Celery's worker pool: ``threads`` or ``gevent`` (a model call in flight costs a
-    greenlet, not a thread: thousands per process)."""
+    concurrency: int = field(
+        default_factory=lambda: int(os.environ.get("DAR_WORKER_CONCURRENCY") or WORKER_CONCURRENCY)
+    )
+    """Steps per worker process (``DAR_WORKER_CONCURRENCY``; as the Procfile ships it)."""
+    pool: str = field(default_factory=lambda: os.environ.get("DAR_WORKER_POOL") or WORKER_POOL)
+    """Celery's worker pool (``DAR_WORKER_POOL``): ``gevent`` as shipped (a model call in
+    flight costs a greenlet, not a thread: thousands per process), or ``threads``."""
     beat: bool = True
     flower_port: int = 0
     """Run Flower on this port (0: no Flower)."""

@@ -14,6 +14,15 @@ from dataclasses import dataclass, field
 from db.engine import PREPARE_MODES, PrepareMode
 from db.errors import DarError
 
+WORKER_POOL = "gevent"
+"""The worker's Celery pool as shipped (``DAR_WORKER_POOL``): a model call in flight is a
+greenlet and a socket, so one process holds thousands; tool bodies run on native threads
+(:mod:`runtime.native`), so a tool blocking in C code does not stall the calls beside it.
+The Procfile, ``compose.yaml``, ``dar dev`` and the bench all use these two values
+(``tests/unit/test_procfile.py`` checks it)."""
+WORKER_CONCURRENCY = 1000
+"""Steps one worker process runs at once, as shipped (``DAR_WORKER_CONCURRENCY``)."""
+
 
 class ConfigError(DarError):
     """Invalid configuration."""

@@ -33,8 +33,6 @@ still running), and records it in the same transaction that hands the lease on.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -42,14 +40,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from db.records import NewStep, Step, StepStatus
+from runtime import native
 from runtime.faults import crash_point
 from runtime.pipeline import KINDS, Found, Policy, StepKind
 from runtime.task import StepResult, Task
 from runtime.tools import OutcomeUnknown, Reconciled, ToolContext
 
 log = logging.getLogger(__name__)
-
-_pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="dar-step")
 
 
 @dataclass(frozen=True)
@@ -332,21 +329,19 @@ def _run_limited(
         cancelled=context.cancelled,
         deadline=started + timeout,
     )
-    future = _pool.submit(contextvars.copy_context().run, effect.fn, context)
+    # A native OS thread, also under gevent: a body blocking in C stalls no model call.
+    future = native.submit(effect.fn, context)
     # (The code's own TimeoutError is an exception like any other: done-ness decides.)
-    if (
-        deferred is not None
-        and not concurrent.futures.wait([future], timeout=min(deferred.after, timeout)).done
-    ):
+    if deferred is not None and not native.wait(future, min(deferred.after, timeout)):
         deferred.write(context)
-    concurrent.futures.wait([future], timeout=max(0.0, started + timeout - time.monotonic()))
+    native.wait(future, started + timeout - time.monotonic())
     late = not future.done()
     if late:
-        if future.cancel():  # never started (the pool was busy): it never will
+        if native.cancel(future):  # never started (the pool was busy): it never will
             return Raised(TimeoutError(f"did not start within {timeout:g}s"), took(), True)
         context.cancelled.set()
         grace = task.settings.cancel_grace_seconds
-        concurrent.futures.wait([future], timeout=grace)
+        native.wait(future, grace)
         if not future.done():
             return StillRunning(
                 f"{effect.label} ran past its {timeout:g}s timeout and did not stop within "

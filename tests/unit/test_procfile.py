@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,3 +66,32 @@ def test_listeners_are_local_or_authenticated() -> None:
     assert all(str(p).startswith("127.0.0.1:") for p in flower["ports"])
     assert Settings().metrics_addr == "127.0.0.1"
     assert Settings.from_env({}).metrics_addr == "127.0.0.1"
+
+
+def test_the_worker_defaults_are_defined_once_and_shipped_everywhere() -> None:
+    """Issue 26.4: the Procfile, compose.yaml, `dar dev`, the bench and the README's capacity
+    section run the worker with the same pool and concurrency: runtime.config's."""
+    from api.devstack import DevStack
+    from runtime.config import WORKER_CONCURRENCY, WORKER_POOL
+
+    assert (WORKER_POOL, WORKER_CONCURRENCY) == ("gevent", 1000)
+    pool = f"--pool ${{DAR_WORKER_POOL:-{WORKER_POOL}}}"
+    concurrency = f"--concurrency ${{DAR_WORKER_CONCURRENCY:-{WORKER_CONCURRENCY}}}"
+    worker = _procfile()["worker"]
+    assert pool in worker
+    assert concurrency in worker
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    assert _compose_command(services["worker"]) == worker
+    # `dar dev` reads DAR_WORKER_* from the environment, as the Procfile's shell does
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("DAR_WORKER_POOL", raising=False)
+        env.delenv("DAR_WORKER_CONCURRENCY", raising=False)
+        stack = DevStack(env={})
+        assert (stack.pool, stack.concurrency) == (WORKER_POOL, WORKER_CONCURRENCY)
+        env.setenv("DAR_WORKER_POOL", "threads")
+        env.setenv("DAR_WORKER_CONCURRENCY", "32")
+        assert (DevStack(env={}).pool, DevStack(env={}).concurrency) == ("threads", 32)
+    readme = (ROOT / "README.md").read_text()
+    assert f"`DAR_WORKER_POOL` | `{WORKER_POOL}`" in readme
+    assert f"`DAR_WORKER_CONCURRENCY` | `{WORKER_CONCURRENCY}`" in readme
+    assert f"--pool ${{DAR_WORKER_POOL:-{WORKER_POOL}}}" in readme
