@@ -115,6 +115,8 @@ def test_the_readme_kill_demo_under_dar_dev(dar_dev: DarDev, tmp_path: Path) -> 
     dar_dev.wait_for("dar: the stack is up")
     console = f"Console:    http://127.0.0.1:{dar_dev.port}/"
     assert console in dar_dev.output, "dar dev prints the console's URL"
+    pool = "2 x celery worker --pool gevent --concurrency 4"  # the Procfile's pool, shipped
+    assert pool in dar_dev.output, "and the pool and concurrency it runs"
     with urllib.request.urlopen(f"http://127.0.0.1:{dar_dev.port}/", timeout=10) as page:
         assert b"/static/console/console.js" in page.read(), "and the console answers there"
     assert "Sending due task" not in dar_dev.output, "the beat's per-second line is quiet"
