@@ -36,6 +36,10 @@ def adapt(agent: Any, **options: Any) -> DurableAgent | None:
         from runtime.frameworks import pydantic_ai
 
         return pydantic_ai.adapt(agent, **options)
+    if framework == "openai_agents":
+        from runtime.frameworks import openai_agents
+
+        return openai_agents.adapt(agent, **options)
     if options:
         raise TypeError(f"register() takes options only for a framework's agent: {sorted(options)}")
     return None

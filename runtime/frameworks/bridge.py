@@ -91,6 +91,7 @@ def idempotency_key() -> str | None:
 def _keyed(awaitable_of: Callable[[], Awaitable[Any]], key: str | None) -> Awaitable[Any]:
     async def run() -> Any:
         _unit_key.set(key)
+        _current.set(None)  # what the unit's body runs is part of the unit, not steps of its own
         return await awaitable_of()
 
     return run()
@@ -110,6 +111,7 @@ def _call_live(body: Callable[[], Awaitable[Any]], live: LiveCall | None) -> Any
 
     async def run() -> Any:
         _live.set(live)
+        _current.set(None)
         return await body()
 
     future = asyncio.run_coroutine_threadsafe(run(), framework_loop())
@@ -123,6 +125,22 @@ def _call_live(body: Callable[[], Awaitable[Any]], live: LiveCall | None) -> Any
     finally:
         if unregister is not None:
             unregister()
+
+
+async def _nothing() -> None:
+    return None
+
+
+def prompt_of(value: Any) -> str:
+    """The run's input as the user prompt: a string, or ``{"prompt": ...}``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("prompt"), str):
+        return str(value["prompt"])
+    raise TypeError(
+        'a framework agent takes its input as the user prompt: "input": "<text>" '
+        '(or {"prompt": "<text>"})'
+    )
 
 
 @dataclass(frozen=True)
@@ -150,6 +168,8 @@ class UnitCall:
     body: Callable[[], Awaitable[Any]]
     policy: UnitPolicy
     billing: Billing | None = None
+    on_driver: Callable[[Steps], Any] | None = None
+    """Not a unit: a function of ``steps`` to call on the driver thread (an approval)."""
     answer: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
 
 
@@ -191,6 +211,13 @@ class Bridge:
         self._requests.put(call)
         return await asyncio.wrap_future(call.answer)
 
+    async def on_driver(self, fn: Callable[[Steps], Any]) -> Any:
+        """Call ``fn(steps)`` on the driver thread (``steps.approval(...)``, which may end the
+        task) and return its result to the framework."""
+        call = UnitCall("", _nothing, UnitPolicy(), on_driver=fn)
+        self._requests.put(call)
+        return await asyncio.wrap_future(call.answer)
+
     async def _main(self, coro: Coroutine[Any, Any, Any]) -> Any:
         token = _current.set(self)
         try:
@@ -220,6 +247,8 @@ class Bridge:
                 item.answer.set_result(value)
 
     def _serve(self, item: UnitCall) -> Any:
+        if item.on_driver is not None:
+            return item.on_driver(self.steps)
         billing = item.billing
         if billing is None:
             return self.steps.run(

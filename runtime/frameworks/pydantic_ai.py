@@ -55,7 +55,7 @@ from pydantic_core import to_jsonable_python
 
 from db.records import Usage
 from runtime.durable.api import Billed, DurableAgent, Steps
-from runtime.frameworks.bridge import Billing, Bridge, UnitPolicy, current_bridge
+from runtime.frameworks.bridge import Billing, Bridge, UnitPolicy, current_bridge, prompt_of
 
 Config = dict[str, Any]
 """A unit's policy as Pydantic AI resolves it: ``{"idempotent": bool}``; a tool overrides it
@@ -256,18 +256,6 @@ def durable(agent: PydanticAgent[Any, Any]) -> PydanticAgent[Any, Any]:
     root = CombinedCapability([*agent.root_capability.capabilities, DarDurability()])
     twin._root_capability = bind_capabilities_tier(root, twin, innermost=True)
     return twin
-
-
-def prompt_of(value: Any) -> str:
-    """The run's input as the user prompt: a string, or ``{"prompt": ...}``."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("prompt"), str):
-        return str(value["prompt"])
-    raise TypeError(
-        'a Pydantic AI agent takes its input as the user prompt: "input": "<text>" '
-        '(or {"prompt": "<text>"})'
-    )
 
 
 def _run(agent: PydanticAgent[Any, Any], deps: Any, value: Any, steps: Steps) -> Any:

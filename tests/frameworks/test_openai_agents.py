@@ -1,0 +1,144 @@
+"""OpenAI Agents SDK agents on the real engine: the real ``openai-agents`` package, its
+OpenAI models (Responses and Chat Completions) against the fake OpenAI API, PostgreSQL for
+the step log."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("agents")
+
+from agents import Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, function_tool
+from agents.mcp import MCPServerStdio
+from openai import AsyncOpenAI
+from pydantic import BaseModel
+
+from db.records import RunStatus, StepStatus, Usage
+from runtime.bootstrap import Runtime
+from runtime.frameworks import idempotency_key
+from runtime.frameworks.bridge import on_loop
+from runtime.frameworks.openai_agents import idempotent
+from tests.fakes.openai_api import FakeOpenAiApi
+from tests.mcp.support import COUNTING, Ledger
+from tests.support import drive_to_end
+
+MODEL = "gpt-test"
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeOpenAiApi]:
+    with FakeOpenAiApi() as server:
+        yield server
+
+
+@pytest.fixture
+def client(fake: FakeOpenAiApi) -> Iterator[AsyncOpenAI]:
+    c = AsyncOpenAI(base_url=fake.url, api_key="test", max_retries=0)
+    yield c
+    on_loop(c.close())
+
+
+@pytest.fixture
+def rt(runtime: Runtime) -> Runtime:
+    runtime.settings = replace(runtime.settings, strict_replay=True)
+    return runtime
+
+
+class Answer(BaseModel):
+    order: str
+    status: str
+
+
+CALLS: list[tuple[str, str | None]] = []
+
+
+@function_tool
+def lookup(order: str) -> str:
+    """Look an order up."""
+    CALLS.append(("lookup", idempotency_key()))
+    return f"{order} shipped"
+
+
+@idempotent
+@function_tool
+def carrier(order: str) -> str:
+    """The carrier of an order."""
+    CALLS.append(("carrier", idempotency_key()))
+    return "DHL"
+
+
+def desk(model: object, ledger: Ledger) -> Agent[None]:
+    closer = Agent(name="closer", instructions="Answer.", model=model, output_type=Answer)
+    notes = MCPServerStdio(
+        params={"command": sys.executable, "args": [COUNTING, "--ledger", str(ledger.path)]},
+        name="notes",
+    )
+    return Agent(
+        name="desk",
+        instructions="Help.",
+        model=model,
+        tools=[lookup, carrier],
+        mcp_servers=[notes],
+        handoffs=[closer],
+    )
+
+
+def script(fake: FakeOpenAiApi) -> None:
+    fake.then_calls(("call_a", "lookup", {"order": "A-7"}), ("call_b", "carrier", {"order": "A-7"}))
+    fake.then_calls(("call_c", "add_note", {"text": "asked about A-7"}))
+    fake.then_calls(("call_d", "transfer_to_closer", {}))
+    fake.then_text(
+        json.dumps({"order": "A-7", "status": "shipped"}), input_tokens=20, cached_tokens=8
+    )
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_two_tools_an_mcp_server_a_handoff_and_structured_output(
+    rt: Runtime, fake: FakeOpenAiApi, client: AsyncOpenAI, tmp_path: Path, api: str
+) -> None:
+    CALLS.clear()
+    model = (
+        OpenAIResponsesModel(MODEL, openai_client=client)
+        if api == "responses"
+        else OpenAIChatCompletionsModel(MODEL, openai_client=client)
+    )
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    rt.agents.register(desk(model, ledger))
+    script(fake)
+
+    run, dispatch = rt.submit("desk", "Where is A-7? Note that they asked.")
+    drive_to_end(rt.driver(), dispatch)
+
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.result == {"order": "A-7", "status": "shipped"}
+    steps = rt.store.steps(run.id)
+    assert [s.step_key for s in steps] == [
+        "mcp.notes.tools:0",
+        "model:0",
+        "tool.lookup:0",
+        "tool.carrier:0",
+        "mcp.notes.tools:1",
+        "model:1",
+        "mcp.notes.add_note:0",
+        "mcp.notes.tools:2",
+        "model:2",
+        "handoff.closer:0",
+        "model:3",
+    ], "step names are a persistence format; parallel calls in the model's order"
+    assert all(s.status is StepStatus.DONE for s in steps)
+    assert [name for name, _ in CALLS] == ["lookup", "carrier"], "each tool ran once, in order"
+    assert ledger.count("add_note") == 1, "the MCP call was made once"
+    assert ledger.entries("add_note")[0]["key"] == f"{run.id}:mcp.notes.add_note:0"
+    assert CALLS[0][1] == f"{run.id}:tool.lookup:0"
+    assert fake.calls == 4
+    calls = [s for s in steps if s.step_key.startswith("model:")]
+    assert [s.usage for s in calls] == [Usage(10, 5)] * 3 + [Usage(12, 5, 0, 8)]
+    assert done.tokens_used == 3 * 15 + 25
+    assert done.cost_usd == sum(rt.pricing.cost(MODEL, s.usage) for s in calls)
