@@ -253,7 +253,7 @@ class Bridge:
         if billing is None:
             return self.steps.run(
                 item.name,
-                lambda: on_loop(_keyed(item.body, f"{self.steps.run_id}:{self.steps.key}")),
+                lambda: on_loop(_keyed(item.body, self.steps.key)),
                 type=Any,
                 idempotent=item.policy.idempotent,
             )

@@ -135,8 +135,8 @@ def test_two_tools_an_mcp_server_a_handoff_and_structured_output(
     assert all(s.status is StepStatus.DONE for s in steps)
     assert [name for name, _ in CALLS] == ["lookup", "carrier"], "each tool ran once, in order"
     assert ledger.count("add_note") == 1, "the MCP call was made once"
-    assert ledger.entries("add_note")[0]["key"] == f"{run.id}:mcp.notes.add_note:0"
-    assert CALLS[0][1] == f"{run.id}:tool.lookup:0"
+    assert ledger.entries("add_note")[0]["key"] == f"{run.id}/mcp.notes.add_note:0"
+    assert CALLS[0][1] == f"{run.id}/tool.lookup:0"
     assert fake.calls == 4
     calls = [s for s in steps if s.step_key.startswith("model:")]
     assert [s.usage for s in calls] == [Usage(10, 5)] * 3 + [Usage(12, 5, 0, 8)]

@@ -184,7 +184,7 @@ def test_two_tools_an_mcp_server_structured_output_and_deps(
         "model.request:3",
     ], "step names are a persistence format: changing them strands runs in flight"
     assert [name for name, _ in CALLS] == ["lookup", "carrier"], "each tool ran once"
-    assert CALLS[0][1] == f"{run.id}:tool.lookup:0", "the tool's idempotency key"
+    assert CALLS[0][1] == f"{run.id}/tool.lookup:0", "the tool's idempotency key"
     assert ledger.count("add_note") == 1, "the MCP call was made once"
     assert fake.calls == 4
     lookup = next(s for s in steps if s.step_key == "tool.lookup:0")
