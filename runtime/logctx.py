@@ -2,13 +2,23 @@
 
 The driver sets the context with :func:`log_context`; :class:`ContextFilter` copies it onto
 each log record as ``run_id``, ``step_seq`` and ``worker`` (``"-"`` when not in a run).
+
+User data never reaches a log line by default: inputs, results, comments, model and tool
+output, and exception messages (which quote them: a decode error quotes the whole input) are
+written as their kind, length and a hash (:func:`data`, :func:`error_text`), and exceptions
+are formatted with their traceback's frames but not their message. ``DAR_LOG_DATA=1`` writes
+the content for debugging, and says so loudly when logging starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
+import os
+import re
+import traceback
 from collections.abc import Iterator
 from contextvars import ContextVar, Token
 from typing import IO, Any
@@ -58,6 +68,76 @@ class ContextFilter(logging.Filter):
         return True
 
 
+_log_data = [False]
+
+
+def log_data() -> bool:
+    """``DAR_LOG_DATA``: log lines may carry user data (debugging only)."""
+    return _log_data[0]
+
+
+def set_log_data(on: bool) -> None:
+    _log_data[0] = on
+
+
+def data(value: object) -> str:
+    """What a log line says about user data: ``<str 99135 chars sha256:1f2e3d4c5b6a>``, its
+    kind, length and a hash (equal values log alike, so lines can still be matched); the
+    value itself only with ``DAR_LOG_DATA=1``."""
+    text = value if isinstance(value, str) else repr(value)
+    if _log_data[0]:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:12]
+    return f"<{type(value).__name__} {len(text)} chars sha256:{digest}>"
+
+
+_ERROR_PREFIX = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Rejected|Timeout|Mismatch))\b:? ?")
+
+
+def error_text(text: str | None) -> str:
+    """An error as a log line may show it: its exception type, if it starts with one, and
+    the rest as :func:`data`."""
+    if not text:
+        return ""
+    if _log_data[0]:
+        return text
+    m = _ERROR_PREFIX.match(text)
+    kind, rest = (m.group(1), text[m.end() :]) if m else ("error", text)
+    return f"{kind} {data(rest)}" if rest else kind
+
+
+def exception_text(exc: BaseException) -> str:
+    """``module.Type <str n chars sha256:…>``: an exception without its message."""
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    return f"{name}: {exc}" if _log_data[0] else f"{name} {data(str(exc))}"
+
+
+class DataFilter(logging.Filter):
+    """Celery's own task lines (``Task … raised unexpected: <exc>``) carry the exception's
+    repr: its message, which can quote a model's or a tool's output. They keep the type."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not _log_data[0] and isinstance(record.args, dict) and "exc" in record.args:
+            exc = record.args["exc"]
+            record.args = {**record.args, "exc": error_text(str(exc))}
+        return True
+
+
+def _format_exception(exc_info: Any) -> str:
+    """The frames of a traceback (file, line, function, code line: no data) and the
+    exception's type, its message as :func:`data`; the message itself with DAR_LOG_DATA."""
+    _, value, tb = exc_info
+    if _log_data[0] or value is None:
+        return "".join(traceback.format_exception(*exc_info)).rstrip("\n")
+    frames = "".join(traceback.format_tb(tb))
+    return f"Traceback (most recent call last):\n{frames}{exception_text(value)}"
+
+
+class ConsoleFormatter(logging.Formatter):
+    def formatException(self, ei: Any) -> str:
+        return _format_exception(ei)
+
+
 CONSOLE_FORMAT = "%(asctime)s %(levelname)-5s %(worker)s %(message)s"
 
 
@@ -76,7 +156,7 @@ class JsonFormatter(logging.Formatter):
             if value not in (None, "-"):
                 out[name] = str(value)
         if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
+            out["exc"] = _format_exception(record.exc_info)
         return json.dumps(out, ensure_ascii=False)
 
 
@@ -87,10 +167,11 @@ def make_handler(fmt: str = "console", *, stream: IO[str] | None = None) -> logg
         raise ValueError(f"DAR_LOG_FORMAT must be console or json, got {fmt!r}")
     handler = logging.StreamHandler(stream)
     handler.addFilter(ContextFilter())
+    handler.addFilter(DataFilter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter(CONSOLE_FORMAT))
+        handler.setFormatter(ConsoleFormatter(CONSOLE_FORMAT))
     return handler
 
 
@@ -104,6 +185,7 @@ def configure_logging(
 ) -> None:
     """Install the context filter and a console or JSON handler on the root logger."""
     handler = make_handler(fmt, stream=stream)
+    set_log_data(os.environ.get("DAR_LOG_DATA", "").lower() in ("1", "true", "yes", "on"))
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
@@ -119,4 +201,9 @@ def configure_logging(
     for chatty in QUIET_AT_INFO:
         logging.getLogger(chatty).setLevel(
             logging.NOTSET if root.level <= logging.DEBUG else logging.WARNING
+        )
+    if log_data():
+        logging.getLogger(__name__).warning(
+            "DAR_LOG_DATA IS ON: log lines carry inputs, results, comments, model and tool "
+            "output and exception messages. Use it to debug, never in production."
         )

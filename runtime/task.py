@@ -26,6 +26,7 @@ from runtime.flow import FlowControl, Grant
 from runtime.guard import Stop, guard
 from runtime.heartbeat import HeldLease
 from runtime.llm.base import LlmClient
+from runtime.logctx import error_text
 from runtime.mcp.client import McpClients
 from runtime.metrics import Metrics
 from runtime.pipeline import Found, look_up
@@ -253,7 +254,7 @@ class Task:
                 took = (run.finished_at - run.created_at).total_seconds()
                 self.services.metrics.run_finished(str(run.status), took)
             run_span(str(run.id), run.agent, str(run.status), run.created_at, run.finished_at)
-        detail = f" reason={error}" if error else ""
+        detail = f" reason={error_text(error)}" if error else ""
         log.info("run=%s %s tokens=%d%s", self.rid, run.status, run.tokens_used, detail)
         return StepResult(Outcome.FINISHED, status=run.status)
 

@@ -55,7 +55,7 @@ from runtime.durable.notify import notify_approval
 from runtime.guard import Stop
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.live import LiveCall, current_live_call
-from runtime.logctx import set_step
+from runtime.logctx import error_text, set_step
 from runtime.mcp.client import CallResult
 from runtime.mcp.errors import McpRemoteError, McpUnavailable
 from runtime.mcp.servers import McpServer, namespaced
@@ -401,7 +401,7 @@ class Execution:
                 row.kind,
                 key,
                 attempt,
-                text,
+                error_text(text),
                 delay,
             )
             retrying = effects.row(effect, verdict, status=StepStatus.RETRYING, error=text)
@@ -411,7 +411,9 @@ class Execution:
                         delay, f"{key} attempt {attempt} failed; retrying", rows=[retrying]
                     )
                 )
-        log.info("run=%s seq=%d %s %s failed: %s", self.task.rid, seq, row.kind, key, text)
+        log.info(
+            "run=%s seq=%d %s %s failed: %s", self.task.rid, seq, row.kind, key, error_text(text)
+        )
         with self.engine_call():
             self.end(self.task.checkpoint([row]))
 
@@ -649,7 +651,7 @@ class Execution:
             latency_ms=int((time.monotonic() - started) * 1000),
             model=model,
         )
-        log.info("run=%s seq=%d MODEL %s failed: %s", task.rid, seq, key, text)
+        log.info("run=%s seq=%d MODEL %s failed: %s", task.rid, seq, key, error_text(text))
         with self.engine_call():
             self.end(task.checkpoint([row]))
 

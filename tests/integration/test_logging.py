@@ -7,14 +7,16 @@ import io
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 
 from api import create_app
+from db.records import ApprovalStatus, Dispatch, NewRun, RunStatus
 from runtime.bootstrap import Runtime
+from runtime.durable import Steps, durable_agent
 from runtime.llm.scripted import ScriptedLlm
-from runtime.logctx import configure_logging
+from runtime.logctx import configure_logging, set_log_data
 from runtime.tools import tool
 from tasks.celery_app import make_celery
 from tests.support import drive_to_end, register_agent, submit
@@ -97,3 +99,98 @@ def test_api_request_lines_carry_the_run_id(runtime: Runtime, captured: io.Strin
 def test_unknown_log_format_is_refused() -> None:
     with pytest.raises(ValueError, match="DAR_LOG_FORMAT must be console or json"):
         configure_logging("xml")
+
+
+# -- data in the worker log (issue 28.6) -------------------------------------------------------
+
+DATA = "SECRET-DATA-77c1"
+
+
+def _durable_runs_that_fail_with_data(runtime: Runtime) -> None:
+    """A durable input that cannot be decoded, a step whose exception quotes data, and an
+    approval rejected with a comment: each ends its run FAILED with the data in the error."""
+
+    @durable_agent("log-probe", approval_roles=["lead"])
+    def probe(order: Order, steps: Steps) -> str:
+        if order.kind == "raise":
+            steps.run("charge", lambda: _raise(f"card {DATA} declined"))
+        return str(steps.approval("lead", 3600).run("pay", lambda: "paid"))
+
+    runtime.agents.register(probe)
+    driver = runtime.driver(worker="worker-A")
+    _, d1 = submit(runtime.store, "x", agent="log-probe")  # not even an object
+    for run_input in (
+        {"kind": "x", "amount": [DATA] * 500},
+        {"kind": "raise", "amount": 1},
+        {"kind": "ask", "amount": 1},
+    ):
+        run, _ = runtime.store.create_run(
+            NewRun(
+                agent="log-probe",
+                input=run_input,
+                model="m",
+                max_steps=50,
+                token_budget=1000,
+                timeout_seconds=600,
+            )
+        )
+        drive_to_end(driver, Dispatch(run.id, run.dispatch_token))
+    (pending,) = runtime.store.list_approvals(status="PENDING")
+    dispatch = runtime.store.decide_approval(
+        pending.id,
+        ApprovalStatus.REJECTED,
+        decided_by="lead",
+        comment=f"no: {DATA}",
+        payload_hash=pending.payload_hash,
+    )
+    assert dispatch is not None
+    drive_to_end(driver, dispatch)
+    drive_to_end(driver, d1)
+    assert {r.status for r in runtime.store.list_runs()} == {RunStatus.FAILED}
+    try:
+        raise ValueError(f"model said {DATA}")
+    except ValueError:
+        logging.getLogger("celery.app.trace").error(
+            "Task %(name)s[%(id)s] raised unexpected: %(exc)s",
+            {"name": "drive_run", "id": "1", "exc": f"ValueError('model said {DATA}')"},
+            exc_info=True,
+        )
+
+
+def _raise(message: str) -> None:
+    raise RuntimeError(message)
+
+
+@dataclass
+class Order:
+    kind: str
+    amount: int
+
+
+@pytest.mark.parametrize("fmt", ["console", "json"])
+def test_the_worker_log_holds_kinds_lengths_and_hashes_never_data(
+    runtime: Runtime, captured: io.StringIO, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DAR_LOG_DATA", raising=False)
+    configure_logging(fmt, "INFO", stream=captured)
+    _durable_runs_that_fail_with_data(runtime)
+    out = captured.getvalue()
+    assert "FAILED" in out
+    assert DATA not in out, [line for line in out.splitlines() if DATA in line][:3]
+    assert "sha256:" in out, "what was left out is still identifiable"
+    assert "RuntimeError" in out
+    assert max(len(line) for line in out.splitlines()) < 2000
+
+
+def test_dar_log_data_opts_in_loudly(
+    runtime: Runtime, captured: io.StringIO, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DAR_LOG_DATA", "1")
+    try:
+        configure_logging("console", "INFO", stream=captured)
+        _durable_runs_that_fail_with_data(runtime)
+    finally:
+        set_log_data(False)
+    out = captured.getvalue()
+    assert "DAR_LOG_DATA IS ON" in out
+    assert DATA in out
