@@ -394,6 +394,8 @@ class RecordedRequest:
     json: Any
     status: int = 0
     response_body: bytes = b""
+    at: float = field(default_factory=time.monotonic)
+    """When the request arrived (``time.monotonic()``)."""
 
 
 @dataclass(frozen=True)
