@@ -135,7 +135,7 @@ def test_a_reconcile_hook_decides_an_in_doubt_step(runtime: Runtime) -> None:
     with pytest.raises(SimulatedCrash):
         _drive(runtime, dispatch)
     assert _resume(runtime, run_id) is RunStatus.SUCCEEDED
-    assert asked == ["pay:0"]
+    assert asked == [f"{run_id}/pay:0"]
     assert EFFECTS == ["pay"]
     assert runtime.store.get_run(run_id).result == "paid (found in the ledger)"
 
