@@ -146,7 +146,9 @@ SET status = EXCLUDED.status, response = EXCLUDED.response, error = EXCLUDED.err
     latency_ms = EXCLUDED.latency_ms, request_id = EXCLUDED.request_id,
     stop_reason = EXCLUDED.stop_reason,
     worker = EXCLUDED.worker, lease_epoch = EXCLUDED.lease_epoch,
-    finished_at = EXCLUDED.finished_at
+    finished_at = EXCLUDED.finished_at,
+    -- written by this run's worker: the run's own now, no longer a fork's copy of its source
+    origin = NULL, original_tokens = NULL, original_cost_usd = NULL
 RETURNING *;
 
 -- hand_over_run --

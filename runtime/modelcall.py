@@ -264,6 +264,9 @@ def record_billed(
       arrived is not thrown away; the write is tried again, with backoff, for as long as the
       lease lasts. Before each new try the step row is looked up: when an earlier try did
       commit (the connection dropped after the commit), ``committed()`` is returned instead.
+      An earlier try's row is one written under this lease (its epoch) by this run's worker:
+      a fork's row copied from its source (``origin`` set, its source's epoch) is not, even
+      when the epochs happen to be equal.
     """
     give_up = time.monotonic() + task.settings.lease_seconds
     delay = 0.1
@@ -273,7 +276,7 @@ def record_billed(
             task.ensure_lease()
             if retried:
                 row = task.store.step_by_key(task.run_id, key)
-                if row is not None and row.lease_epoch == task.claim.epoch:
+                if row is not None and row.lease_epoch == task.claim.epoch and row.origin is None:
                     task.store.step_logs.forget(task.run_id)
                     result = committed()
                     break
