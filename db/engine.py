@@ -45,6 +45,20 @@ def normalize_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
+NETWORK_OPTIONS: dict[str, int] = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 15,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
+"""libpq's socket settings for every connection: a connect gives up after 5 s; a connection
+whose peer vanished (a partition, a failed-over host) is found dead by TCP keepalives within
+~30 s when idle, and by ``tcp_user_timeout`` (30 s of unacknowledged data) when a statement
+was sent into the void, instead of the kernel's ~15 minutes. A URL's own values win
+(``?keepalives_idle=60``)."""
+
 PING_AFTER_IDLE_SECONDS = 10.0
 """A pooled connection idle longer than this is pinged before use; a busy one is not (a ping
 on every checkout was three of a step's thirteen round trips)."""
@@ -69,11 +83,17 @@ def make_engine(
     ``prepare``: see :data:`PREPARE_MODES`."""
     if prepare not in PREPARE_MODES:
         raise ValueError(f"prepare must be one of {', '.join(PREPARE_MODES)}, got {prepare!r}")
-    connect_args: dict[str, Any] = {"application_name": application_name, "connect_timeout": 5}
+    connect_args: dict[str, Any] = {
+        "application_name": application_name,
+        **NETWORK_OPTIONS,
+    }
     if prepare == "off":
         connect_args["prepare_threshold"] = None
+    normalized = normalize_url(url)
+    given = make_url(normalized).query
+    connect_args = {k: v for k, v in connect_args.items() if k not in given}
     engine = create_engine(
-        normalize_url(url),
+        normalized,
         pool_size=pool_size,
         max_overflow=max_overflow,
         pool_recycle=1800,

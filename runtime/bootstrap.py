@@ -193,7 +193,11 @@ class Runtime:
         import redis
 
         client = redis.Redis.from_url(
-            self.settings.require_redis_url(), socket_timeout=2.0, socket_connect_timeout=2.0
+            self.settings.require_redis_url(),
+            socket_timeout=2.0,
+            socket_connect_timeout=2.0,
+            health_check_interval=10,
+            socket_keepalive=True,
         )
         if metrics is not None:
             for lim in limits:
@@ -220,7 +224,11 @@ class Runtime:
         import redis
 
         client = redis.Redis.from_url(
-            self.settings.require_redis_url(), socket_timeout=2.0, socket_connect_timeout=2.0
+            self.settings.require_redis_url(),
+            socket_timeout=2.0,
+            socket_connect_timeout=2.0,
+            health_check_interval=10,
+            socket_keepalive=True,
         )
         return KeyGate(
             client,

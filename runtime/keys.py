@@ -358,16 +358,19 @@ class KeyGate:
 
     def renew(self) -> None:
         """Extend every slot this process holds by one lease (from the heartbeat)."""
-        held = list(self._held.values())
-        if not held:
-            return
-        try:
-            self._renew(
-                keys=[self._keys(s.key)[0] for s in held],
-                args=[self.lease_seconds, *(s.holder for s in held)],
-            )
-        except _redis_error() as e:
-            self._fail_open("key", e)
+        by_key: dict[str, list[str]] = {}
+        for slot in list(self._held.values()):
+            by_key.setdefault(slot.key, []).append(slot.holder)
+        # One call per key: every key of one script call is in one hash slot (Redis Cluster
+        # refuses a script whose keys are not: CROSSSLOT).
+        for key, holders in by_key.items():
+            try:
+                self._renew(
+                    keys=[self._keys(key)[0]] * len(holders), args=[self.lease_seconds, *holders]
+                )
+            except _redis_error() as e:
+                self._fail_open("key", e)
+                return
 
     def in_steps(self, key: str) -> int:
         """Slots of ``key`` held now (lapsed ones excluded), for tests and tools."""

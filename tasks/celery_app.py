@@ -46,6 +46,10 @@ def make_celery(settings: Settings, *, register: bool = True) -> Celery:
             "visibility_timeout": settings.visibility_timeout_seconds,
             "socket_timeout": 5,
             "socket_connect_timeout": 3,
+            # A connection that died quietly (Redis failed over, a partition) is found by a
+            # PING before use after 10 s idle and by TCP keepalives, not at the next timeout.
+            "health_check_interval": 10,
+            "socket_keepalive": True,
         },
         task_publish_retry=True,
         task_publish_retry_policy={

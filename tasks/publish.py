@@ -48,6 +48,8 @@ class DrivePublisher:
             conf.broker_url,
             socket_timeout=options.get("socket_timeout", 5),
             socket_connect_timeout=options.get("socket_connect_timeout", 3),
+            health_check_interval=options.get("health_check_interval", 10),
+            socket_keepalive=options.get("socket_keepalive", True),
             # One more try on a pooled connection that died (Redis restarted): as kombu's
             # publish retry did, then the caller's fallback (the reaper) takes over.
             retry=Retry(NoBackoff(), 1),
