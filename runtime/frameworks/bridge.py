@@ -33,6 +33,7 @@ from typing import Any
 
 from db.records import Usage
 from runtime.durable.api import Billed, Steps
+from runtime.durable.errors import NonDeterministicReplay
 from runtime.llm.live import LiveCall, ModelCallCancelled
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,27 @@ def prompt_of(value: Any) -> str:
     raise TypeError(
         'a framework agent takes its input as the user prompt: "input": "<text>" '
         '(or {"prompt": "<text>"})'
+    )
+
+
+def check_identity(steps: Steps, agent: str, identity: dict[str, Any]) -> None:
+    """Strict replay for a framework agent, whatever ``DAR_STRICT_REPLAY`` says: its first
+    step records what the agent was (its tools, MCP servers, handoffs, output); a run that
+    comes back to different code fails with what changed, instead of replaying answers that
+    name tools which are no longer there."""
+    recorded = steps.side_effect("agent", lambda: identity)
+    if recorded == identity:
+        return
+    changes = [
+        f"{k}: recorded {recorded.get(k)!r}, now {identity.get(k)!r}"
+        for k in sorted(set(recorded) | set(identity))
+        if recorded.get(k) != identity.get(k)
+    ]
+    raise NonDeterministicReplay(
+        f"run {steps.run_id} started on another version of agent {agent!r} ("
+        + "; ".join(changes)
+        + "): a renamed or changed tool set cannot replay this run's recorded steps. Finish "
+        "runs in flight on the old code, or start new runs."
     )
 
 

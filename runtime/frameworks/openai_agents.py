@@ -49,7 +49,14 @@ from pydantic import TypeAdapter
 from db.records import Usage
 from runtime.durable.api import Billed, DurableAgent, Steps
 from runtime.durable.errors import ApprovalRejected
-from runtime.frameworks.bridge import Billing, Bridge, UnitPolicy, current_bridge, prompt_of
+from runtime.frameworks.bridge import (
+    Billing,
+    Bridge,
+    UnitPolicy,
+    check_identity,
+    current_bridge,
+    prompt_of,
+)
 
 APPROVAL_ROLE = "approver"
 APPROVAL_TIMEOUT_SECONDS = 86400.0
@@ -448,7 +455,24 @@ async def _run(agent: Agent[Any], prompt: str, options: Options, bridge: Bridge)
         _state.reset(token)
 
 
-def _durable_fn(agent: Agent[Any], options: Options, value: Any, steps: Steps) -> Any:
+def identity(graph: Graph) -> dict[str, Any]:
+    """What a run depends on: each agent of the graph with its tools, handoffs, MCP servers
+    and output type."""
+    return {
+        name: {
+            "tools": sorted(getattr(t, "name", type(t).__name__) for t in a.tools),
+            "handoffs": sorted(
+                getattr(h, "agent_name", getattr(h, "name", "")) for h in a.handoffs
+            ),
+            "mcp": sorted(s.name for s in a.mcp_servers),
+            "output": getattr(a.output_type, "__qualname__", None) or repr(a.output_type),
+        }
+        for name, a in sorted(graph.by_name.items())
+    }
+
+
+def _durable_fn(agent: Agent[Any], graph: Graph, options: Options, value: Any, steps: Steps) -> Any:
+    check_identity(steps, agent.name, identity(graph))
     bridge = Bridge(steps)
     output = bridge.run(_run(agent, prompt_of(value), options, bridge))
     return output.model_dump(mode="json") if hasattr(output, "model_dump") else output
@@ -475,7 +499,7 @@ def adapt(agent: Agent[Any], **options: Any) -> DurableAgent:
     )
     return DurableAgent(
         name=agent.name,
-        fn=functools.partial(_durable_fn, durable, chosen),
+        fn=functools.partial(_durable_fn, durable, graph, chosen),
         input_type=Any,
         approval_roles=(chosen.approval_role,) if asks else (),
     )

@@ -55,7 +55,14 @@ from pydantic_core import to_jsonable_python
 
 from db.records import Usage
 from runtime.durable.api import Billed, DurableAgent, Steps
-from runtime.frameworks.bridge import Billing, Bridge, UnitPolicy, current_bridge, prompt_of
+from runtime.frameworks.bridge import (
+    Billing,
+    Bridge,
+    UnitPolicy,
+    check_identity,
+    current_bridge,
+    prompt_of,
+)
 
 Config = dict[str, Any]
 """A unit's policy as Pydantic AI resolves it: ``{"idempotent": bool}``; a tool overrides it
@@ -258,7 +265,26 @@ def durable(agent: PydanticAgent[Any, Any]) -> PydanticAgent[Any, Any]:
     return twin
 
 
+def identity(agent: PydanticAgent[Any, Any]) -> dict[str, Any]:
+    """What a run of ``agent`` depends on: its tools (by toolset), MCP servers, output."""
+    toolsets: dict[str, list[str]] = {}
+
+    def visit(ts: Any) -> None:
+        tools = getattr(ts, "tools", None)
+        key = str(getattr(ts, "id", None) or type(ts).__name__)
+        toolsets[key] = sorted(tools) if isinstance(tools, dict) else []
+
+    for toolset in agent.toolsets:
+        toolset.apply(visit)
+    output = agent.output_type
+    return {
+        "toolsets": toolsets,
+        "output": getattr(output, "__qualname__", None) or repr(output),
+    }
+
+
 def _run(agent: PydanticAgent[Any, Any], deps: Any, value: Any, steps: Steps) -> Any:
+    check_identity(steps, str(agent.name), identity(agent))
     user_prompt = prompt_of(value)
     made = deps() if callable(deps) else deps
     result = Bridge(steps).run(agent.run(user_prompt, deps=made))

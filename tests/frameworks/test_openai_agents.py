@@ -120,6 +120,7 @@ def test_two_tools_an_mcp_server_a_handoff_and_structured_output(
     assert done.result == {"order": "A-7", "status": "shipped"}
     steps = rt.store.steps(run.id)
     assert [s.step_key for s in steps] == [
+        "agent:0",
         "mcp.notes.tools:0",
         "model:0",
         "tool.lookup:0",

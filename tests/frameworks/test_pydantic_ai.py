@@ -24,7 +24,7 @@ from pydantic_ai.providers.anthropic import AnthropicProvider
 import api
 from db.records import Dispatch, RunStatus, StepStatus, Usage
 from runtime.bootstrap import Runtime
-from runtime.frameworks import idempotency_key
+from runtime.frameworks import adapt, idempotency_key
 from runtime.frameworks.bridge import on_loop
 from tasks.celery_app import make_celery
 from tests.fakes.messages_api import FakeMessagesApi
@@ -79,7 +79,12 @@ def test_a_registered_agent_runs_with_a_function_tool(
     assert looked_up == ["A-7"], "the tool ran once"
     assert fake.calls == 2, "each model request was made once"
     steps = rt.store.steps(run.id)
-    assert [s.step_key for s in steps] == ["model.request:0", "tool.lookup:0", "model.request:1"]
+    assert [s.step_key for s in steps] == [
+        "agent:0",
+        "model.request:0",
+        "tool.lookup:0",
+        "model.request:1",
+    ]
     assert all(s.status is StepStatus.DONE for s in steps)
     calls = [s for s in steps if s.step_key.startswith("model.request")]
     assert [s.model for s in calls] == [MODEL, MODEL]
@@ -174,6 +179,7 @@ def test_two_tools_an_mcp_server_structured_output_and_deps(
     assert done.result == {"order": "A-7", "status": "shipped", "notes": 1}
     steps = rt.store.steps(run.id)
     assert [s.step_key for s in steps] == [
+        "agent:0",
         "mcp.notes.tools:0",
         "model.request:0",
         "tool.lookup:0",
@@ -190,3 +196,40 @@ def test_two_tools_an_mcp_server_structured_output_and_deps(
     lookup = next(s for s in steps if s.step_key == "tool.lookup:0")
     assert "order A-7 shipped" in json.dumps(lookup.response), "deps reached the tool"
     assert done.tokens_used == 4 * 15
+
+
+def test_a_renamed_tool_fails_a_run_in_flight_with_what_changed(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel
+) -> None:
+    rt.settings = replace(rt.settings, strict_replay=False)  # framework runs are strict anyway
+    ran: list[str] = []
+
+    def build(tool_name: str) -> PydanticAgent[None, str]:
+        agent = PydanticAgent(model, name="support")
+
+        def tool(order: str) -> str:
+            ran.append(tool_name)
+            return "shipped"
+
+        agent.tool_plain(name=tool_name)(tool)
+        return agent
+
+    rt.agents.register(build("lookup"))
+    fake.then_tool_use("toolu_1", "lookup", {"order": "A-7"}).then_text("shipped")
+    run, dispatch = rt.submit("support", "Where is A-7?")
+    driver = rt.driver()
+    result = driver.drive(dispatch.run_id, dispatch.token)  # agent:0
+    assert result.dispatch is not None
+    result = driver.drive(result.dispatch.run_id, result.dispatch.token)  # model.request:0
+    assert result.dispatch is not None
+
+    rt.agents.replace(adapt(build("find_order")))  # deployed with the tool renamed
+    drive_to_end(rt.driver(), result.dispatch)
+
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.FAILED
+    assert done.error is not None
+    assert "another version of agent 'support'" in done.error
+    assert "recorded {'<agent>': ['lookup']}, now {'<agent>': ['find_order']}" in done.error
+    assert ran == [], "nothing ran on the changed code"
+    assert fake.calls == 1, "and the model was not asked again"
