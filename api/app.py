@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_flask_exporter import PrometheusMetrics
 
 from api.auth import (
+    TokenSource,
     TokenTable,
     check_approval_roles,
     check_role,
@@ -46,18 +47,23 @@ def create_app(
     runtime = runtime or Runtime.build(settings, pool_size=5)
     celery = celery or make_celery(settings, register=False)
     app.extensions["dar"] = ApiState(runtime, celery)
-    tokens = TokenTable.parse(settings.api_tokens)
-    app.extensions["dar_tokens"] = tokens
+    approval_roles = runtime.agents.approval_roles()
+
+    def check_tokens(table: TokenTable) -> None:
+        check_token_roles(table, approval_roles)
+        check_approval_roles(table, approval_roles)
+
+    source = TokenSource(settings.api_tokens, settings.api_tokens_file, check_tokens)
+    app.extensions["dar_token_source"] = source
+    app.extensions["dar_tokens"] = tokens = source.table
     # Chunked bodies are buffered only for a valid token, and only so many bytes at once.
     app.wsgi_app = BufferChunked(  # type: ignore[method-assign]
         app.wsgi_app,
         settings.max_body_bytes,
-        authenticated=lambda header: app.extensions["dar_tokens"].admits(header),
+        authenticated=lambda header: source.current().admits(header),
         budget=BufferBudget(settings.http_buffer_bytes),
     )
     warn_if_open(tokens)
-    check_token_roles(tokens, runtime.agents.approval_roles())
-    check_approval_roles(tokens, runtime.agents.approval_roles())
     register_error_handlers(app)
 
     # The query parameters each documented operation takes: any other is refused, as an

@@ -1,12 +1,16 @@
 """Bearer tokens with roles and tenants, configured by environment and kept only as SHA-256
 hashes.
 
-``DAR_API_TOKENS`` lists ``name:role+role:sha256hex[:tenant]`` entries, separated by commas
-or newlines. A token belongs to its tenant (its own name unless the entry names one): runs,
-approvals, idempotency keys and lists are scoped to the tenant, and only ``admin`` sees every
-tenant. ``dar token new NAME --roles read,submit`` makes a token and prints its entry. A
-presented token is hashed and compared with every configured hash in constant time. With no
-tokens configured the API is open (development) and says so loudly at start.
+``DAR_API_TOKENS`` lists ``name:role+role:sha256hex[:tenant][:expires=WHEN]`` entries,
+separated by commas or newlines; ``DAR_API_TOKENS_FILE`` names a file of more entries, read
+again when it changes, so a token is added or revoked (its line removed) without a restart.
+``expires=`` takes a date (``2027-01-31``, the start of that day UTC) or Unix seconds; an
+expired token is refused (401) like an unknown one. A token belongs to its tenant (its own
+name unless the entry names one): runs, approvals, idempotency keys and lists are scoped to
+the tenant, and only ``admin`` sees every tenant. ``dar token new NAME --roles read,submit``
+makes a token and prints its entry. A presented token is hashed and compared with every
+configured hash in constant time. With no tokens configured the API is open (development)
+and says so loudly at start.
 """
 
 from __future__ import annotations
@@ -15,10 +19,14 @@ import difflib
 import hashlib
 import hmac
 import logging
+import os
 import re
 import secrets
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import wraps
 from typing import Any, TypeVar
 
@@ -47,6 +55,8 @@ class Principal:
     name: str
     roles: frozenset[str]
     tenant: str = ""
+    expires_at: float | None = None
+    """Unix seconds after which the token is refused; ``None``: never."""
 
     @property
     def admin(self) -> bool:
@@ -82,11 +92,16 @@ class TokenTable:
         entries: list[tuple[bytes, Principal]] = []
         names: set[str] = set()
         for item in filter(None, (p.strip() for p in re.split(r"[,\n]", raw or ""))):
+            if item.startswith("#"):
+                continue  # a comment line of DAR_API_TOKENS_FILE
             parts = item.split(":")
+            expires_at: float | None = None
+            if len(parts) > 3 and parts[-1].strip().startswith("expires="):
+                expires_at = parse_expiry(parts[0], parts.pop().strip()[len("expires=") :])
             if len(parts) not in (3, 4):
                 raise ConfigError(
                     f"DAR_API_TOKENS entry {parts[0]!r} must be name:role+role:sha256hex, "
-                    "optionally followed by :tenant "
+                    "optionally followed by :tenant and :expires=YYYY-MM-DD "
                     "(make one with `dar token new NAME --roles read,submit`)"
                 )
             name, roles_raw, digest = (p.strip() for p in parts[:3])
@@ -112,7 +127,9 @@ class TokenTable:
             if name in names:
                 raise ConfigError(f"DAR_API_TOKENS names {name!r} twice")
             names.add(name)
-            entries.append((bytes.fromhex(digest.lower()), Principal(name, roles, tenant)))
+            entries.append(
+                (bytes.fromhex(digest.lower()), Principal(name, roles, tenant, expires_at))
+            )
         return cls(tuple(entries))
 
     def authenticate(self, token: str) -> Principal | None:
@@ -121,6 +138,8 @@ class TokenTable:
         for digest, principal in self.entries:  # no early exit: constant time over entries
             if hmac.compare_digest(presented, digest):
                 found = principal
+        if found is not None and found.expires_at is not None and time.time() >= found.expires_at:
+            return None  # expired: refused like an unknown token
         return found
 
     def bearer(self, header: str) -> Principal | None:
@@ -131,6 +150,89 @@ class TokenTable:
     def admits(self, header: str) -> bool:
         """The header carries a valid token, or authentication is off."""
         return not self.enabled or self.bearer(header) is not None
+
+
+def parse_expiry(name: str, raw: str) -> float:
+    """``expires=``: a date (``2027-01-31``: the start of that day, UTC) or Unix seconds."""
+    raw = raw.strip()
+    if raw.isdigit():
+        return float(raw)
+    try:
+        day = datetime.strptime(raw, "%Y-%m-%d").replace(tzinfo=UTC)
+    except ValueError:
+        raise ConfigError(
+            f"DAR_API_TOKENS entry {name!r}: expires= takes a date (2027-01-31) or Unix "
+            f"seconds, got {raw!r}"
+        ) from None
+    return day.timestamp()
+
+
+class TokenSource:
+    """The token table of ``DAR_API_TOKENS`` plus ``DAR_API_TOKENS_FILE``, read again when
+    the file changes (its mtime, size or inode; looked at most once a second), so tokens are
+    added and revoked without a restart. A file that no longer parses keeps the last good
+    table, with an error in the log; at start it fails the process like a bad variable."""
+
+    CHECK_SECONDS = 1.0
+
+    def __init__(
+        self,
+        env: str | None,
+        path: str | None,
+        check: Callable[[TokenTable], None] = lambda _: None,
+    ) -> None:
+        self.env = env
+        self.path = path
+        self.check = check
+        self._lock = threading.Lock()
+        self._seen: tuple[float, int, int] | None = None
+        self._looked = 0.0
+        self.table = self._load()
+
+    def _stat(self) -> tuple[float, int, int] | None:
+        if not self.path:
+            return None
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return (0.0, -1, 0)
+        return (st.st_mtime, st.st_size, st.st_ino)
+
+    def _load(self) -> TokenTable:
+        self._seen = self._stat()
+        text = self.env or ""
+        if self.path:
+            try:
+                with open(self.path, encoding="utf-8") as f:
+                    text += "\n" + f.read()
+            except FileNotFoundError:
+                raise ConfigError(
+                    f"DAR_API_TOKENS_FILE {self.path!r} does not exist (an empty file means "
+                    "no tokens from it)"
+                ) from None
+        table = TokenTable.parse(text)
+        self.check(table)
+        return table
+
+    def current(self) -> TokenTable:
+        """The table now: the file read again if it changed since it was last read."""
+        if not self.path:
+            return self.table
+        now = time.monotonic()
+        if now - self._looked < self.CHECK_SECONDS:
+            return self.table
+        with self._lock:
+            self._looked = now
+            if self._stat() != self._seen:
+                try:
+                    self.table = self._load()
+                    log.info(
+                        "API tokens read again from DAR_API_TOKENS_FILE: %d tokens",
+                        len(self.table.entries),
+                    )
+                except ConfigError as e:
+                    log.error("DAR_API_TOKENS_FILE not applied, the last tokens stay: %s", e)
+        return self.table
 
 
 def current_principal() -> Principal | None:
@@ -183,7 +285,7 @@ def authenticated(view: F) -> F:
 def _authenticate() -> Principal | None:
     """The request's principal (kept on ``g``); 401 without a valid bearer token when tokens
     are configured; ``None`` when they are not."""
-    table: TokenTable = current_app.extensions["dar_tokens"]
+    table = tokens_now()
     if not table.enabled:
         return None
     principal = table.bearer(request.headers.get("Authorization", ""))
@@ -195,6 +297,14 @@ def _authenticate() -> Principal | None:
         )
     g.dar_principal = principal
     return principal
+
+
+def tokens_now() -> TokenTable:
+    """This app's tokens as they are now (``DAR_API_TOKENS_FILE`` may have changed)."""
+    source: TokenSource = current_app.extensions["dar_token_source"]
+    table = source.current()
+    current_app.extensions["dar_tokens"] = table
+    return table
 
 
 def check_token_roles(table: TokenTable, approval_roles: set[str]) -> None:

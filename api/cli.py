@@ -659,12 +659,37 @@ def _token_new(args: argparse.Namespace) -> int:
             "or the server refuses the entry at start",
             file=sys.stderr,
         )
+    expires = ""
+    if args.expires:
+        when = _expiry(args.expires)
+        if when is None:
+            print(
+                f"dar: --expires {args.expires!r}: a date (2027-01-31) or a duration (30d, 12h)",
+                file=sys.stderr,
+            )
+            return 2
+        expires = f":expires={when}"
     token = new_token()
     tenant = f":{args.tenant}" if args.tenant else ""
     print(f"token (give it to the client; it is not stored anywhere):\n  {token}")
     print("DAR_API_TOKENS entry (the server keeps only the hash):")
-    print(f"  {args.name}:{'+'.join(roles)}:{hash_token(token)}{tenant}")
+    print(f"  {args.name}:{'+'.join(roles)}:{hash_token(token)}{tenant}{expires}")
     return 0
+
+
+def _expiry(raw: str) -> str | None:
+    """``--expires``: a date as given, or a duration from now as Unix seconds."""
+    import re
+    import time
+
+    raw = raw.strip()
+    if re.fullmatch(r"\d{4}-\d{2}-\d{2}", raw):
+        return raw
+    m = re.fullmatch(r"(\d+)([dhm])", raw)
+    if m is None:
+        return None
+    seconds = int(m.group(1)) * {"d": 86400, "h": 3600, "m": 60}[m.group(2)]
+    return str(int(time.time()) + seconds)
 
 
 # -- the parser -----------------------------------------------------------------------------
@@ -867,6 +892,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated: read,submit,cancel,approve,admin and approval roles",
     )
     t.add_argument("--tenant", help="the tenant whose runs it sees (default: its name)")
+    t.add_argument(
+        "--expires",
+        help="when the token stops working: a date (2027-01-31, UTC) or a duration from now "
+        "(30d, 12h); default: never",
+    )
     t.set_defaults(func=_token_new)
     return parser
 

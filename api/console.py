@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import uuid
 
-from flask import Blueprint, Response, current_app, jsonify, render_template
+from flask import Blueprint, Response, jsonify, render_template
 
-from api.auth import ROLES, TokenTable, authenticated, current_principal
+from api.auth import ROLES, authenticated, current_principal, tokens_now
 from api.errors import ApiError
 from api.state import state
 from runtime.agents import Agent
@@ -42,7 +42,7 @@ PAGES = {
 
 def _page(page: str, **context: object) -> Response:
     agents = state().runtime.agents
-    tokens: TokenTable = current_app.extensions["dar_tokens"]
+    tokens = tokens_now()
     html = render_template(
         f"console/{page}.html",
         page=page,

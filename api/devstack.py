@@ -230,12 +230,12 @@ class DevStack:
     def preflight(self) -> None:
         """What would make every child fail, checked once here, before any child starts:
         the settings, the API tokens, the agents."""
-        from api.auth import TokenTable, check_approval_roles, check_token_roles
+        from api.auth import TokenSource, check_approval_roles, check_token_roles
         from runtime.config import Settings
         from runtime.preflight import check_agents, unknown_agent_message
 
         settings = Settings.from_env(self._child_env())
-        tokens = TokenTable.parse(settings.api_tokens)
+        tokens = TokenSource(settings.api_tokens, settings.api_tokens_file).table
         registry = check_agents(settings)
         check_token_roles(tokens, registry.approval_roles())  # a typo'd role: one line, now
         check_approval_roles(tokens, registry.approval_roles())

@@ -110,6 +110,9 @@ class Settings:
     """DAR_METRICS_PUBLIC: the web process's /metrics answers without a token (with tokens
     configured it otherwise needs the ``metrics`` role)."""
     api_tokens: str | None = field(default=None, repr=False)
+    api_tokens_file: str | None = None
+    """DAR_API_TOKENS_FILE: more token entries, one a line, read again when the file changes
+    (add or revoke a token without a restart)."""
     submit_rate_per_minute: int = 0
     model_limits_json: str | None = None
     flow_control: bool = True
@@ -221,6 +224,7 @@ class Settings:
             metrics_addr=_get(e, "DAR_METRICS_ADDR", "127.0.0.1"),
             metrics_public=_bool(e, "DAR_METRICS_PUBLIC", False),
             api_tokens=e.get("DAR_API_TOKENS") or None,
+            api_tokens_file=e.get("DAR_API_TOKENS_FILE") or None,
             submit_rate_per_minute=_int(e, "DAR_SUBMIT_RATE_PER_MINUTE", 0),
             model_limits_json=e.get("DAR_MODEL_LIMITS") or None,
             flow_control=_bool(e, "DAR_FLOW_CONTROL", True),

@@ -4,8 +4,11 @@ low-privilege caller can cost the server, and what one tenant can learn or take 
 from __future__ import annotations
 
 import json
+import os
+import time
 import uuid
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +17,7 @@ from sqlalchemy import text
 from werkzeug.test import TestResponse
 
 from api import create_app
-from api.auth import hash_token
+from api.auth import TokenTable, hash_token
 from api.errors import ApiError
 from api.schemas import MAX_JSON_DEPTH, check_json
 from db.records import Dispatch, NewRun
@@ -299,3 +302,60 @@ def test_metrics_need_the_metrics_role_unless_opened(runtime: Runtime, settings:
     assert client.get("/metrics", headers=auth("root")).status_code == 200
     opened = make_client(runtime, settings, tokens, metrics_public=True)
     assert opened.get("/metrics").status_code == 200
+
+
+# -- 7. tokens expire, and are revoked without a restart -------------------------------------
+
+
+def test_an_expired_token_is_refused(runtime: Runtime, settings: Settings) -> None:
+    past, future = int(time.time()) - 1, "2999-01-01"
+    entries = ",".join(
+        [
+            f"old:read:{hash_token('tok-old')}:red:expires={past}",
+            f"new:read:{hash_token('tok-new')}:expires={future}",
+        ]
+    )
+    runtime.settings = replace(settings, api_tokens=entries)
+    client = create_app(
+        runtime=runtime, celery=make_celery(runtime.settings, register=False)
+    ).test_client()
+    assert client.get("/api/runs", headers={"Authorization": "Bearer tok-old"}).status_code == 401
+    assert client.get("/api/runs", headers={"Authorization": "Bearer tok-new"}).status_code == 200
+
+
+def test_a_token_removed_from_the_tokens_file_is_refused_without_a_restart(
+    runtime: Runtime, settings: Settings, tmp_path: Path
+) -> None:
+    tokens_file = tmp_path / "tokens"
+    keep = f"keep:read:{hash_token('tok-keep')}"
+    gone = f"gone:read+submit:{hash_token('tok-gone')}"
+    tokens_file.write_text(f"# the API's tokens\n{keep}\n{gone}\n")
+    runtime.settings = replace(settings, api_tokens_file=str(tokens_file))
+    client = create_app(
+        runtime=runtime, celery=make_celery(runtime.settings, register=False)
+    ).test_client()
+    gone_h = {"Authorization": "Bearer tok-gone"}
+    assert client.get("/api/runs", headers=gone_h).status_code == 200
+    tokens_file.write_text(f"{keep}\n")
+    os.utime(tokens_file, (time.time() + 5, time.time() + 5))  # a new mtime, whatever the clock
+    deadline = time.monotonic() + 10
+    while client.get("/api/runs", headers=gone_h).status_code != 401:
+        assert time.monotonic() < deadline, "the revoked token still works"
+        time.sleep(0.2)
+    assert client.get("/api/runs", headers={"Authorization": "Bearer tok-keep"}).status_code == 200
+    # A file that no longer parses keeps the last good tokens.
+    tokens_file.write_text("not an entry\n")
+    os.utime(tokens_file, (time.time() + 10, time.time() + 10))
+    time.sleep(1.2)
+    assert client.get("/api/runs", headers={"Authorization": "Bearer tok-keep"}).status_code == 200
+
+
+def test_dar_token_new_expires(capsys: pytest.CaptureFixture[str]) -> None:
+    from api.cli import main
+
+    assert main(["token", "new", "ci", "--roles", "read", "--expires", "2027-01-31"]) == 0
+    entry = capsys.readouterr().out.strip().splitlines()[-1].strip()
+    assert entry.endswith(":expires=2027-01-31")
+    (_, principal), *_ = TokenTable.parse(entry).entries
+    assert principal.expires_at == 1801353600.0
+    assert main(["token", "new", "ci", "--roles", "read", "--expires", "soon"]) == 2
