@@ -5,6 +5,8 @@ Each class's docstring is its default message.
 
 from __future__ import annotations
 
+from sqlalchemy.exc import DBAPIError, OperationalError
+
 
 class DarError(Exception):
     """Durable Agent Runtime error."""
@@ -50,3 +52,11 @@ class LeaseLost(BaseException):
         self.run_id = run_id
         msg = f"lease on run {run_id} lost"
         super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+def database_unavailable(e: BaseException) -> bool:
+    """The database went away (a restart, a dropped or refused connection): the statement
+    may be tried again. Any other error (bad data, a constraint, a bug) is not."""
+    return isinstance(e, OperationalError) or (
+        isinstance(e, DBAPIError) and e.connection_invalidated
+    )

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import DBAPIError
 
+from db.errors import database_unavailable
 from db.records import Claim, Dispatch, RunStatus, Step, StepStatus
 from db.store import RunStore
 from runtime.agent_loop import run_agent
@@ -41,7 +42,7 @@ from runtime.llm.base import LlmClient
 from runtime.logctx import log_context
 from runtime.mcp.client import McpClients
 from runtime.metrics import Metrics
-from runtime.modelcall import estimate_tokens, transient_db_error
+from runtime.modelcall import estimate_tokens
 from runtime.pricing import PriceTable
 from runtime.prompthash import PromptHashes, prompt_hash
 from runtime.replay import ReplayCache
@@ -114,7 +115,7 @@ class Driver:
         try:
             claim = self.store.claim(run_id, token, self.worker, self.settings.lease_seconds)
         except Exception as e:
-            if not transient_db_error(e):
+            if not database_unavailable(e):
                 raise
             # PostgreSQL is unreachable or out of connections: nothing was claimed (or, if
             # the claim committed and its answer was lost, its lease lapses as any crash's

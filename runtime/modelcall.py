@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, TypeVar
 
-from sqlalchemy.exc import DBAPIError, OperationalError
-
 from db.errors import LeaseLost
 from db.records import Dispatch, NewStep, RunStatus, Step, StepKind, StepStatus, Usage
 from runtime import pipeline
@@ -35,7 +33,7 @@ from runtime.llm.billing import Meter, metering
 from runtime.llm.live import ModelCallCancelled, live_call
 from runtime.llm.retry import RetryLater, prior_attempts, reset_prior_attempts
 from runtime.prompthash import prompt_hash as prompt_hash
-from runtime.task import Task
+from runtime.task import Earlier, Task
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -241,66 +239,28 @@ def live_scope(task: Task, key: str | None) -> Iterator[None]:
             yield
 
 
-def transient_db_error(e: BaseException) -> bool:
-    """The database went away (a restart, a dropped connection): worth trying again."""
-    return isinstance(e, OperationalError) or (
-        isinstance(e, DBAPIError) and e.connection_invalidated
-    )
-
-
 def record_billed(
     task: Task,
     answer: Answer,
     write: Callable[[], T],
     *,
-    key: str,
+    row: NewStep,
     committed: Callable[[], T],
 ) -> T:
-    """Run ``write``, the fenced record of the billed call whose step key is ``key``.
-
-    - The fence refuses it (the run was taken over): the call is counted against the run
-      anyway (the money was spent whoever holds the run now) and ``LeaseLost`` goes on.
-    - The database is away (PostgreSQL restarting, a dropped connection): an answer that
-      arrived is not thrown away; the write is tried again, with backoff, for as long as the
-      lease lasts. Before each new try the step row is looked up: when an earlier try did
-      commit (the connection dropped after the commit), ``committed()`` is returned instead.
-      An earlier try's row is one written under this lease (its epoch) by this run's worker:
-      a fork's row copied from its source (``origin`` set, its source's epoch) is not, even
-      when the epochs happen to be equal.
-    """
-    give_up = time.monotonic() + task.settings.lease_seconds
-    delay = 0.1
-    retried = False
-    while True:
-        try:
-            task.ensure_lease()
-            if retried:
-                row = task.store.step_by_key(task.run_id, key)
-                if row is not None and row.lease_epoch == task.claim.epoch and row.origin is None:
-                    task.store.step_logs.forget(task.run_id)
-                    result = committed()
-                    break
-            result = write()
-            break
-        except LeaseLost:
-            task.store.record_unrecorded_usage(task.run_id, answer.response.usage, answer.cost)
-            raise
-        except Exception as e:
-            left = give_up - time.monotonic()
-            if not transient_db_error(e) or left <= 0:
-                raise
-            pause = min(delay, left)  # the last try lands on the deadline, not before it
-            log.warning(
-                "run=%s the database is away while recording %s (%s); trying again in %.1fs",
-                task.rid,
-                key,
-                type(e).__name__,
-                pause,
-                extra={"run_id": str(task.run_id), "event": "checkpoint.retry"},
-            )
-            time.sleep(pause)
-            delay = min(delay * 2, 2.0)
-            retried = True
+    """Run ``write``, the fenced record ``row`` of the billed call, durably
+    (:meth:`~runtime.task.Task.durably`: an answer that arrived is not thrown away because
+    the database blinked; when an earlier try did commit, ``committed()`` is its result).
+    When the fence refuses it (the run was taken over), the call is counted against the run
+    anyway (the money was spent whoever holds the run now) and ``LeaseLost`` goes on."""
+    try:
+        result = task.durably(
+            row.step_key,
+            write,
+            lambda: Earlier(committed()) if task.wrote(row) is not None else None,
+        )
+    except LeaseLost:
+        task.store.record_unrecorded_usage(task.run_id, answer.response.usage, answer.cost)
+        raise
     u, r = task.spent, answer.response.usage
     task.spent = Usage(
         u.input_tokens + r.input_tokens,
@@ -436,7 +396,7 @@ def call(
         task,
         answer,
         lambda: task.record_model(row, child=policy.child),
-        key=key,
+        row=row,
         # committed by a try whose answer was lost: the run carries the token it set
         committed=lambda: (
             None

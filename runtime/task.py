@@ -14,12 +14,13 @@ import enum
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from db.errors import LeaseLost
-from db.records import Claim, Dispatch, NewStep, RunStatus, Step, Usage
+from db.errors import LeaseLost, database_unavailable
+from db.records import Claim, Dispatch, NewStep, Run, RunStatus, Step, Usage
 from db.store import RunStore
 from runtime.config import Settings
 from runtime.flow import FlowControl, Grant
@@ -39,6 +40,8 @@ if TYPE_CHECKING:  # runtime.live imports redis (and ssl): not before gevent pat
     from runtime.live import LiveChannel
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
 class Outcome(enum.StrEnum):
@@ -86,6 +89,13 @@ class Services:
 
 def short(run_id: uuid.UUID) -> str:
     return str(run_id)[:8]
+
+
+@dataclass(frozen=True, slots=True)
+class Earlier(Generic[T_co]):
+    """What a write returned, found after the fact: an earlier try did commit."""
+
+    value: T_co
 
 
 @dataclass
@@ -156,18 +166,100 @@ class Task:
             run, now=self.claim.db_now, steps_taken=steps_taken, next_is_model=next_is_model
         )
 
+    # -- every record: across a database blip ---------------------------------------------
+
+    def durably(
+        self,
+        what: str,
+        write: Callable[[], T],
+        committed: Callable[[], Earlier[T] | None] | None = None,
+    ) -> T:
+        """Run ``write``, a fenced record of this task, across a database blip.
+
+        - The database is away (PostgreSQL restarting, a dropped connection,
+          :func:`~db.errors.database_unavailable`): the write is tried again, with backoff,
+          for as long as the lease lasts, so a step that ran is not run again because the
+          database blinked while it was recorded. Before each new try ``committed()`` says
+          whether an earlier try did commit (its answer lost with the connection): its
+          :class:`Earlier` result is then the write's.
+        - Any other error (bad data, a bug) is raised at once: trying again cannot help.
+        - The fence refuses it: ``LeaseLost`` goes on.
+        """
+        give_up = time.monotonic() + self.settings.lease_seconds
+        delay = 0.1
+        retried = False
+        while True:
+            try:
+                self.ensure_lease()
+                if retried and committed is not None:
+                    earlier = committed()
+                    if earlier is not None:
+                        self.store.step_logs.forget(self.run_id)  # it missed the lost write
+                        return earlier.value
+                return write()
+            except Exception as e:
+                left = give_up - time.monotonic()
+                if not database_unavailable(e) or left <= 0:
+                    raise
+                pause = min(delay, left)  # the last try lands on the deadline, not before it
+                log.warning(
+                    "run=%s the database is away while recording %s (%s); trying again in %.1fs",
+                    self.rid,
+                    what,
+                    type(e).__name__,
+                    pause,
+                    extra={"run_id": str(self.run_id), "event": "checkpoint.retry"},
+                )
+                time.sleep(pause)
+                delay = min(delay * 2, 2.0)
+                retried = True
+
+    def wrote(self, row: NewStep) -> Step | None:
+        """``row`` as an earlier try of this task committed it, if it did: this run's own row
+        (a fork's copy of its source's row carries the source's epoch, maybe equal to ours),
+        written under this lease, with the status written."""
+        found = self.store.step_by_key(self.run_id, row.step_key)
+        if (
+            found is None
+            or found.origin is not None
+            or found.lease_epoch != self.claim.epoch
+            or found.status != row.status
+        ):
+            return None
+        return found
+
+    def _handed_on(self, rows: list[NewStep], delay: float = 0.0) -> Earlier[Dispatch] | None:
+        """The message an earlier, committed try of a checkpoint of ``rows`` handed on to."""
+        if not rows or self.wrote(rows[-1]) is None:
+            return None
+        token = self.store.get_run(self.run_id).dispatch_token
+        return Earlier(Dispatch(self.run_id, token, delay))
+
+    def _wrote_child(self, row: NewStep) -> Earlier[None] | None:
+        return Earlier(None) if self.wrote(row) is not None else None
+
+    def _released(self, check: Callable[[Run], bool]) -> Run | None:
+        """The run, when an earlier try of a write that releases the lease committed."""
+        run = self.store.get_run(self.run_id)
+        held = run.locked_by is not None or run.lease_epoch != self.claim.epoch
+        return run if not held and check(run) else None
+
     # -- ending the task --------------------------------------------------------------------
 
     def checkpoint(self, rows: list[NewStep]) -> StepResult:
         """Record ``rows`` (their tokens added to the run) and hand the lease on, in one
         transaction; the returned message runs the next step."""
-        self.ensure_lease()
-        dispatch = self.store.record_steps(self.claim, rows)
+        dispatch = self.durably(
+            rows[-1].step_key,
+            lambda: self.store.record_steps(self.claim, rows),
+            lambda: self._handed_on(rows),
+        )
         return StepResult(Outcome.CONTINUE, dispatch=dispatch)
 
     def record_model(self, row: NewStep, *, child: bool) -> Dispatch | None:
         """Record a model call (its tokens added to the run): as the task's step, handing
-        the lease on in the same statement; or, with ``child``, inside the running step."""
+        the lease on in the same statement; or, with ``child``, inside the running step.
+        The caller makes it durable (:func:`runtime.modelcall.record_billed`)."""
         if child:
             self.store.record_child(self.claim, row)
             return None
@@ -176,18 +268,30 @@ class Task:
     def record_replayed(self, row: NewStep, original: Step, *, hand_over: bool) -> Dispatch | None:
         """Record a model step a fork answered from the original's ``original`` row; with
         ``hand_over`` it is the task's step and the lease is handed on."""
-        self.ensure_lease()
-        return self.store.record_replayed(self.claim, row, original, hand_over=hand_over)
+
+        def earlier() -> Earlier[Dispatch | None] | None:
+            return self._handed_on([row]) if hand_over else self._wrote_child(row)
+
+        return self.durably(
+            row.step_key,
+            lambda: self.store.record_replayed(self.claim, row, original, hand_over=hand_over),
+            earlier,
+        )
 
     # -- records that do not end the task -----------------------------------------------------
 
     def start(self, row: NewStep) -> None:
-        """Write a step with an effect ``STARTED``, before its code runs."""
-        self.store.start_step(self.claim, row)
+        """Write a step with an effect ``STARTED``, before its code runs (writing it again
+        rewrites the same row: nothing to check)."""
+        self.durably(row.step_key, lambda: self.store.start_step(self.claim, row))
 
     def record_child(self, row: NewStep) -> None:
         """Record a step nested in the running one (the task goes on)."""
-        self.store.record_child(self.claim, row)
+        self.durably(
+            row.step_key,
+            lambda: self.store.record_child(self.claim, row),
+            lambda: self._wrote_child(row),
+        )
 
     def suspend_for_approval(
         self,
@@ -200,15 +304,26 @@ class Task:
         discard_copied: bool,
     ) -> uuid.UUID:
         """Record the ``PENDING`` approval ``row`` and park the run for its decision."""
-        self.ensure_lease()
-        return self.store.suspend_for_approval(
-            self.claim,
-            row,
-            role=role,
-            payload=payload,
-            timeout_seconds=timeout_seconds,
-            timeout_policy=timeout_policy,
-            discard_copied=discard_copied,
+
+        def earlier() -> Earlier[uuid.UUID] | None:
+            if self.wrote(row) is None:
+                return None
+            approvals = self.store.list_approvals(status=None, run_id=self.run_id)
+            found = next((a.id for a in approvals if a.step_key == row.step_key), None)
+            return None if found is None else Earlier(found)
+
+        return self.durably(
+            row.step_key,
+            lambda: self.store.suspend_for_approval(
+                self.claim,
+                row,
+                role=role,
+                payload=payload,
+                timeout_seconds=timeout_seconds,
+                timeout_policy=timeout_policy,
+                discard_copied=discard_copied,
+            ),
+            earlier,
         )
 
     def schedule(
@@ -223,22 +338,36 @@ class Task:
         """A durable timer: record ``rows`` (if any), release the lease, come back in
         ``delay_seconds``. No thread and no lease wait; a countdown message is sent when the
         wait is short, the reaper sends one when it is due otherwise."""
-        self.ensure_lease()
         if rows:
-            dispatch = self.store.record_steps(
-                self.claim,
-                rows,
-                delay_seconds=delay_seconds,
-                reason=reason,
-                model_attempts=model_attempts,
+            dispatch = self.durably(
+                rows[-1].step_key,
+                lambda: self.store.record_steps(
+                    self.claim,
+                    rows,
+                    delay_seconds=delay_seconds,
+                    reason=reason,
+                    model_attempts=model_attempts,
+                ),
+                lambda: self._handed_on(rows, delay_seconds),
             )
         else:
-            dispatch = self.store.schedule(
-                self.claim,
-                delay_seconds,
-                reason=reason,
-                model_attempts=model_attempts,
-                admission=admission,
+
+            def earlier() -> Earlier[Dispatch] | None:
+                run = self._released(lambda r: r.wait_reason == reason)
+                if run is None:
+                    return None
+                return Earlier(Dispatch(self.run_id, run.dispatch_token, delay_seconds))
+
+            dispatch = self.durably(
+                "a timer",
+                lambda: self.store.schedule(
+                    self.claim,
+                    delay_seconds,
+                    reason=reason,
+                    model_attempts=model_attempts,
+                    admission=admission,
+                ),
+                earlier,
             )
         send = delay_seconds <= self.settings.max_countdown_seconds
         return StepResult(Outcome.WAITING, dispatch=dispatch if send else None)
@@ -247,8 +376,16 @@ class Task:
         self, status: RunStatus, *, result: Any = None, error: str | None = None
     ) -> StepResult:
         """End the run with ``status`` (or park it NEEDS_ATTENTION), releasing the lease."""
-        self.store.finish(self.claim, status, result=result, error=error)
-        run = self.store.get_run(self.claim.run_id)
+        self.durably(
+            f"the run's end ({status})",
+            lambda: self.store.finish(self.claim, status, result=result, error=error),
+            lambda: (
+                Earlier(None)
+                if self._released(lambda r: r.status is not RunStatus.RUNNING)
+                else None
+            ),
+        )
+        run = self.durably("-", lambda: self.store.get_run(self.claim.run_id))
         if run.finished_at is not None:
             if self.services.metrics is not None:
                 took = (run.finished_at - run.created_at).total_seconds()

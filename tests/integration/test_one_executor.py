@@ -170,7 +170,7 @@ def test_a_database_error_at_the_checkpoint_is_not_a_failure_of_the_function(
     with pytest.raises(InfrastructureError):
         driver.drive(woke.run_id, woke.token)
     runtime.store.record_steps = real  # type: ignore[method-assign]
-    assert calls["n"] == 1
+    assert calls["n"] > 1, "tried again while the lease lasted (Task.durably), then given up"
     run = runtime.store.get_run(run_id)
     assert run.status is RunStatus.RUNNING, "not failed, not compensated"
     keys = {s.step_key: s.status for s in runtime.store.steps(run_id)}
