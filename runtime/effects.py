@@ -48,6 +48,10 @@ from runtime.tools import OutcomeUnknown, Reconciled, ToolContext
 
 log = logging.getLogger(__name__)
 
+MAX_RECONCILE_ROUNDS = 3
+"""In one task, how many times an effect whose answer was lost is reconciled ("not
+happened") and run again before the run stops for an operator instead."""
+
 
 @dataclass(frozen=True)
 class Effect:
@@ -154,8 +158,13 @@ def execute(task: Task, effect: Effect, found: Found) -> Verdict:
     return verdict
 
 
-def _answer_lost(task: Task, effect: Effect, context: ToolContext, error: Exception) -> Verdict:
-    """Rule 4: the effect's answer never came and it is not idempotent."""
+def _answer_lost(
+    task: Task, effect: Effect, context: ToolContext, error: Exception, rounds: int = 1
+) -> Verdict:
+    """Rule 4: the effect's answer never came and it is not idempotent. When its reconcile
+    hook says the effect had not happened, it runs again; a run whose answer is lost again
+    is in doubt again, so the hook is asked again (never a plain failure: ``steps.retry``
+    would run the effect once more without asking), up to :data:`MAX_RECONCILE_ROUNDS`."""
     if effect.reconcile is None:
         return InDoubt(
             f"{effect.label}: {error}; it is not declared idempotent, so it was not run "
@@ -166,7 +175,19 @@ def _answer_lost(task: Task, effect: Effect, context: ToolContext, error: Except
         "run=%s seq=%d %s: %s; asking its reconcile hook", task.rid, effect.seq, effect.label, error
     )
     decided = _reconciled(task, effect, context)
-    return _run(task, effect, context) if decided is None else decided
+    if decided is not None:
+        return decided
+    again = _run(task, effect, context)
+    if not (isinstance(again, Raised) and isinstance(again.error, OutcomeUnknown)):
+        return again
+    if rounds >= MAX_RECONCILE_ROUNDS:
+        return InDoubt(
+            f"{effect.label}: {again.error}; its answer was lost {rounds + 1} times, each time "
+            "after its reconcile hook said the effect had not happened, so it was not run "
+            "again: check whether its effect happened, then resolve the run (supply_result, "
+            "retry or fail)"
+        )
+    return _answer_lost(task, effect, context, again.error, rounds + 1)
 
 
 def _in_doubt(task: Task, effect: Effect, recorded: Step, context: ToolContext) -> Verdict | None:

@@ -115,7 +115,7 @@ def test_sigkill_mid_mcp_call(stack: DevStack, ledger: Ledger) -> None:
         run = store.get_run(run_id)
         assert "MCP tool 'notes__add_note' (not re-run after a crash)" in (run.error or "")
         time.sleep(2)  # nothing else may still be on its way
-        assert [e["key"] for e in ledger.entries("add_note")] == ["toolu_add"], "once"
+        assert [e["key"] for e in ledger.entries("add_note")] == [f"{run_id}/toolu_add"], "once"
         tool_row = next(s for s in store.steps(run_id) if s.tool_use_id == "toolu_add")
         assert tool_row.status is StepStatus.STARTED
 
@@ -138,7 +138,7 @@ def test_sigkill_mid_mcp_call(stack: DevStack, ledger: Ledger) -> None:
             is RunStatus.SUCCEEDED
         ), store.get_run(run_id).error
         counts = ledger.entries("count_notes")
-        assert [e["key"] for e in counts] == ["toolu_count", "toolu_count"], "re-run, same key"
+        assert [e["key"] for e in counts] == [f"{run_id}/toolu_count"] * 2, "re-run, same key"
         assert len({e["pid"] for e in counts}) == 2, "by a server of another worker process"
         print(f"killed {victim}, then {second}; run {run_id} SUCCEEDED")
         steps = store.steps(run_id)
