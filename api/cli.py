@@ -632,6 +632,53 @@ def _decide(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schedules(args: argparse.Namespace) -> int:
+    """``dar schedules`` (list), ``dar schedules add``, ``dar schedules delete``."""
+    action = getattr(args, "schedule_command", None) or "list"
+    args.api = getattr(args, "sub_api", None) or args.api
+    if action == "add":
+        try:
+            run_input = json.loads(args.input) if args.json else args.input
+        except ValueError as e:
+            raise CliError(f"--json was given but the input is not JSON: {e}") from None
+        body: dict[str, Any] = {"input": run_input, "cron": args.cron}
+        for key, value in (
+            ("agent", args.agent),
+            ("timezone", args.timezone),
+            ("overlap", args.overlap),
+            ("catchUp", args.catch_up),
+            ("tokenBudget", args.token_budget),
+        ):
+            if value is not None:
+                body[key] = value
+        made = api_call(args.api, "POST", "/api/schedules", body)
+        print(made["id"])
+        return 0
+    if action == "delete":
+        api_call(args.api, "DELETE", f"/api/schedules/{urllib.parse.quote(args.schedule_id)}")
+        print(f"dar: schedule {args.schedule_id} deleted")
+        return 0
+    items = api_call(args.api, "GET", "/api/schedules")["items"]
+    print(
+        _table(
+            ["ID", "AGENT", "CRON", "TIMEZONE", "OVERLAP", "CATCH-UP", "NEXT TICK"],
+            [
+                [
+                    sc["id"],
+                    sc["agent"],
+                    sc["cron"],
+                    sc["timezone"],
+                    sc["overlap"],
+                    sc["catchUp"],
+                    sc["nextTickAt"],
+                ]
+                for sc in items
+            ],
+        )
+    )
+    return 0
+
+
 def _token_new(args: argparse.Namespace) -> int:
     from api.auth import NAME, ROLE, ROLES, hash_token, new_token
 
@@ -879,6 +926,32 @@ def build_parser() -> argparse.ArgumentParser:
             help="the payloadHash you were shown: refused if what is to be approved changed",
         )
         p.set_defaults(decision=decision)
+
+    p = api_command("schedules", _schedules, "list schedules; `add` or `delete` one")
+    sched_sub = p.add_subparsers(dest="schedule_command", metavar="COMMAND")
+    a = sched_sub.add_parser(
+        "add", help="start an agent on a cron schedule; prints its id", formatter_class=_Help
+    )
+    a.add_argument("cron", help="cron expression, e.g. '0 9 * * 1-5' (a 6th field: seconds)")
+    a.add_argument("input", help="each run's question or task (JSON with --json)")
+    a.add_argument("--json", action="store_true", help="the input is JSON (durable functions)")
+    a.add_argument("--agent", help="agent to run (default: the server's DAR_DEFAULT_AGENT)")
+    a.add_argument("--timezone", help="IANA time zone the expression is read in (default UTC)")
+    a.add_argument(
+        "--overlap", choices=("skip", "queue", "allow"),
+        help="a tick while the last run is live: skip it (default), queue it, or allow it",
+    )  # fmt: skip
+    a.add_argument(
+        "--catch-up", choices=("none", "latest", "all"),
+        help="ticks missed while nothing ran: none (default), the latest, or all",
+    )  # fmt: skip
+    a.add_argument("--token-budget", type=int, help="tokens per run")
+    d = sched_sub.add_parser("delete", help="delete a schedule", formatter_class=_Help)
+    d.add_argument("schedule_id", help="the schedule's id (dar schedules lists them)")
+    for sp in (a, d):
+        sp.add_argument(
+            "--api", dest="sub_api", help=f"API base URL ($DAR_API_URL, else {api_default})"
+        )
 
     p = command("token", None, "API tokens")
     token_sub = p.add_subparsers(dest="token_command", required=True, metavar="COMMAND")

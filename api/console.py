@@ -37,6 +37,7 @@ PAGES = {
     "attention": "Needs attention",
     "overview": "Overview",
     "diff": "Compare runs",
+    "schedules": "Schedules",
 }
 
 
@@ -93,6 +94,11 @@ def approvals_page() -> Response:
 @bp.get("/attention")
 def attention_page() -> Response:
     return _page("attention")
+
+
+@bp.get("/schedules")
+def schedules_page() -> Response:
+    return _page("schedules")
 
 
 @bp.get("/overview")

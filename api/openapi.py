@@ -20,11 +20,13 @@ from api.schemas import (
     fork_schema,
     resolution_schema,
     resume_schema,
+    schedule_schema,
     submission_schema,
 )
 from db.records import ApprovalStatus, RunStatus, StepKind, StepOrigin, StepStatus
 from db.schema import AUDIT_ACTIONS
 from runtime.config import Settings
+from runtime.schedules import CATCH_UPS, OVERLAPS
 
 JsonObj = dict[str, Any]
 
@@ -59,6 +61,13 @@ APPROVAL_ID = {
 }
 
 NULLABLE_STR = {"type": ["string", "null"]}
+
+SCHEDULE_ID = {
+    "name": "schedule_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "format": "uuid"},
+}
 
 OTHER_ID = {
     "name": "other_id",
@@ -462,6 +471,57 @@ def openapi_document(
                     },
                 }
             },
+            "/api/schedules": {
+                "post": {
+                    "summary": "Create a schedule: the agent and input each run gets, a cron "
+                    "expression in a time zone, an overlap and a catch-up policy. Each tick "
+                    "starts exactly one run, however many beats run.",
+                    "operationId": "createSchedule",
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _ref("ScheduleRequest")}},
+                    },
+                    "responses": {
+                        "201": _json(_ref("Schedule"), "Created"),
+                        "400": _error("Invalid field; the message names it"),
+                    },
+                },
+                "get": {
+                    "summary": "Schedules, oldest first",
+                    "operationId": "listSchedules",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "items": {"type": "array", "items": _ref("Schedule")}
+                                },
+                            },
+                            "Schedules",
+                        )
+                    },
+                },
+            },
+            "/api/schedules/{schedule_id}": {
+                "get": {
+                    "summary": "A schedule and its latest ticks (the run each started)",
+                    "operationId": "getSchedule",
+                    "parameters": [SCHEDULE_ID],
+                    "responses": {
+                        "200": _json(_ref("Schedule"), "The schedule"),
+                        "404": _error("No such schedule"),
+                    },
+                },
+                "delete": {
+                    "summary": "Delete a schedule (the runs it started stay)",
+                    "operationId": "deleteSchedule",
+                    "parameters": [SCHEDULE_ID],
+                    "responses": {
+                        "200": _json({"type": "object"}, "Deleted"),
+                        "404": _error("No such schedule"),
+                    },
+                },
+            },
             "/api/openapi.json": {
                 "get": {
                     "summary": "This document",
@@ -500,6 +560,41 @@ def openapi_document(
                 "Resolution": resolution_schema(),
                 "Resume": resume_schema(s),
                 "Fork": fork_schema(s, any_json_input=any_json_input),
+                "ScheduleRequest": schedule_schema(s, agents, any_json_input=any_json_input),
+                "Schedule": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "string", "format": "uuid"},
+                        "agent": {"type": "string"},
+                        "input": {},
+                        "cron": {"type": "string"},
+                        "timezone": {"type": "string"},
+                        "overlap": {"enum": list(OVERLAPS)},
+                        "catchUp": {"enum": list(CATCH_UPS)},
+                        "nextTickAt": {"type": "string", "format": "date-time"},
+                        "model": {"type": "string"},
+                        "maxSteps": {"type": "integer"},
+                        "tokenBudget": {"type": "integer"},
+                        "timeoutSeconds": {"type": "integer"},
+                        "costBudgetUsd": {"type": ["number", "null"]},
+                        "priority": {"type": "integer"},
+                        "tenant": {"type": "string"},
+                        "createdBy": NULLABLE_STR,
+                        "createdAt": {"type": "string", "format": "date-time"},
+                        "recentTicks": {
+                            "type": "array",
+                            "description": "GET of one schedule: its latest ticks, newest first",
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "tickAt": {"type": "string", "format": "date-time"},
+                                    "status": {"enum": ["STARTED", "SKIPPED", "QUEUED"]},
+                                    "runId": {"type": ["string", "null"], "format": "uuid"},
+                                },
+                            },
+                        },
+                    },
+                },
                 "ForkedFrom": {
                     "type": ["object", "null"],
                     "description": "a fork's original run and the seq it forked from",
@@ -617,6 +712,11 @@ def openapi_document(
                         "updatedAt": {"type": "string", "format": "date-time"},
                         "finishedAt": NULLABLE_TIME,
                         "forkedFrom": _ref("ForkedFrom"),
+                        "scheduleId": {
+                            "type": ["string", "null"],
+                            "format": "uuid",
+                            "description": "the schedule whose tick started it",
+                        },
                         "audit": {
                             "type": "array",
                             "items": _ref("AuditEvent"),

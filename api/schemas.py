@@ -18,6 +18,7 @@ from jsonschema.exceptions import ValidationError
 from api.errors import ApiError, invalid
 from runtime.config import Settings
 from runtime.keys import MAX_KEY_CHARS, PRIORITY_RANGE
+from runtime.schedules import CATCH_UPS, MAX_CRON_CHARS, OVERLAPS
 
 JsonObj = dict[str, Any]
 
@@ -141,6 +142,47 @@ def submission_schema(
                 "description": f"must be a whole number from {PRIORITY_RANGE[0]} to "
                 f"{PRIORITY_RANGE[1]}: higher goes first among runs waiting for a key slot or "
                 "a model's rate limit; null or absent for 0",
+            },
+        },
+    }
+
+
+def schedule_schema(
+    settings: Settings, agents: list[str] | None = None, *, any_json_input: bool = False
+) -> JsonObj:
+    """``POST /api/schedules``: a run's submission (what each tick's run gets) and when."""
+    submission = submission_schema(settings, agents, any_json_input=any_json_input)
+    properties = {k: v for k, v in submission["properties"].items() if k != "concurrencyKey"}
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["input", "cron"],
+        "properties": {
+            **properties,
+            "cron": _text(
+                "must be a cron expression: 5 fields (minute hour day month weekday, e.g. "
+                "'0 9 * * 1-5') or 6 (a sixth, last, for seconds, e.g. '*/10 * * * * *'), "
+                f"at most {MAX_CRON_CHARS} characters",
+                max_length=MAX_CRON_CHARS,
+                non_blank=True,
+            ),
+            "timezone": _text(
+                "must be an IANA time zone name such as 'UTC' or 'Europe/Paris' (the cron "
+                "expression is read in it); absent for UTC",
+                max_length=100,
+                non_blank=True,
+            ),
+            "overlap": {
+                "enum": list(OVERLAPS),
+                "description": "must be skip (a tick while the schedule's last run is live "
+                "starts nothing), queue (it starts when that run ends) or allow (it starts "
+                "at once); absent for skip",
+            },
+            "catchUp": {
+                "enum": list(CATCH_UPS),
+                "description": "must be none (ticks missed while nothing ran are dropped), "
+                "latest (the newest missed tick runs) or all (every missed tick runs); "
+                "absent for none",
             },
         },
     }

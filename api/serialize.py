@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from db.records import Approval, AuditEvent, Run, Stats, Step
+from db.records import Approval, AuditEvent, Run, Schedule, ScheduleTick, Stats, Step
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -46,6 +46,39 @@ def run_json(run: Run, *, with_input: bool = True) -> dict[str, Any]:
         "updatedAt": _iso(run.updated_at),
         "finishedAt": _iso(run.finished_at),
         "forkedFrom": forked_from_json(run),
+        "scheduleId": str(run.schedule_id) if run.schedule_id else None,
+    }
+
+
+def schedule_json(schedule: Schedule) -> dict[str, Any]:
+    return {
+        "id": str(schedule.id),
+        "agent": schedule.agent,
+        "input": schedule.input,
+        "cron": schedule.cron,
+        "timezone": schedule.timezone,
+        "overlap": schedule.overlap,
+        "catchUp": schedule.catch_up,
+        "nextTickAt": _iso(schedule.next_tick_at),
+        "model": schedule.model,
+        "maxSteps": schedule.max_steps,
+        "tokenBudget": schedule.token_budget,
+        "timeoutSeconds": schedule.timeout_seconds,
+        "costBudgetUsd": (
+            float(schedule.cost_budget_usd) if schedule.cost_budget_usd is not None else None
+        ),
+        "priority": schedule.priority,
+        "tenant": schedule.tenant,
+        "createdBy": schedule.created_by,
+        "createdAt": _iso(schedule.created_at),
+    }
+
+
+def tick_json(tick: ScheduleTick) -> dict[str, Any]:
+    return {
+        "tickAt": _iso(tick.tick_at),
+        "status": tick.status,
+        "runId": str(tick.run_id) if tick.run_id else None,
     }
 
 

@@ -12,11 +12,11 @@
 -- Idempotency keys are scoped to the tenant: another tenant's key is another key.
 INSERT INTO run (id, agent, input, model, max_steps, token_budget, cost_budget_usd,
                  deadline_at, dispatch_token, idempotency_key, request_hash, submitted_by,
-                 tenant, timeout_seconds, concurrency_key, priority)
+                 tenant, timeout_seconds, concurrency_key, priority, schedule_id)
 VALUES (:id, :agent, CAST(:input AS jsonb), :model, :max_steps, :token_budget,
         :cost_budget_usd, now() + make_interval(secs => :timeout_seconds), :token,
         :idempotency_key, :request_hash, :submitted_by, :tenant, :timeout_seconds,
-        :concurrency_key, :priority)
+        :concurrency_key, :priority, :schedule_id)
 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING *;
 
@@ -797,3 +797,82 @@ SELECT (SELECT count(*) FROM recent) AS n,
                OR EXISTS (SELECT 1 FROM audit_event a
                           WHERE a.run_id = r.id AND a.actor = :submitted_by
                             AND a.action = 'resume'))) AS active;
+       (SELECT count(*) FROM run
+        WHERE submitted_by = :submitted_by AND status IN ('QUEUED', 'RUNNING')) AS active;
+
+-- insert_schedule --
+INSERT INTO schedule (id, tenant, agent, input, model, max_steps, token_budget,
+                      timeout_seconds, cost_budget_usd, priority, cron, timezone, overlap,
+                      catch_up, next_tick_at, created_by)
+VALUES (:id, :tenant, :agent, CAST(:input AS jsonb), :model, :max_steps, :token_budget,
+        :timeout_seconds, :cost_budget_usd, :priority, :cron, :timezone, :overlap, :catch_up,
+        :next_tick_at, :created_by)
+RETURNING *;
+
+-- get_schedule --
+SELECT * FROM schedule WHERE id = :id;
+
+-- list_schedules --
+-- A tenant's schedules (every tenant's when :tenant is null), oldest first.
+SELECT * FROM schedule
+WHERE CAST(:tenant AS text) IS NULL OR tenant = :tenant
+ORDER BY created_at, id
+LIMIT :limit;
+
+-- delete_schedule --
+-- Its ticks go with it (ON DELETE CASCADE); the runs it started stay.
+DELETE FROM schedule WHERE id = :id RETURNING id;
+
+-- list_schedule_ticks --
+SELECT * FROM schedule_tick WHERE schedule_id = :schedule_id
+ORDER BY tick_at DESC LIMIT :limit;
+
+-- due_schedules --
+-- Schedules with a tick due, or a queued tick waiting for the schedule's live run to end.
+-- No lock here: each is then locked on its own (lock_due_schedule), so one slow schedule
+-- does not hold the others.
+SELECT id FROM schedule s
+WHERE s.next_tick_at <= now()
+   OR EXISTS (SELECT 1 FROM schedule_tick t WHERE t.schedule_id = s.id AND t.status = 'QUEUED')
+ORDER BY s.next_tick_at
+LIMIT :limit;
+
+-- lock_due_schedule --
+-- One due schedule, locked for this pass. Another beat working on it meanwhile: no row (SKIP
+-- LOCKED), it is that beat's. The unique tick row is what guarantees one run per tick; the
+-- lock only spares the duplicate work and serialises the overlap check.
+SELECT s.*, now() AS db_now FROM schedule s
+WHERE s.id = :id
+  AND (s.next_tick_at <= now()
+       OR EXISTS (SELECT 1 FROM schedule_tick t
+                  WHERE t.schedule_id = s.id AND t.status = 'QUEUED'))
+FOR UPDATE SKIP LOCKED;
+
+-- schedule_live_run --
+-- Whether a run the schedule started has not ended (the overlap policy's question).
+SELECT EXISTS (
+    SELECT 1 FROM run
+    WHERE schedule_id = :schedule_id
+      AND status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION')
+) AS live;
+
+-- insert_schedule_tick --
+-- Claim one tick. A tick claimed before (by another beat, or before a restart) is not
+-- inserted again and no row is returned: its run, if any, exists already.
+INSERT INTO schedule_tick (schedule_id, tick_at, status, run_id)
+VALUES (:schedule_id, :tick_at, :status, :run_id)
+ON CONFLICT (schedule_id, tick_at) DO NOTHING
+RETURNING tick_at;
+
+-- oldest_queued_tick --
+SELECT tick_at FROM schedule_tick
+WHERE schedule_id = :schedule_id AND status = 'QUEUED'
+ORDER BY tick_at LIMIT 1;
+
+-- start_queued_tick --
+UPDATE schedule_tick SET status = 'STARTED', run_id = :run_id
+WHERE schedule_id = :schedule_id AND tick_at = :tick_at AND status = 'QUEUED'
+RETURNING tick_at;
+
+-- advance_schedule --
+UPDATE schedule SET next_tick_at = :next_tick_at WHERE id = :id;

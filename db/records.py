@@ -136,6 +136,8 @@ class Run:
     """At most DAR_KEY_CONCURRENCY runs of one key are inside a step at once."""
     priority: int = 0
     """Higher first, among the runs waiting for a key slot or a model's rate limit."""
+    schedule_id: uuid.UUID | None = None
+    """The schedule whose tick started it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +205,61 @@ class NewRun:
     tenant: str = ""
     concurrency_key: str | None = None
     priority: int = 0
+    schedule_id: uuid.UUID | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NewSchedule:
+    """A schedule to create: what each of its runs gets, and when it ticks."""
+
+    agent: str
+    input: Any
+    model: str
+    max_steps: int
+    token_budget: int
+    timeout_seconds: int
+    cron: str
+    timezone: str
+    overlap: str
+    catch_up: str
+    first_tick_at: datetime
+    cost_budget_usd: Decimal | None = None
+    priority: int = 0
+    tenant: str = ""
+    created_by: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    id: uuid.UUID
+    tenant: str
+    agent: str
+    input: Any
+    model: str
+    max_steps: int
+    token_budget: int
+    timeout_seconds: int
+    cost_budget_usd: Decimal | None
+    priority: int
+    cron: str
+    timezone: str
+    overlap: str
+    """``skip``, ``queue`` or ``allow``: a tick while an earlier run of it is live."""
+    catch_up: str
+    """``none``, ``latest`` or ``all``: the ticks missed while nothing ran."""
+    next_tick_at: datetime
+    created_by: str | None
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleTick:
+    schedule_id: uuid.UUID
+    tick_at: datetime
+    status: str
+    """``STARTED`` (its run is ``run_id``), ``SKIPPED`` or ``QUEUED`` (overlap)."""
+    run_id: uuid.UUID | None
+    created_at: datetime
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,6 +103,9 @@ run = Table(
     # How many times the status changed (the status trigger, migration 0012): a worker's copy
     # of the step log catches up by epoch only while this has not moved (db/steplog.py).
     Column("status_changes", BigInteger, nullable=False, server_default=text("0")),
+    # The schedule whose tick started it (migration 0013); no foreign key: a deleted schedule
+    # leaves its runs.
+    Column("schedule_id", UUID(as_uuid=True)),
     CheckConstraint(
         "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES) + ")",
         name="run_status_ck",
@@ -140,6 +143,15 @@ Index(
     "run_concurrency_key_idx",
     run.c.concurrency_key,
     postgresql_where=text("concurrency_key IS NOT NULL AND status IN ('QUEUED', 'RUNNING')"),
+)
+
+# The overlap check of a schedule's tick reads its live runs.
+Index(
+    "run_schedule_live_idx",
+    run.c.schedule_id,
+    postgresql_where=text(
+        "schedule_id IS NOT NULL AND status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION')"
+    ),
 )
 
 run_step = Table(
@@ -291,6 +303,72 @@ audit_event = Table(
     ),
 )
 Index("audit_event_run_idx", audit_event.c.run_id, audit_event.c.at)
+
+SCHEDULE_OVERLAPS = ("skip", "queue", "allow")
+SCHEDULE_CATCH_UPS = ("none", "latest", "all")
+TICK_STATUSES = ("STARTED", "SKIPPED", "QUEUED")
+
+# An agent started on a cron expression (migration 0013): what each run gets, and the next
+# tick no beat has claimed yet.
+schedule = Table(
+    "schedule",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True),
+    Column("tenant", Text, nullable=False, server_default=text("''")),
+    Column("agent", Text, nullable=False),
+    Column("input", JSONB, nullable=False),
+    Column("model", Text, nullable=False),
+    Column("max_steps", Integer, nullable=False),
+    Column("token_budget", BigInteger, nullable=False),
+    Column("timeout_seconds", Integer, nullable=False),
+    Column("cost_budget_usd", Numeric(18, 8)),
+    Column("priority", Integer, nullable=False, server_default=text("0")),
+    Column("cron", Text, nullable=False),
+    Column("timezone", Text, nullable=False),
+    Column("overlap", Text, nullable=False),
+    Column("catch_up", Text, nullable=False),
+    Column("next_tick_at", TZ, nullable=False),
+    Column("created_by", Text),
+    Column("created_at", TZ, nullable=False, server_default=text("now()")),
+    CheckConstraint(
+        "overlap IN (" + ", ".join(f"'{o}'" for o in SCHEDULE_OVERLAPS) + ")",
+        name="schedule_overlap_ck",
+    ),
+    CheckConstraint(
+        "catch_up IN (" + ", ".join(f"'{c}'" for c in SCHEDULE_CATCH_UPS) + ")",
+        name="schedule_catch_up_ck",
+    ),
+)
+Index("schedule_next_tick_idx", schedule.c.next_tick_at)
+Index("schedule_tenant_created_idx", schedule.c.tenant, schedule.c.created_at)
+
+# One row per tick of a schedule, unique per (schedule, tick time): the insert that wins
+# starts the tick's run in its transaction; every other beat's insert does nothing.
+schedule_tick = Table(
+    "schedule_tick",
+    metadata,
+    Column(
+        "schedule_id",
+        UUID(as_uuid=True),
+        ForeignKey("schedule.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("tick_at", TZ, nullable=False),
+    Column("status", Text, nullable=False),
+    Column("run_id", UUID(as_uuid=True)),
+    Column("created_at", TZ, nullable=False, server_default=text("now()")),
+    UniqueConstraint("schedule_id", "tick_at", name="schedule_tick_uk"),
+    CheckConstraint(
+        "status IN (" + ", ".join(f"'{t}'" for t in TICK_STATUSES) + ")",
+        name="schedule_tick_status_ck",
+    ),
+)
+Index(
+    "schedule_tick_queued_idx",
+    schedule_tick.c.schedule_id,
+    schedule_tick.c.tick_at,
+    postgresql_where=text("status = 'QUEUED'"),
+)
 
 # The acme demo's tickets: a real table the demo agent's tool reads.
 acme_ticket = Table(

@@ -39,10 +39,13 @@ from db.records import (
     NewAudit,
     NewFork,
     NewRun,
+    NewSchedule,
     NewStep,
     ReadyRuns,
     Run,
     RunStatus,
+    Schedule,
+    ScheduleTick,
     Stats,
     Step,
     StepEdit,
@@ -120,6 +123,29 @@ def _run(row: Mapping[Any, Any]) -> Run:
         replay_model=row["replay_model"],
         concurrency_key=row["concurrency_key"],
         priority=row["priority"],
+        schedule_id=row.get("schedule_id"),
+    )
+
+
+def _schedule(row: Mapping[Any, Any]) -> Schedule:
+    return Schedule(
+        id=row["id"],
+        tenant=row["tenant"],
+        agent=row["agent"],
+        input=row["input"],
+        model=row["model"],
+        max_steps=row["max_steps"],
+        token_budget=row["token_budget"],
+        timeout_seconds=row["timeout_seconds"],
+        cost_budget_usd=row["cost_budget_usd"],
+        priority=row["priority"],
+        cron=row["cron"],
+        timezone=row["timezone"],
+        overlap=row["overlap"],
+        catch_up=row["catch_up"],
+        next_tick_at=row["next_tick_at"],
+        created_by=row["created_by"],
+        created_at=row["created_at"],
     )
 
 
@@ -258,6 +284,27 @@ def _same_request(existing: RowMapping, key: str | None, request_hash: str | Non
     return _run(existing)
 
 
+def _new_run_params(new: NewRun, run_id: uuid.UUID) -> dict[str, Any]:
+    return {
+        "id": run_id,
+        "agent": new.agent,
+        "input": _json(new.input),
+        "model": new.model,
+        "max_steps": new.max_steps,
+        "token_budget": new.token_budget,
+        "cost_budget_usd": new.cost_budget_usd,
+        "timeout_seconds": new.timeout_seconds,
+        "token": uuid.uuid4(),
+        "idempotency_key": new.idempotency_key,
+        "request_hash": new.request_hash,
+        "submitted_by": new.submitted_by,
+        "tenant": new.tenant,
+        "concurrency_key": new.concurrency_key,
+        "priority": new.priority,
+        "schedule_id": new.schedule_id,
+    }
+
+
 def _fence(claim: Claim) -> dict[str, Any]:
     return {"id": claim.run_id, "worker": claim.worker, "epoch": claim.epoch}
 
@@ -287,23 +334,7 @@ class RunStore:
         earlier request differed). With ``quota`` and a submitter, the submitter's quota is
         checked atomically with the insert (:class:`QuotaExceeded`); a retry of an accepted
         idempotent submit gets its run, whatever the quota says."""
-        params = {
-            "id": uuid.uuid4(),
-            "agent": new.agent,
-            "input": _json(new.input),
-            "model": new.model,
-            "max_steps": new.max_steps,
-            "token_budget": new.token_budget,
-            "cost_budget_usd": new.cost_budget_usd,
-            "timeout_seconds": new.timeout_seconds,
-            "token": uuid.uuid4(),
-            "idempotency_key": new.idempotency_key,
-            "request_hash": new.request_hash,
-            "submitted_by": new.submitted_by,
-            "tenant": new.tenant,
-            "concurrency_key": new.concurrency_key,
-            "priority": new.priority,
-        }
+        params = _new_run_params(new, uuid.uuid4())
         with self.engine.begin() as conn:
             if quota is not None and new.submitted_by is not None:
                 conn.execute(Q["lock_submitter"], {"submitted_by": new.submitted_by})
@@ -1176,6 +1207,108 @@ class RunStore:
         with self._statement() as conn:
             conn.execute(Q["mark_undispatched"], {"id": dispatch.run_id, "token": dispatch.token})
 
+    # -- schedules ------------------------------------------------------------------------
+
+    def create_schedule(self, new: NewSchedule) -> Schedule:
+        params = {
+            "id": uuid.uuid4(),
+            "tenant": new.tenant,
+            "agent": new.agent,
+            "input": _json(new.input),
+            "model": new.model,
+            "max_steps": new.max_steps,
+            "token_budget": new.token_budget,
+            "timeout_seconds": new.timeout_seconds,
+            "cost_budget_usd": new.cost_budget_usd,
+            "priority": new.priority,
+            "cron": new.cron,
+            "timezone": new.timezone,
+            "overlap": new.overlap,
+            "catch_up": new.catch_up,
+            "next_tick_at": new.first_tick_at,
+            "created_by": new.created_by,
+        }
+        with self.engine.begin() as conn:
+            return _schedule(conn.execute(Q["insert_schedule"], params).mappings().one())
+
+    def get_schedule(self, schedule_id: uuid.UUID) -> Schedule | None:
+        with self._statement() as conn:
+            row = conn.execute(Q["get_schedule"], {"id": schedule_id}).mappings().first()
+        return None if row is None else _schedule(row)
+
+    def list_schedules(self, *, tenant: str | None = None, limit: int = 1000) -> list[Schedule]:
+        with self._statement() as conn:
+            rows = conn.execute(Q["list_schedules"], {"tenant": tenant, "limit": limit})
+            return [_schedule(r) for r in rows.mappings()]
+
+    def delete_schedule(self, schedule_id: uuid.UUID) -> bool:
+        with self.engine.begin() as conn:
+            return conn.execute(Q["delete_schedule"], {"id": schedule_id}).first() is not None
+
+    def schedule_ticks(self, schedule_id: uuid.UUID, *, limit: int = 20) -> list[ScheduleTick]:
+        """The schedule's latest ticks, newest first."""
+        with self._statement() as conn:
+            rows = conn.execute(
+                Q["list_schedule_ticks"], {"schedule_id": schedule_id, "limit": limit}
+            ).mappings()
+            return [
+                ScheduleTick(
+                    r["schedule_id"], r["tick_at"], r["status"], r["run_id"], r["created_at"]
+                )
+                for r in rows
+            ]
+
+    def due_schedules(self, *, limit: int = 100) -> list[uuid.UUID]:
+        with self._statement() as conn:
+            return [r.id for r in conn.execute(Q["due_schedules"], {"limit": limit})]
+
+    def claim_schedule_ticks(
+        self,
+        schedule_id: uuid.UUID,
+        plan: Callable[[Schedule, datetime], tuple[Sequence[datetime], datetime]],
+    ) -> list[Dispatch]:
+        """One pass over one due schedule, in one transaction: start its oldest queued tick
+        when no run of it is live, then claim the ticks ``plan`` returns for the database's
+        ``now`` (a unique row each: a tick another beat claimed is passed over) and apply
+        the overlap policy to each, then move ``next_tick_at`` on. Returns the drive_run
+        messages of the runs started, to send after the commit."""
+        started: list[Dispatch] = []
+        with self.engine.begin() as conn:
+            row = conn.execute(Q["lock_due_schedule"], {"id": schedule_id}).mappings().first()
+            if row is None:  # not due any more, deleted, or another beat has it
+                return []
+            schedule = _schedule(row)
+            live = bool(conn.execute(Q["schedule_live_run"], {"schedule_id": schedule.id}).scalar())
+            key = {"schedule_id": schedule.id}
+            if not live and schedule.overlap == "queue":
+                queued = conn.execute(Q["oldest_queued_tick"], key).scalar()
+                if queued is not None:
+                    run_id = uuid.uuid4()
+                    conn.execute(
+                        Q["start_queued_tick"], {**key, "tick_at": queued, "run_id": run_id}
+                    )
+                    started.append(_start_scheduled_run(conn, schedule, run_id))
+                    live = True
+            ticks, next_tick_at = plan(schedule, row["db_now"])
+            for tick_at in ticks:
+                start = schedule.overlap == "allow" or not live
+                status = (
+                    "STARTED" if start else "QUEUED" if schedule.overlap == "queue" else "SKIPPED"
+                )
+                new_id = uuid.uuid4() if start else None
+                claimed = conn.execute(
+                    Q["insert_schedule_tick"],
+                    {**key, "tick_at": tick_at, "status": status, "run_id": new_id},
+                ).first()
+                if claimed is not None and new_id is not None:
+                    started.append(_start_scheduled_run(conn, schedule, new_id))
+                    live = True
+            if next_tick_at != schedule.next_tick_at:
+                conn.execute(
+                    Q["advance_schedule"], {"id": schedule.id, "next_tick_at": next_tick_at}
+                )
+        return started
+
 
 @dataclass(frozen=True)
 class SubmitQuota:
@@ -1208,3 +1341,21 @@ def _check_quota(conn: Connection, submitter: str, quota: SubmitQuota) -> None:
             retry_after=5,
             limit="DAR_TOKEN_MAX_ACTIVE_RUNS",
         )
+
+
+def _start_scheduled_run(conn: Connection, schedule: Schedule, run_id: uuid.UUID) -> Dispatch:
+    new = NewRun(
+        agent=schedule.agent,
+        input=schedule.input,
+        model=schedule.model,
+        max_steps=schedule.max_steps,
+        token_budget=schedule.token_budget,
+        timeout_seconds=schedule.timeout_seconds,
+        cost_budget_usd=schedule.cost_budget_usd,
+        submitted_by=schedule.created_by,
+        tenant=schedule.tenant,
+        priority=schedule.priority,
+        schedule_id=schedule.id,
+    )
+    row = conn.execute(Q["create_run"], _new_run_params(new, run_id)).mappings().one()
+    return Dispatch(row["id"], row["dispatch_token"])

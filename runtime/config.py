@@ -84,6 +84,8 @@ class Settings:
     heartbeat_seconds: float = 8.0 / 3
     redispatch_after_seconds: float = 30.0
     reaper_interval_seconds: float = 1.0
+    schedule_poll_seconds: float = 1.0
+    """DAR_SCHEDULE_POLL_SECONDS: how often each beat looks for due schedule ticks."""
     max_claims_without_progress: int = 3
     store_requests: bool = False
     model_timeout_seconds: float = 120.0
@@ -205,6 +207,7 @@ class Settings:
             heartbeat_seconds=_num(e, "DAR_HEARTBEAT_SECONDS", lease / 3, minimum=0.1),
             redispatch_after_seconds=_num(e, "DAR_REDISPATCH_AFTER_SECONDS", 30.0, minimum=1),
             reaper_interval_seconds=_num(e, "DAR_REAPER_INTERVAL_SECONDS", 1.0, minimum=0.1),
+            schedule_poll_seconds=_num(e, "DAR_SCHEDULE_POLL_SECONDS", 1.0, minimum=0.1),
             max_claims_without_progress=_int(e, "DAR_MAX_CLAIMS_WITHOUT_PROGRESS", 3, minimum=1),
             store_requests=_bool(e, "DAR_STORE_REQUESTS", False),
             model_timeout_seconds=_num(e, "DAR_MODEL_TIMEOUT_SECONDS", 120.0, minimum=1),

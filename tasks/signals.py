@@ -46,6 +46,13 @@ def connect_signals(app: Celery) -> None:
         if ready_file:  # `dar dev` waits for it before it says the stack is up
             Path(ready_file).write_text(str(os.getpid()))
 
+    @signals.beat_init.connect(weak=False)
+    def _start_schedules(**_: Any) -> None:
+        # Each beat claims the due ticks of schedules in PostgreSQL (tasks/beat.py).
+        from tasks.beat import start_schedule_loop
+
+        start_schedule_loop(app, app.conf.dar_settings)
+
     @signals.worker_shutdown.connect(weak=False)
     def _stop_heartbeats(**_: Any) -> None:
         stop_worker_state(app)

@@ -218,3 +218,26 @@ def test_dar_ps_names_the_run_each_worker_holds(api: str, runtime: Runtime) -> N
     assert runtime.store.claim(run.id, dispatch.token, "worker-B", 30.0) is not None
     assert _runs_held(api) == {"worker-B": [str(run.id)[:8]]}
     assert _runs_held("http://127.0.0.1:9") == {}, "no API: the column stays empty"
+
+
+def test_schedules_add_list_and_delete(
+    api: str, runtime: Runtime, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = dar(
+        capsys, "schedules", "add", "0 9 * * 1-5", "Which acme tickets are overdue?",
+        "--timezone", "Europe/Paris", "--overlap", "queue", "--api", api,
+    )  # fmt: skip
+    assert code == 0, err
+    schedule_id = out.strip()
+    assert runtime.store.get_schedule(uuid.UUID(schedule_id)) is not None
+    code, out, _ = dar(capsys, "schedules", "--api", api)
+    assert code == 0
+    assert schedule_id in out
+    assert "Europe/Paris" in out
+    assert "queue" in out
+    code, _, err = dar(capsys, "schedules", "add", "every day", "hi", "--api", api)
+    assert code == 1
+    assert "cron" in err
+    code, out, _ = dar(capsys, "schedules", "--api", api, "delete", schedule_id)
+    assert code == 0
+    assert runtime.store.get_schedule(uuid.UUID(schedule_id)) is None

@@ -70,7 +70,7 @@ def _finished_run(runtime: Runtime, llm: ScriptedLlm, question: str = HOSTILE) -
 # -- pages ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["/", "/approvals", "/attention", "/overview"])
+@pytest.mark.parametrize("path", ["/", "/approvals", "/attention", "/overview", "/schedules"])
 def test_pages_are_shells_with_a_strict_policy(client: FlaskClient, path: str) -> None:
     response = client.get(path)
     assert response.status_code == 200

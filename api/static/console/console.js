@@ -1129,11 +1129,73 @@ function overviewPage() {
   watch(load, 30000);
 }
 
+// -- schedules ------------------------------------------------------------------------------
+
+function schedulesPage() {
+  const load = async () => {
+    const data = await api("GET", "/api/schedules");
+    const tbody = clear($("#schedules tbody"));
+    for (const sc of data.items) {
+      const detail = await api("GET", `/api/schedules/${encodeURIComponent(sc.id)}`);
+      const last = detail.recentTicks.find((t) => t.runId);
+      const remove = me.can.submit
+        ? h("button", { type: "button", class: "danger" }, "Delete") : "";
+      if (remove) {
+        remove.addEventListener("click", async () => {
+          try {
+            await api("DELETE", `/api/schedules/${encodeURIComponent(sc.id)}`);
+            flash(`Deleted schedule ${shortId(sc.id)}.`);
+            await load();
+          } catch (e) {
+            flash(e.message, true);
+          }
+        });
+      }
+      tbody.append(h("tr", { "data-schedule-id": sc.id },
+        h("td", {}, h("code", {}, shortId(sc.id))), h("td", {}, sc.agent),
+        h("td", {}, h("code", {}, sc.cron)), h("td", {}, sc.timezone), h("td", {}, sc.overlap),
+        h("td", {}, sc.catchUp), h("td", {}, sc.nextTickAt),
+        h("td", {}, last ? runLink(last.runId) : "none yet"), h("td", {}, remove)));
+    }
+    $("#schedules-empty").hidden = data.items.length > 0;
+  };
+  if (me.can.submit) {
+    $("#schedule-section").hidden = false;
+    $("#schedule-form").addEventListener("submit", async (event) => {
+      event.preventDefault();
+      const form = event.target;
+      const option = form.elements.agent.selectedOptions[0];
+      let input = form.elements.input.value;
+      if (option && option.dataset.durable === "1") {
+        try {
+          input = JSON.parse(input);
+        } catch {
+          flash(`input: ${option.value} is a durable function and takes JSON`, true);
+          return;
+        }
+      }
+      const payload = {
+        input, agent: form.elements.agent.value, cron: form.elements.cron.value,
+        timezone: form.elements.timezone.value || "UTC", overlap: form.elements.overlap.value,
+        catchUp: form.elements.catchUp.value,
+      };
+      try {
+        const made = await api("POST", "/api/schedules", payload);
+        flash(`Created schedule ${shortId(made.id)}; next tick ${made.nextTickAt}.`);
+        await load();
+      } catch (e) {
+        flash(e.message, true);
+      }
+    });
+  }
+  watch(load, 5000);
+}
+
 // -- start ----------------------------------------------------------------------------------
 
 const PAGES = {
   runs: runsPage, run: runPage, approvals: approvalsPage, attention: attentionPage,
-  overview: overviewPage, diff: diffPage,
+  overview: overviewPage, diff: diffPage, schedules: schedulesPage,
 };
 let started = false;
 

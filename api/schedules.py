@@ -1,0 +1,106 @@
+"""``/api/schedules``: start an agent on a cron expression; list, inspect, delete."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from flask import Blueprint, Response, jsonify, request, url_for
+
+from api.auth import current_principal, requires, tenant_scope
+from api.errors import ApiError, invalid
+from api.schemas import schedule_schema, validate
+from api.serialize import schedule_json, tick_json
+from api.state import state
+from api.validation import json_body, parse_submission
+from db.records import NewSchedule, Schedule
+from runtime.agents import Agent
+from runtime.schedules import ScheduleError, parse_cron
+
+bp = Blueprint("schedules", __name__)
+
+SCHEDULE_FIELDS = ("cron", "timezone", "overlap", "catchUp")
+RECENT_TICKS = 20
+
+
+def _load(raw: str) -> Schedule:
+    try:
+        schedule_id = uuid.UUID(raw)
+    except ValueError:
+        raise ApiError(
+            404, f"no schedule with id {raw!r} (schedule ids are UUIDs)", code="not_found"
+        ) from None
+    schedule = state().runtime.store.get_schedule(schedule_id)
+    scope = tenant_scope()
+    if schedule is None or (scope is not None and schedule.tenant != scope):
+        raise ApiError(404, f"no schedule with id {schedule_id}", code="not_found")
+    return schedule
+
+
+@bp.post("/schedules")
+@requires("submit")
+def create_schedule() -> tuple[Response, int, dict[str, str]]:
+    s = state()
+    settings = s.runtime.settings
+    body: dict[str, Any] = json_body(request, limit_input=settings.max_input_chars)
+    agents = s.runtime.agents
+    names = agents.names()
+    durable = any(not isinstance(agents.get(n), Agent) for n in names)
+    validate(body, schedule_schema(settings, names, any_json_input=durable))
+    timezone = body.get("timezone", "UTC")
+    try:
+        cron = parse_cron(body["cron"], timezone)
+    except ScheduleError as e:
+        field = "timezone" if str(e).startswith("timezone") else "cron"
+        raise invalid(field, str(e).removeprefix(f"{field} ")) from None
+    sub = parse_submission(
+        {k: v for k, v in body.items() if k not in SCHEDULE_FIELDS}, settings, agents
+    )
+    principal = current_principal()
+    schedule = s.runtime.store.create_schedule(
+        NewSchedule(
+            agent=sub.agent,
+            input=sub.input,
+            model=sub.model,
+            max_steps=sub.max_steps,
+            token_budget=sub.token_budget,
+            timeout_seconds=sub.timeout_seconds,
+            cost_budget_usd=sub.cost_budget_usd,
+            priority=sub.priority,
+            cron=cron.expression,
+            timezone=cron.timezone,
+            overlap=body.get("overlap", "skip"),
+            catch_up=body.get("catchUp", "none"),
+            first_tick_at=cron.next_after(datetime.now(UTC)),
+            tenant=principal.tenant if principal else "",
+            created_by=principal.name if principal else None,
+        )
+    )
+    location = url_for("schedules.get_schedule", schedule_id=str(schedule.id))
+    return jsonify(schedule_json(schedule)), 201, {"Location": location}
+
+
+@bp.get("/schedules")
+@requires("read")
+def list_schedules() -> Response:
+    found = state().runtime.store.list_schedules(tenant=tenant_scope())
+    return jsonify({"items": [schedule_json(sc) for sc in found]})
+
+
+@bp.get("/schedules/<schedule_id>")
+@requires("read")
+def get_schedule(schedule_id: str) -> Response:
+    schedule = _load(schedule_id)
+    ticks = state().runtime.store.schedule_ticks(schedule.id, limit=RECENT_TICKS)
+    return jsonify({**schedule_json(schedule), "recentTicks": [tick_json(t) for t in ticks]})
+
+
+@bp.delete("/schedules/<schedule_id>")
+@requires("submit")
+def delete_schedule(schedule_id: str) -> Response:
+    schedule = _load(schedule_id)
+    deleted = state().runtime.store.delete_schedule(schedule.id)
+    if not deleted:
+        raise ApiError(404, f"no schedule with id {schedule.id}", code="not_found")
+    return jsonify({"id": str(schedule.id), "deleted": True})
