@@ -484,6 +484,9 @@ def openapi_document(
                     "responses": {
                         "201": _json(_ref("Schedule"), "Created"),
                         "400": _error("Invalid field; the message names it"),
+                        "422": _error(
+                            "A cron expression that never fires, or an unknown time zone"
+                        ),
                     },
                 },
                 "get": {

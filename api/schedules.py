@@ -9,7 +9,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, request, url_for
 
 from api.auth import current_principal, requires, tenant_scope
-from api.errors import ApiError, invalid
+from api.errors import ApiError
 from api.schemas import schedule_schema, validate
 from api.serialize import schedule_json, tick_json
 from api.state import state
@@ -51,9 +51,9 @@ def create_schedule() -> tuple[Response, int, dict[str, str]]:
     timezone = body.get("timezone", "UTC")
     try:
         cron = parse_cron(body["cron"], timezone)
-    except ScheduleError as e:
+    except ScheduleError as e:  # the right shape, but no zone or no tick: 422
         field = "timezone" if str(e).startswith("timezone") else "cron"
-        raise invalid(field, str(e).removeprefix(f"{field} ")) from None
+        raise ApiError(422, str(e), code="invalid_schedule", field=field) from None
     sub = parse_submission(
         {k: v for k, v in body.items() if k not in SCHEDULE_FIELDS}, settings, agents
     )

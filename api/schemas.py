@@ -147,6 +147,13 @@ def submission_schema(
     }
 
 
+_CRON_FIELD = r"[0-9A-Za-z*?#,/-]+"
+CRON_PATTERN = rf"^\s*{_CRON_FIELD}(\s+{_CRON_FIELD}){{4,5}}\s*$"
+"""The shape of a cron expression (5 or 6 fields); whether it ever fires is checked apart
+(422)."""
+ZONE_PATTERN = r"^[A-Za-z][A-Za-z0-9_+-]*(/[A-Za-z0-9_+-]+)*$"
+
+
 def schedule_schema(
     settings: Settings, agents: list[str] | None = None, *, any_json_input: bool = False
 ) -> JsonObj:
@@ -159,19 +166,21 @@ def schedule_schema(
         "required": ["input", "cron"],
         "properties": {
             **properties,
-            "cron": _text(
-                "must be a cron expression: 5 fields (minute hour day month weekday, e.g. "
-                "'0 9 * * 1-5') or 6 (a sixth, last, for seconds, e.g. '*/10 * * * * *'), "
-                f"at most {MAX_CRON_CHARS} characters",
-                max_length=MAX_CRON_CHARS,
-                non_blank=True,
-            ),
-            "timezone": _text(
-                "must be an IANA time zone name such as 'UTC' or 'Europe/Paris' (the cron "
-                "expression is read in it); absent for UTC",
-                max_length=100,
-                non_blank=True,
-            ),
+            "cron": {
+                "type": "string",
+                "maxLength": MAX_CRON_CHARS,
+                "pattern": CRON_PATTERN,
+                "description": "must be a cron expression: 5 fields (minute hour day month "
+                "weekday, e.g. '0 9 * * 1-5') or 6 (a sixth, last, for seconds, e.g. "
+                f"'*/10 * * * * *'), at most {MAX_CRON_CHARS} characters",
+            },
+            "timezone": {
+                "type": "string",
+                "maxLength": 64,
+                "pattern": ZONE_PATTERN,
+                "description": "must be an IANA time zone name such as 'UTC' or "
+                "'Europe/Paris' (the cron expression is read in it); absent for UTC",
+            },
             "overlap": {
                 "enum": list(OVERLAPS),
                 "description": "must be skip (a tick while the schedule's last run is live "

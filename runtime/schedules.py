@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import CroniterBadCronError, CroniterBadDateError, croniter
+from croniter import CroniterBadCronError, croniter
 
 from db.errors import DarError
 from db.records import Dispatch, Schedule
@@ -84,7 +84,7 @@ def parse_cron(expression: str, timezone: str) -> Cron:
         )
     try:
         zone_ok = bool(timezone) and ZoneInfo(timezone) is not None
-    except (ZoneInfoNotFoundError, ValueError, OSError):
+    except (ZoneInfoNotFoundError, ValueError, OSError, TypeError):
         zone_ok = False
     if not zone_ok:
         raise ScheduleError(
@@ -96,7 +96,7 @@ def parse_cron(expression: str, timezone: str) -> Cron:
         if not croniter.is_valid(cron.expression):
             raise CroniterBadCronError(cron.expression)
         cron.next_after(datetime.now(UTC))
-    except (CroniterBadCronError, CroniterBadDateError, ValueError, KeyError) as e:
+    except Exception as e:  # croniter raises many types on garbage; all mean "not a cron"
         raise ScheduleError(
             f"cron {expression!r} is not a cron expression that ever fires ({e}); e.g. "
             "'*/5 * * * *' for every five minutes"

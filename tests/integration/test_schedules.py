@@ -107,23 +107,24 @@ def test_a_schedule_is_created_listed_shown_and_deleted(client: FlaskClient) -> 
 
 
 @pytest.mark.parametrize(
-    ("fields", "field", "words"),
+    ("fields", "status", "field", "words"),
     [
-        ({"cron": "every minute"}, "cron", "5 fields"),
-        ({"cron": "99 * * * *"}, "cron", "ever fires"),
-        ({"timezone": "Moon/Base"}, "timezone", "IANA"),
-        ({"overlap": "sometimes"}, "overlap", "skip"),
-        ({"catchUp": "maybe"}, "catchUp", "latest"),
-        ({"agent": "nobody"}, "agent", "registered agent"),
-        ({"every": 5}, "every", "allowed fields"),
+        ({"cron": "every minute"}, 400, "cron", "5 fields"),
+        ({"cron": "99 * * * *"}, 422, "cron", "ever fires"),
+        ({"timezone": "Moon/Base"}, 422, "timezone", "IANA"),
+        ({"timezone": "../etc"}, 400, "timezone", "IANA"),
+        ({"overlap": "sometimes"}, 400, "overlap", "skip"),
+        ({"catchUp": "maybe"}, 400, "catchUp", "latest"),
+        ({"agent": "nobody"}, 400, "agent", "registered agent"),
+        ({"every": 5}, 400, "every", "allowed fields"),
     ],
 )
-def test_a_bad_schedule_is_a_400_naming_the_field(
-    client: FlaskClient, fields: dict[str, object], field: str, words: str
+def test_a_bad_schedule_names_the_field_and_the_fix(
+    client: FlaskClient, fields: dict[str, object], status: int, field: str, words: str
 ) -> None:
     body = {"input": "hello", "cron": "* * * * *", **fields}
     response = client.post("/api/schedules", json=body)
-    assert response.status_code == 400, response.get_data(as_text=True)
+    assert response.status_code == status, response.get_data(as_text=True)
     error = response.get_json()["error"]
     assert error["field"] == field
     assert words in error["message"]
