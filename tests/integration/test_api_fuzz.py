@@ -21,6 +21,7 @@ from tests.support import submit
 ADMIN = "fuzz-admin-token"
 
 
+@pytest.mark.timeout(360)  # 30 examples x 2 modes per operation: it grows with the API
 @pytest.mark.parametrize("auth", [False, True], ids=["open", "tokens"])
 def test_schemathesis_with_every_check_finds_nothing(runtime: Runtime, auth: bool) -> None:
     if auth:
