@@ -121,6 +121,7 @@ def create_app(
     from api.health import bp as health_bp
     from api.runs import bp as runs_bp
     from api.schedules import bp as schedules_bp
+    from api.signals import bp as signals_bp
     from api.stats import bp as stats_bp
 
     app.register_blueprint(runs_bp, url_prefix="/api")
@@ -129,6 +130,7 @@ def create_app(
     app.register_blueprint(stats_bp, url_prefix="/api")
     app.register_blueprint(forks_bp, url_prefix="/api")
     app.register_blueprint(schedules_bp, url_prefix="/api")
+    app.register_blueprint(signals_bp, url_prefix="/api")
     app.register_blueprint(health_bp)
     app.register_blueprint(console_bp)
 

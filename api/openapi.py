@@ -21,6 +21,7 @@ from api.schemas import (
     resolution_schema,
     resume_schema,
     schedule_schema,
+    signal_schema,
     submission_schema,
 )
 from db.records import ApprovalStatus, RunStatus, StepKind, StepOrigin, StepStatus
@@ -458,6 +459,50 @@ def openapi_document(
             },
             "/api/approvals/{approval_id}/approve": _decision("approve"),
             "/api/approvals/{approval_id}/reject": _decision("reject"),
+            "/api/runs/{run_id}/signals/{name}": {
+                "post": {
+                    "summary": "Send a signal to a durable function's run: kept until its "
+                    "steps.wait_for(name) consumes it (delivered once; one sent before the "
+                    "wait is kept for it); wakes the run if it waits for it",
+                    "operationId": "sendSignal",
+                    "parameters": [
+                        RUN_ID,
+                        {
+                            "name": "name",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,100}$"},
+                        },
+                        {
+                            "name": "Idempotency-Key",
+                            "in": "header",
+                            "required": False,
+                            "description": "a retried request with the same key is one signal",
+                            "schema": {"type": "string", "minLength": 1, "maxLength": 200},
+                        },
+                    ],
+                    "requestBody": {
+                        "required": False,
+                        "content": {"application/json": {"schema": _ref("Signal")}},
+                    },
+                    "responses": {
+                        "202": _json(
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "runId": {"type": "string", "format": "uuid"},
+                                    "name": {"type": "string"},
+                                    "signalId": {"type": "integer"},
+                                    "new": {"type": "boolean"},
+                                },
+                            },
+                            "Kept for the run",
+                        ),
+                        "404": _error("No such run"),
+                        "409": _error("The run has ended, or is an agent-loop run"),
+                    },
+                }
+            },
             "/api/runs/{run_id}/cancel": {
                 "post": {
                     "summary": "Cancel a run (a model call in flight is aborted within about a "
@@ -563,6 +608,7 @@ def openapi_document(
                 "Resolution": resolution_schema(),
                 "Resume": resume_schema(s),
                 "Fork": fork_schema(s, any_json_input=any_json_input),
+                "Signal": signal_schema(),
                 "ScheduleRequest": schedule_schema(s, agents, any_json_input=any_json_input),
                 "Schedule": {
                     "type": "object",

@@ -197,6 +197,20 @@ def schedule_schema(
     }
 
 
+def signal_schema() -> JsonObj:
+    """``POST /api/runs/{id}/signals/{name}``: the payload ``steps.wait_for`` returns."""
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "payload": {
+                "description": "any JSON: what the run's steps.wait_for(name) returns; absent "
+                "for null"
+            }
+        },
+    }
+
+
 def resume_schema(settings: Settings) -> JsonObj:
     return {
         "type": "object",

@@ -797,8 +797,6 @@ SELECT (SELECT count(*) FROM recent) AS n,
                OR EXISTS (SELECT 1 FROM audit_event a
                           WHERE a.run_id = r.id AND a.actor = :submitted_by
                             AND a.action = 'resume'))) AS active;
-       (SELECT count(*) FROM run
-        WHERE submitted_by = :submitted_by AND status IN ('QUEUED', 'RUNNING')) AS active;
 
 -- insert_schedule --
 INSERT INTO schedule (id, tenant, agent, input, model, max_steps, token_budget,
@@ -876,3 +874,29 @@ RETURNING tick_at;
 
 -- advance_schedule --
 UPDATE schedule SET next_tick_at = :next_tick_at WHERE id = :id;
+
+-- lock_run_row --
+-- Serialises a wait for a signal with the signal's delivery: the waiter checks for the
+-- signal under this lock and parks the run in the same transaction; a signal committed
+-- after the lock wakes the parked run (wake_run waits for the lock, then sees it parked).
+SELECT id, tenant, status FROM run WHERE id = :id FOR UPDATE;
+
+-- pending_signal --
+-- The oldest signal of this name the run has not consumed yet.
+SELECT id, payload FROM run_signal
+WHERE run_id = :run_id AND name = :name AND consumed_by IS NULL
+ORDER BY id LIMIT 1
+FOR UPDATE;
+
+-- consume_signal --
+UPDATE run_signal SET consumed_by = :step_key, consumed_at = now() WHERE id = :id;
+
+-- insert_signal --
+-- One signal; with an idempotency key seen before for this run, nothing (the first stands).
+INSERT INTO run_signal (run_id, name, payload, idempotency_key, sent_by)
+VALUES (:run_id, :name, CAST(:payload AS jsonb), :idempotency_key, :sent_by)
+ON CONFLICT (run_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+RETURNING id;
+
+-- get_signal_by_key --
+SELECT id FROM run_signal WHERE run_id = :run_id AND idempotency_key = :idempotency_key;

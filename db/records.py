@@ -42,6 +42,10 @@ class StepKind(enum.StrEnum):
     VERSION = "VERSION"
     TOOLSET = "TOOLSET"
     """The MCP tools a run offers, fixed at its first model step (runtime.mcp.toolset)."""
+    WAIT = "WAIT"
+    """A durable timer or a wait for a signal (``steps.sleep``, ``steps.wait_for``)."""
+    SEND = "SEND"
+    """``steps.send``: a signal to another run, inserted with the step's record."""
 
 
 class StepStatus(enum.StrEnum):

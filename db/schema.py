@@ -201,7 +201,7 @@ run_step = Table(
     PrimaryKeyConstraint("run_id", "seq", name="run_step_pkey"),
     CheckConstraint(
         "kind IN ('MODEL', 'TOOL', 'STEP', 'LLM', 'SIDE_EFFECT', 'APPROVAL', 'COMPENSATION', "
-        "'VERSION', 'TOOLSET')",
+        "'VERSION', 'TOOLSET', 'WAIT', 'SEND')",
         name="run_step_kind_ck",
     ),
     CheckConstraint(
@@ -280,6 +280,38 @@ run_event = Table(
         "'approval.decided')",
         name="run_event_kind_ck",
     ),
+)
+
+# A signal for a run (migration 0014): kept until a step of the run consumes it, in the
+# transaction that records the step (delivered once, and kept for a wait that comes later).
+run_signal = Table(
+    "run_signal",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("run_id", UUID(as_uuid=True), ForeignKey("run.id", ondelete="CASCADE"), nullable=False),
+    Column("name", Text, nullable=False),
+    Column("payload", JSONB),
+    # A retried POST, or the sending step's idempotency key (steps.send): one signal.
+    Column("idempotency_key", Text),
+    Column("sent_by", Text),
+    Column("created_at", TZ, nullable=False, server_default=text("now()")),
+    # The step key that consumed it.
+    Column("consumed_by", Text),
+    Column("consumed_at", TZ),
+)
+Index(
+    "run_signal_idempotency_uk",
+    run_signal.c.run_id,
+    run_signal.c.idempotency_key,
+    unique=True,
+    postgresql_where=text("idempotency_key IS NOT NULL"),
+)
+Index(
+    "run_signal_pending_idx",
+    run_signal.c.run_id,
+    run_signal.c.name,
+    run_signal.c.id,
+    postgresql_where=text("consumed_by IS NULL"),
 )
 
 AUDIT_ACTIONS = ("cancel", "resume", "resolve", "approve", "reject", "fork")

@@ -1207,6 +1207,103 @@ class RunStore:
         with self._statement() as conn:
             conn.execute(Q["mark_undispatched"], {"id": dispatch.run_id, "token": dispatch.token})
 
+    # -- signals --------------------------------------------------------------------------
+
+    def post_signal(
+        self,
+        run_id: uuid.UUID,
+        name: str,
+        payload: Any,
+        *,
+        idempotency_key: str | None = None,
+        sent_by: str | None = None,
+    ) -> tuple[int, bool]:
+        """Keep a signal for the run until a step of it consumes it. Returns its id and
+        whether it is new (a retried request with the same idempotency key: the first).
+        Raises :class:`RunNotFound`, or :class:`InvalidTransition` when the run ended. The
+        caller wakes the run after the commit (:meth:`wake`)."""
+        with self.engine.begin() as conn:
+            return _insert_signal(conn, run_id, name, payload, idempotency_key, sent_by, None)
+
+    def wait_for_signal(
+        self,
+        claim: Claim,
+        rows: list[NewStep],
+        *,
+        signal: str | None,
+        delay_seconds: float,
+        reason: str,
+    ) -> Dispatch | None:
+        """Record ``rows`` and park the run on a durable timer, unless a signal named
+        ``signal`` is already there (then nothing is written and ``None`` returned: consume
+        it). The check and the parking hold the run's row lock, so a signal that commits
+        meanwhile either is seen here or finds the run parked and wakes it. Fenced."""
+        token = uuid.uuid4()
+        try:
+            with self.engine.begin() as conn:
+                if signal is not None:
+                    conn.execute(Q["lock_run_row"], {"id": claim.run_id})
+                    params = {"run_id": claim.run_id, "name": signal}
+                    if conn.execute(Q["pending_signal"], params).first() is not None:
+                        return None
+                written = [self._record(conn, claim, step) for step in rows]
+                self._hand_over(conn, claim, token, delay_seconds, reason, bool(rows), 0)
+        except LeaseLost:
+            self.step_logs.forget(claim.run_id)
+            raise
+        self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
+        return Dispatch(claim.run_id, token, delay_seconds)
+
+    def consume_signal(
+        self, claim: Claim, name: str, row_for: Callable[[Any], NewStep]
+    ) -> tuple[Any, Dispatch] | None:
+        """Consume the oldest pending signal ``name`` and record the step ``row_for(payload)``
+        in one transaction, handing the lease on: the signal is delivered once. ``None``
+        when there is none. Fenced."""
+        token = uuid.uuid4()
+        try:
+            with self.engine.begin() as conn:
+                params = {"run_id": claim.run_id, "name": name}
+                found = conn.execute(Q["pending_signal"], params).first()
+                if found is None:
+                    return None
+                step = row_for(found.payload)
+                conn.execute(Q["consume_signal"], {"id": found.id, "step_key": step.step_key})
+                written = [self._record(conn, claim, step, token)]
+        except LeaseLost:
+            self.step_logs.forget(claim.run_id)
+            raise
+        self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
+        return found.payload, Dispatch(claim.run_id, token)
+
+    def send_signal(
+        self,
+        claim: Claim,
+        step: NewStep,
+        *,
+        target: uuid.UUID,
+        name: str,
+        payload: Any,
+        idempotency_key: str,
+    ) -> Dispatch:
+        """``steps.send``: the signal for ``target`` and the sender's step row in one
+        transaction (the key makes a second insert a no-op): exactly once. Raises
+        :class:`RunNotFound` (no such run in the sender's tenant) or
+        :class:`InvalidTransition` (it ended), writing nothing. Fenced."""
+        token = uuid.uuid4()
+        try:
+            with self.engine.begin() as conn:
+                _insert_signal(
+                    conn, target, name, payload, idempotency_key, f"run:{claim.run_id}",
+                    claim.run.tenant,
+                )  # fmt: skip
+                written = [self._record(conn, claim, step, token)]
+        except LeaseLost:
+            self.step_logs.forget(claim.run_id)
+            raise
+        self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
+        return Dispatch(claim.run_id, token)
+
     # -- schedules ------------------------------------------------------------------------
 
     def create_schedule(self, new: NewSchedule) -> Schedule:
@@ -1359,3 +1456,35 @@ def _start_scheduled_run(conn: Connection, schedule: Schedule, run_id: uuid.UUID
     )
     row = conn.execute(Q["create_run"], _new_run_params(new, run_id)).mappings().one()
     return Dispatch(row["id"], row["dispatch_token"])
+
+
+def _insert_signal(
+    conn: Connection,
+    run_id: uuid.UUID,
+    name: str,
+    payload: Any,
+    idempotency_key: str | None,
+    sent_by: str | None,
+    tenant: str | None,
+) -> tuple[int, bool]:
+    # No lock on the target: its waiter holds its own row's lock while it checks and parks,
+    # and the wake after this commit waits for that lock (see wait_for_signal).
+    target = conn.execute(Q["get_run"], {"id": run_id}).first()
+    if target is None or (tenant is not None and target.tenant != tenant):
+        raise RunNotFound(f"no run with id {run_id}")
+    if RunStatus(target.status).terminal:
+        raise InvalidTransition(f"run {run_id} has ended ({target.status}): it takes no signal")
+    params = {
+        "run_id": run_id,
+        "name": name,
+        "payload": _json(payload),
+        "idempotency_key": idempotency_key,
+        "sent_by": sent_by,
+    }
+    row = conn.execute(Q["insert_signal"], params).first()
+    if row is not None:
+        return int(row.id), True
+    seen = conn.execute(
+        Q["get_signal_by_key"], {"run_id": run_id, "idempotency_key": idempotency_key}
+    ).one()
+    return int(seen.id), False

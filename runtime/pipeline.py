@@ -58,6 +58,12 @@ class StepKind(enum.StrEnum):
     """The MCP tools an agent-loop run offers, fixed before its first model call."""
     FRAMEWORK_MODEL = "FRAMEWORK_MODEL"
     """``steps.model_call``: a framework's model request (Pydantic AI, the Agents SDK)."""
+    SLEEP = "SLEEP"
+    """``steps.sleep(seconds)``: a durable timer."""
+    SIGNAL_WAIT = "SIGNAL_WAIT"
+    """``steps.wait_for(name, timeout=...)``: waits for a signal sent to the run."""
+    SEND = "SEND"
+    """``steps.send(run_id, name, payload)``: a signal to another run."""
 
 
 class Before(enum.StrEnum):
@@ -287,6 +293,42 @@ KINDS: dict[StepKind, Policy] = {
         bills=True,
         notes="a Pydantic AI or Agents SDK model request; its usage is read from the "
         "framework's usage object and priced from `DAR_PRICES`; the same window as ours",
+    ),
+    StepKind.SLEEP: Policy(
+        name="`steps.sleep`",
+        key="`sleep:n`",
+        row=RowKind.WAIT,
+        before=Before.CHECKPOINT,
+        after_crash=AfterCrash.NOTHING,
+        replays_as="nothing, once its time has come",
+        compensable=False,
+        bills=False,
+        notes="a durable timer (the run's `run_at`): `PENDING` with its wake-up time, then "
+        "`DONE`; no thread, no lease meanwhile",
+    ),
+    StepKind.SIGNAL_WAIT: Policy(
+        name="`steps.wait_for`",
+        key="`signal.<name>:n`",
+        row=RowKind.WAIT,
+        before=Before.CHECKPOINT,
+        after_crash=AfterCrash.NOTHING,
+        replays_as="the signal's payload (or `SignalTimeout` raised again)",
+        compensable=False,
+        bills=False,
+        notes="the signal is consumed in the transaction that records the step: delivered "
+        "once; one sent before the wait is kept for it; no thread, no lease meanwhile",
+    ),
+    StepKind.SEND: Policy(
+        name="`steps.send`",
+        key="`send.<name>:n`",
+        row=RowKind.SEND,
+        before=Before.CHECKPOINT,
+        after_crash=AfterCrash.NOTHING,
+        replays_as="nothing (the signal was sent)",
+        compensable=False,
+        bills=False,
+        notes="the signal is inserted in the transaction that records the step, under the "
+        "step's idempotency key: exactly once across crashes",
     ),
 }
 

@@ -266,6 +266,12 @@ class Engine(Protocol):
 
     def compensate_last(self, fn: Callable[[Any], Any]) -> None: ...
 
+    def sleep(self, seconds: float) -> None: ...
+
+    def wait_for(self, name: str, timeout: float | None) -> Any: ...
+
+    def send(self, run_id: uuid.UUID, name: str, payload: Any) -> None: ...
+
     def model_call(self, request: LlmRequest) -> LlmResponse: ...
 
     def current_key(self) -> str | None: ...
@@ -551,3 +557,26 @@ class Steps:
     def compensate(self, fn: Callable[[Any], Any]) -> None:
         """Undo the step that completed last, with its result, if the run fails later."""
         self._engine.compensate_last(fn)
+
+    def sleep(self, seconds: float) -> None:
+        """A durable timer: the run is parked (no thread, no lease) and carries on after
+        ``seconds``, on whichever worker, whatever restarted meanwhile."""
+        if not seconds >= 0:
+            raise ValueError("steps.sleep takes a number of seconds, 0 or more")
+        self._engine.sleep(float(seconds))
+
+    def wait_for(self, name: str, *, timeout: float | None = None) -> Any:
+        """Wait (no thread, no lease) for the signal ``name`` sent to this run with ``POST
+        /api/runs/{id}/signals/{name}`` or another run's ``steps.send``; returns its payload.
+        Each signal is delivered to one wait, once; one sent before the wait is kept for it.
+        After ``timeout`` seconds without it, raises :class:`SignalTimeout` (without a
+        timeout the run's own deadline applies)."""
+        if timeout is not None and not timeout > 0:
+            raise ValueError("steps.wait_for's timeout is a number of seconds above 0")
+        return self._engine.wait_for(name, timeout)
+
+    def send(self, run_id: uuid.UUID | str, name: str, payload: Any = None) -> None:
+        """Send the signal ``name`` with ``payload`` to another run (of this tenant): exactly
+        once across crashes (the signal is written with this step's record, under its
+        idempotency key). A run that does not exist or has ended fails the step."""
+        self._engine.send(uuid.UUID(str(run_id)), name, payload)

@@ -25,6 +25,10 @@ class StepTimeout(StepError):
     """A step ran longer than its ``steps.timeout(...)`` and stopped."""
 
 
+class SignalTimeout(StepError):
+    """``steps.wait_for(name, timeout=...)``: no signal came before the timeout."""
+
+
 class ApprovalRejected(DarError):
     """The approver rejected the step (or its timeout policy is REJECT)."""
 

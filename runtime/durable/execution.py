@@ -22,8 +22,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any, NoReturn
 
+from db.errors import InvalidTransition, RunNotFound
 from db.records import NewStep, RunStatus, Step, StepStatus
 from db.records import StepKind as RowKind
 from runtime import effects, mcpcall, modelcall
@@ -46,6 +48,7 @@ from runtime.durable.errors import (
     InfrastructureError,
     NonDeterministicReplay,
     Pause,
+    SignalTimeout,
     StepError,
     StepTimeout,
     VersionUnsupported,
@@ -276,6 +279,8 @@ class Execution:
         message = rec.error or "unknown error"
         if message.startswith("StepTimeout:"):
             return StepTimeout(key, message)
+        if message.startswith("SignalTimeout:"):
+            return SignalTimeout(key, message)
         return StepError(key, message)
 
     def _execute(
@@ -754,3 +759,143 @@ class Execution:
         with self.engine_call():
             approvals = self.task.store.list_approvals(status=None, run_id=self.run_id)
         return next((a for a in approvals if a.step_key == key), None)
+
+    # -- durable waits and signals --------------------------------------------------------
+
+    def _top_level(self, what: str, name: str) -> tuple[str, Step | None]:
+        self._check_yielded()
+        if self.stack:
+            raise DurableConfigError(f"{what} belongs at the top level, not inside a step")
+        key = self._key(name)
+        self._check_replay(key)
+        return key, self.task.look_up(key).row
+
+    def _park(
+        self, rows: list[NewStep], delay: float, reason: str, signal: str | None = None
+    ) -> bool:
+        """Park the run on a durable timer (ending the task); ``False`` when ``signal`` is
+        already there to consume instead."""
+        with self.engine_call():
+            dispatch = self.task.store.wait_for_signal(
+                self.task.claim, rows, signal=signal, delay_seconds=delay, reason=reason
+            )
+        if dispatch is None:
+            return False
+        log.info("run=%s %s", self.task.rid, reason)
+        send = delay <= self.task.settings.max_countdown_seconds
+        self.end(StepResult(Outcome.WAITING, dispatch=dispatch if send else None))
+
+    def _park_timer(self, rows: list[NewStep], delay: float, reason: str) -> NoReturn:
+        self._park(rows, delay, reason)
+        raise AssertionError("a timer without a signal always parks")
+
+    def _until_deadline(self) -> float:
+        run = self.task.claim.run
+        return max(0.0, (run.deadline_at - self.task.claim.db_now).total_seconds()) + 1.0
+
+    def sleep(self, seconds: float) -> None:
+        key, rec = self._top_level("steps.sleep", "sleep")
+        if rec is not None and rec.status is StepStatus.DONE:
+            return
+        now = self.task.claim.db_now
+        self._guard(StepKind.SLEEP)
+        row_kind = KINDS[StepKind.SLEEP].row
+        if rec is None:
+            until = now + timedelta(seconds=seconds)
+            pending = NewStep(
+                self.take_seq(), key, row_kind, StepStatus.PENDING,
+                response={"until": until.isoformat()}, attempt=1,
+            )  # fmt: skip
+            self._park_timer([pending], seconds, f"{key} sleeping until {until.isoformat()}")
+        until = datetime.fromisoformat(rec.response["until"])
+        if until > now:  # woken early (a signal, an operator): back to sleep
+            self._park_timer([], (until - now).total_seconds(), f"{key} sleeping until {until}")
+        done = NewStep(rec.seq, key, row_kind, StepStatus.DONE, attempt=1, latency_ms=0)
+        log.info("run=%s seq=%d WAIT %s done", self.task.rid, rec.seq, key)
+        with self.engine_call():
+            self.end(self.task.checkpoint([done]))
+
+    def wait_for(self, name: str, timeout: float | None) -> Any:
+        key, rec = self._top_level("steps.wait_for", f"signal.{name}")
+        if rec is not None and rec.status is StepStatus.DONE:
+            return rec.response
+        if rec is not None and rec.status is StepStatus.ERROR:
+            raise self._recorded_error(key, rec)
+        self._guard(StepKind.SIGNAL_WAIT)
+        seq = rec.seq if rec is not None else self.take_seq()
+        row_kind = KINDS[StepKind.SIGNAL_WAIT].row
+        now = self.task.claim.db_now
+        while True:
+            with self.engine_call():
+                consumed = self.task.store.consume_signal(
+                    self.task.claim,
+                    name,
+                    lambda payload: NewStep(
+                        seq,
+                        key,
+                        row_kind,
+                        StepStatus.DONE,
+                        response=payload,
+                        attempt=1,
+                        latency_ms=0,
+                    ),
+                )
+            if consumed is not None:
+                log.info("run=%s seq=%d WAIT %s: signal received", self.task.rid, seq, key)
+                self.end(StepResult(Outcome.CONTINUE, dispatch=consumed[1]))
+            if rec is None:
+                until = now + timedelta(seconds=timeout) if timeout is not None else None
+                pending = NewStep(
+                    seq, key, row_kind, StepStatus.PENDING, attempt=1,
+                    response={"signal": name, "until": until.isoformat() if until else None},
+                )  # fmt: skip
+                delay = timeout if timeout is not None else self._until_deadline()
+                self._park([pending], delay, f"{key} waiting for signal {name!r}", signal=name)
+                continue  # it came meanwhile: consume it
+            raw_until = (rec.response or {}).get("until")
+            until = datetime.fromisoformat(raw_until) if raw_until else None
+            if until is not None and until <= now:
+                failed = NewStep(
+                    seq, key, row_kind, StepStatus.ERROR, attempt=1,
+                    error=f"SignalTimeout: no signal {name!r} within {timeout:g}s"
+                    if timeout is not None
+                    else f"SignalTimeout: no signal {name!r} before {raw_until}",
+                )  # fmt: skip
+                log.info("run=%s seq=%d WAIT %s timed out", self.task.rid, seq, key)
+                with self.engine_call():
+                    self.end(self.task.checkpoint([failed]))
+            delay = (until - now).total_seconds() if until else self._until_deadline()
+            self._park([], delay, f"{key} waiting for signal {name!r}", signal=name)
+
+    def send(self, run_id: uuid.UUID, name: str, payload: Any) -> None:
+        key, rec = self._top_level("steps.send", f"send.{name}")
+        if rec is not None and rec.status is StepStatus.DONE:
+            return
+        if rec is not None and rec.status is StepStatus.ERROR:
+            raise self._recorded_error(key, rec)
+        self._guard(StepKind.SEND)
+        seq = self.take_seq()
+        row_kind = KINDS[StepKind.SEND].row
+        value = encode(payload)
+        row = NewStep(
+            seq, key, row_kind, StepStatus.DONE, attempt=1, latency_ms=0,
+            response={"runId": str(run_id), "signal": name},
+        )  # fmt: skip
+        try:
+            with self.engine_call():
+                dispatch = self.task.store.send_signal(
+                    self.task.claim, row, target=run_id, name=name, payload=value,
+                    idempotency_key=f"{self.run_id}/{key}",
+                )  # fmt: skip
+        except InfrastructureError as e:
+            if not isinstance(e.error, RunNotFound | InvalidTransition):
+                raise
+            failed = NewStep(
+                seq, key, row_kind, StepStatus.ERROR, attempt=1, error=f"StepError: {e.error}"
+            )
+            with self.engine_call():
+                self.end(self.task.checkpoint([failed]))
+        with self.engine_call():
+            woken = self.task.store.wake(run_id)
+        log.info("run=%s seq=%d SEND %s to run=%s", self.task.rid, seq, key, str(run_id)[:8])
+        self.end(StepResult(Outcome.CONTINUE, dispatch=dispatch, wakes=(woken,) if woken else ()))

@@ -1,0 +1,61 @@
+"""``POST /api/runs/{id}/signals/{name}``: a signal for a durable function's
+``steps.wait_for(name)``; kept until a wait consumes it, delivered once."""
+
+from __future__ import annotations
+
+import re
+
+from flask import Blueprint, Response, jsonify, request
+
+from api.auth import current_principal, requires
+from api.errors import ApiError, invalid
+from api.runs import load_run, parse_run_id
+from api.schemas import signal_schema, validate
+from api.state import state
+from api.validation import idempotency_key, optional_json_body
+from db.errors import InvalidTransition, RunNotFound
+from runtime.agents import Agent
+from tasks.dispatch import send_drive
+
+bp = Blueprint("signals", __name__)
+
+SIGNAL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
+
+
+@bp.post("/runs/<run_id>/signals/<name>")
+@requires("submit")
+def send_signal(run_id: str, name: str) -> tuple[Response, int]:
+    s = state()
+    run = load_run(parse_run_id(run_id))
+    if not SIGNAL_NAME.match(name):
+        raise invalid("name", "must be 1 to 100 letters, digits, '_', '.' or '-'")
+    body = optional_json_body(request)
+    validate(body, signal_schema())
+    agent = s.runtime.agents.get(run.agent) if run.agent in s.runtime.agents else None
+    if isinstance(agent, Agent):
+        raise ApiError(
+            409,
+            f"run {run.id} is an agent-loop run: it takes messages (POST "
+            f"/api/runs/{run.id}/messages), not signals",
+            code="not_a_durable_function",
+        )
+    principal = current_principal()
+    try:
+        signal_id, created = s.runtime.store.post_signal(
+            run.id,
+            name,
+            body.get("payload"),
+            idempotency_key=idempotency_key(request),
+            sent_by=principal.name if principal else None,
+        )
+    except RunNotFound as e:
+        raise ApiError(404, str(e), code="not_found") from None
+    except InvalidTransition as e:
+        raise ApiError(409, str(e), code="run_finished") from None
+    woken = s.runtime.store.wake(run.id)  # after the commit: a run parked on its wait goes now
+    if woken is not None:
+        send_drive(s.celery, s.runtime.store, woken)
+    return (
+        jsonify({"runId": str(run.id), "name": name, "signalId": signal_id, "new": created}),
+        202,
+    )
