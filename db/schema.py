@@ -103,7 +103,7 @@ run = Table(
     # How many times the status changed (the status trigger, migration 0012): a worker's copy
     # of the step log catches up by epoch only while this has not moved (db/steplog.py).
     Column("status_changes", BigInteger, nullable=False, server_default=text("0")),
-    # The schedule whose tick started it (migration 0013); no foreign key: a deleted schedule
+    # The schedule whose tick started it (migration 0014); no foreign key: a deleted schedule
     # leaves its runs.
     Column("schedule_id", UUID(as_uuid=True)),
     CheckConstraint(
@@ -282,7 +282,7 @@ run_event = Table(
     ),
 )
 
-# A signal for a run (migration 0014): kept until a step of the run consumes it, in the
+# A signal for a run (migration 0015): kept until a step of the run consumes it, in the
 # transaction that records the step (delivered once, and kept for a wait that comes later).
 run_signal = Table(
     "run_signal",
@@ -340,7 +340,7 @@ SCHEDULE_OVERLAPS = ("skip", "queue", "allow")
 SCHEDULE_CATCH_UPS = ("none", "latest", "all")
 TICK_STATUSES = ("STARTED", "SKIPPED", "QUEUED")
 
-# An agent started on a cron expression (migration 0013): what each run gets, and the next
+# An agent started on a cron expression (migration 0014): what each run gets, and the next
 # tick no beat has claimed yet.
 schedule = Table(
     "schedule",

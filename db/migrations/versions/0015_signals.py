@@ -5,15 +5,15 @@ the transaction that records the step): delivered once, and a signal sent before
 waits for it is kept for the wait. ``steps.send`` inserts its signal in the transaction that
 records its own step, under the step's idempotency key: exactly once across crashes.
 
-Revision ID: 0014
-Revises: 0013
+Revision ID: 0015
+Revises: 0014
 Create Date: 2026-12-03
 """
 
 from alembic import op
 
-revision = "0014"
-down_revision = "0013"
+revision = "0015"
+down_revision = "0014"
 branch_labels = None
 depends_on = None
 

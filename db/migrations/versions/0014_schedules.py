@@ -5,15 +5,15 @@ first starts its run in the same transaction; any other beat's insert does nothi
 number of beats, and any restart, start exactly one run per tick (Celery beat's own schedule
 lives in one process's memory and file, and knows nothing of the others).
 
-Revision ID: 0013
-Revises: 0012
+Revision ID: 0014
+Revises: 0013
 Create Date: 2026-12-03
 """
 
 from alembic import op
 
-revision = "0013"
-down_revision = "0012"
+revision = "0014"
+down_revision = "0013"
 branch_labels = None
 depends_on = None
 
