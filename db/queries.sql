@@ -186,11 +186,17 @@ WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RU
 
 -- record_unrecorded_usage --
 -- A model call was billed but its checkpoint was refused (lease lost, run ended meanwhile).
--- Not fenced on purpose: the money was spent whoever holds the run now.
+-- Not fenced on purpose: the money was spent whoever holds the run now. With :step_key, only
+-- unless that step's row was written under :epoch (a checkpoint whose commit was not seen,
+-- its connection dropped: it is counted on its row already).
 UPDATE run
 SET unrecorded_tokens = unrecorded_tokens + :total_tokens,
     unrecorded_cost_usd = unrecorded_cost_usd + :cost_usd
-WHERE id = :id;
+WHERE id = :id
+  AND (CAST(:step_key AS text) IS NULL OR NOT EXISTS (
+        SELECT 1 FROM run_step s
+        WHERE s.run_id = :id AND s.step_key = :step_key AND s.lease_epoch = :epoch
+          AND s.origin IS NULL));
 
 -- start_step --
 -- Write a step with an effect STARTED before its code runs (a tool, a durable step, an

@@ -25,6 +25,7 @@ from db.errors import (
     RunNotFound,
 )
 from db.fastpath import FastStatements
+from db.owed import OwedUsage
 from db.queries import QUERIES as Q
 from db.records import (
     Approval,
@@ -315,6 +316,8 @@ class RunStore:
     def __init__(self, engine: Engine, *, step_log_cache: int = 512) -> None:
         self.engine = engine
         self.step_logs = StepLogCache(step_log_cache)
+        self.owed = OwedUsage(self._write_unrecorded)
+        """Billed tokens owed to the database while it was away (db/owed.py)."""
         # One statement, one transaction, one round trip: no BEGIN and no COMMIT/ROLLBACK
         # of their own (psycopg sends each as a round trip). For every method below that is a
         # single statement; the others use engine.begin().
@@ -642,13 +645,31 @@ class RunStore:
         if owned == 0:
             raise LeaseLost(claim.run_id, "timer refused by the fence")
 
-    def record_unrecorded_usage(self, run_id: uuid.UUID, usage: Usage, cost: Decimal) -> None:
-        """Count a billed model call whose checkpoint was refused against the run."""
+    def record_unrecorded_usage(
+        self,
+        run_id: uuid.UUID,
+        usage: Usage,
+        cost: Decimal,
+        *,
+        unless_step: tuple[str, int] | None = None,
+    ) -> bool:
+        """Count a billed model call whose checkpoint was refused against the run; with
+        ``unless_step`` (key, epoch) only when no such step row was written. With the
+        database away the count is kept in this process and written when it answers again
+        (:class:`db.owed.OwedUsage`): returns ``False`` then."""
+        key, epoch = unless_step if unless_step is not None else (None, None)
+        params = {
+            "id": run_id,
+            "total_tokens": usage.total,
+            "cost_usd": cost,
+            "step_key": key,
+            "epoch": epoch,
+        }
+        return self.owed.write_or_owe(params)
+
+    def _write_unrecorded(self, params: Mapping[str, Any]) -> None:
         with self._statement() as conn:
-            conn.execute(
-                Q["record_unrecorded_usage"],
-                {"id": run_id, "total_tokens": usage.total, "cost_usd": cost},
-            )
+            conn.execute(Q["record_unrecorded_usage"], dict(params))
 
     def record_steps(
         self,

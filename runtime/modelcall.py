@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, TypeVar
 
-from db.errors import LeaseLost
+from db.errors import LeaseLost, database_unavailable
 from db.records import Dispatch, NewStep, RunStatus, Step, StepKind, StepStatus, Usage
 from runtime import pipeline
 from runtime.faults import crash_point
@@ -260,6 +260,18 @@ def record_billed(
         )
     except LeaseLost:
         task.store.record_unrecorded_usage(task.run_id, answer.response.usage, answer.cost)
+        raise
+    except Exception as e:
+        if database_unavailable(e):
+            # The lease is gone and the database still away: the run will be taken over,
+            # but the call was billed. Counted as unrecorded (now, or when the database
+            # answers: db/owed.py), unless a try did commit its row.
+            task.store.record_unrecorded_usage(
+                task.run_id,
+                answer.response.usage,
+                answer.cost,
+                unless_step=(row.step_key, task.claim.epoch),
+            )
         raise
     u, r = task.spent, answer.response.usage
     task.spent = Usage(

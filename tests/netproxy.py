@@ -36,6 +36,7 @@ class TcpProxy:
         self.port: int = self._listener.getsockname()[1]
         self._open = threading.Event()  # set: forwarding; clear: cut
         self._open.set()
+        self._reject = False
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._pairs: set[tuple[socket.socket, socket.socket | None]] = set()
@@ -46,10 +47,17 @@ class TcpProxy:
 
     # -- the test's controls -----------------------------------------------------------------
 
-    def cut(self) -> None:
+    def cut(self, *, reject: bool = False) -> None:
+        """Stop forwarding (see the module docstring). ``reject``: instead, close every
+        connection and refuse new ones at once (a host that is down, a firewall that
+        answers with resets): clients get errors, not silence."""
+        self._reject = reject
         self._open.clear()
+        if reject:
+            self.reset()
 
     def heal(self) -> None:
+        self._reject = False
         self._open.set()
 
     @property
@@ -83,8 +91,8 @@ class TcpProxy:
         self.close()
 
     @contextlib.contextmanager
-    def partitioned(self) -> Iterator[None]:
-        self.cut()
+    def partitioned(self, *, reject: bool = False) -> Iterator[None]:
+        self.cut(reject=reject)
         try:
             yield
         finally:
@@ -99,6 +107,9 @@ class TcpProxy:
             except OSError:
                 return
             self.connections += 1
+            if self._reject:
+                _close(client)
+                continue
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _serve(self, client: socket.socket) -> None:
