@@ -258,14 +258,11 @@ def record_billed(
             write,
             lambda: Earlier(committed()) if task.wrote(row) is not None else None,
         )
-    except LeaseLost:
-        task.store.record_unrecorded_usage(task.run_id, answer.response.usage, answer.cost)
-        raise
-    except Exception as e:
-        if database_unavailable(e):
-            # The lease is gone and the database still away: the run will be taken over,
-            # but the call was billed. Counted as unrecorded (now, or when the database
-            # answers: db/owed.py), unless a try did commit its row.
+    except BaseException as e:
+        if isinstance(e, LeaseLost) or database_unavailable(e):
+            # Taken over, or the lease is gone with the database still away: the call was
+            # billed whoever holds the run now. Counted as unrecorded (now, or when the
+            # database answers: db/owed.py), unless a try did commit its row.
             task.store.record_unrecorded_usage(
                 task.run_id,
                 answer.response.usage,
