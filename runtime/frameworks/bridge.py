@@ -33,7 +33,7 @@ from typing import Any
 
 from db.records import Usage
 from runtime.durable.api import Billed, Steps
-from runtime.durable.errors import NonDeterministicReplay
+from runtime.durable.errors import ApprovalRejected, NonDeterministicReplay
 from runtime.llm.live import LiveCall, ModelCallCancelled
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,29 @@ def prompt_of(value: Any) -> str:
     )
 
 
+APPROVAL_ROLE = "approver"
+APPROVAL_TIMEOUT_SECONDS = 86400.0
+
+
+def ask_approval(
+    steps: Steps, *, role: str, timeout_seconds: float, tool: str, arguments: Any
+) -> bool:
+    """A framework's tool call that needs approval, as this runtime's content-bound approval
+    ``approve.<tool>:n``: the approver sees the tool and its arguments, and what was approved
+    is what runs. Waiting ends the task (the run holds nothing); the decision replays."""
+    try:
+        steps.approval(role, timeout_seconds).run(
+            f"approve.{tool}", _approved, {"tool": tool, "arguments": arguments}
+        )
+    except ApprovalRejected:
+        return False
+    return True
+
+
+def _approved(request: Any) -> bool:
+    return True
+
+
 def check_identity(steps: Steps, agent: str, identity: dict[str, Any]) -> None:
     """Strict replay for a framework agent, whatever ``DAR_STRICT_REPLAY`` says: its first
     step records what the agent was (its tools, MCP servers, handoffs, output); a run that
@@ -216,6 +239,7 @@ class Bridge:
 
     def __init__(self, steps: Steps) -> None:
         self.steps = steps
+        self._counts: dict[str, int] = {}
         self._requests: queue.SimpleQueue[UnitCall | _Done] = queue.SimpleQueue()
 
     # -- on the framework loop ----------------------------------------------------------------
@@ -232,6 +256,13 @@ class Bridge:
         call = UnitCall(name, body, policy, billing)
         self._requests.put(call)
         return await asyncio.wrap_future(call.answer)
+
+    def count(self, what: str) -> int:
+        """How many times ``what`` was counted before in this task (replay-stable: the
+        framework's code runs the same way every task)."""
+        n = self._counts.get(what, 0)
+        self._counts[what] = n + 1
+        return n
 
     async def on_driver(self, fn: Callable[[Steps], Any]) -> Any:
         """Call ``fn(steps)`` on the driver thread (``steps.approval(...)``, which may end the

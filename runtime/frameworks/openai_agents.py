@@ -48,18 +48,17 @@ from pydantic import TypeAdapter
 
 from db.records import Usage
 from runtime.durable.api import Billed, DurableAgent, Steps
-from runtime.durable.errors import ApprovalRejected
 from runtime.frameworks.bridge import (
+    APPROVAL_ROLE,
+    APPROVAL_TIMEOUT_SECONDS,
     Billing,
     Bridge,
     UnitPolicy,
+    ask_approval,
     check_identity,
     current_bridge,
     prompt_of,
 )
-
-APPROVAL_ROLE = "approver"
-APPROVAL_TIMEOUT_SECONDS = 86400.0
 
 
 def idempotent(tool: FunctionTool) -> FunctionTool:
@@ -413,19 +412,13 @@ class Options:
 
 def _decide(steps: Steps, *, options: Options, item: Any) -> bool:
     raw = item.raw_item
-    name = item.tool_name or getattr(raw, "name", "tool")
-    arguments = getattr(raw, "arguments", None)
-    try:
-        steps.approval(options.approval_role, options.approval_timeout_seconds).run(
-            f"approve.{name}", _approved, {"tool": name, "arguments": arguments}
-        )
-    except ApprovalRejected:
-        return False
-    return True
-
-
-def _approved(request: Any) -> bool:
-    return True
+    return ask_approval(
+        steps,
+        role=options.approval_role,
+        timeout_seconds=options.approval_timeout_seconds,
+        tool=item.tool_name or getattr(raw, "name", "tool"),
+        arguments=getattr(raw, "arguments", None),
+    )
 
 
 async def _run(agent: Agent[Any], prompt: str, options: Options, bridge: Bridge) -> Any:

@@ -24,9 +24,11 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, assert_never
 
 from pydantic_ai import Agent as PydanticAgent
+from pydantic_ai import DeferredToolRequests, DeferredToolResults, ToolDenied
 from pydantic_ai.capabilities import CombinedCapability
 from pydantic_ai.capabilities.combined import bind_capabilities_tier
 from pydantic_ai.durable_exec import (
@@ -55,10 +57,14 @@ from pydantic_core import to_jsonable_python
 
 from db.records import Usage
 from runtime.durable.api import Billed, DurableAgent, Steps
+from runtime.durable.errors import DurableConfigError
 from runtime.frameworks.bridge import (
+    APPROVAL_ROLE,
+    APPROVAL_TIMEOUT_SECONDS,
     Billing,
     Bridge,
     UnitPolicy,
+    ask_approval,
     check_identity,
     current_bridge,
     prompt_of,
@@ -208,7 +214,10 @@ class DarDurability(BaseDurabilityCapability[Any]):
 
     def get_default_run_id(self) -> str | None:
         bridge = current_bridge()
-        return None if bridge is None else str(bridge.steps.run_id)
+        if bridge is None:
+            return None
+        n = bridge.count("agent.run")  # each agent.run of one of our runs gets its own
+        return str(bridge.steps.run_id) if n == 0 else f"{bridge.steps.run_id}:{n}"
 
     def get_default_conversation_id(self, run_id: str) -> str | None:
         return conversation_id_from_run_id(run_id) if self.in_durable_context else None
@@ -283,22 +292,86 @@ def identity(agent: PydanticAgent[Any, Any]) -> dict[str, Any]:
     }
 
 
-def _run(agent: PydanticAgent[Any, Any], deps: Any, value: Any, steps: Steps) -> Any:
-    check_identity(steps, str(agent.name), identity(agent))
-    user_prompt = prompt_of(value)
-    made = deps() if callable(deps) else deps
-    result = Bridge(steps).run(agent.run(user_prompt, deps=made))
+@dataclass(frozen=True)
+class Options:
+    deps: Any = None
+    """The run's dependencies, or a function that makes them (in the worker, per task)."""
+    approval_role: str = APPROVAL_ROLE
+    approval_timeout_seconds: float = APPROVAL_TIMEOUT_SECONDS
+
+
+async def _agent_run(
+    agent: PydanticAgent[Any, Any], user_prompt: str, options: Options, bridge: Bridge
+) -> Any:
+    """The agent's run; a tool that needs approval asks this runtime's approvers, and the
+    run goes on with their decisions (Pydantic AI's deferred tool results)."""
+    deps = options.deps() if callable(options.deps) else options.deps
+    output_type = [agent.output_type, DeferredToolRequests]
+    result: Any = await agent.run(user_prompt, deps=deps, output_type=output_type)
+    while isinstance(result.output, DeferredToolRequests):
+        requests = result.output
+        if requests.calls:
+            names = ", ".join(c.tool_name for c in requests.calls)
+            raise DurableConfigError(
+                f"agent {agent.name!r} deferred tool calls ({names}) to its caller: only tools "
+                "that need approval can be deferred here (they become approvals)"
+            )
+        decisions: dict[str, Any] = {}
+        for call in requests.approvals:
+            approved = await bridge.on_driver(
+                functools.partial(
+                    ask_approval,
+                    role=options.approval_role,
+                    timeout_seconds=options.approval_timeout_seconds,
+                    tool=call.tool_name,
+                    arguments=call.args_as_dict(),
+                )
+            )
+            decisions[call.tool_call_id] = True if approved else ToolDenied("rejected by approver")
+        result = await agent.run(
+            deps=deps,
+            message_history=result.all_messages(),
+            deferred_tool_results=DeferredToolResults(approvals=decisions),
+            output_type=output_type,
+        )
     return result.output
 
 
-def adapt(agent: PydanticAgent[Any, Any], *, deps: Any = None) -> DurableAgent:
+def _run(agent: PydanticAgent[Any, Any], options: Options, value: Any, steps: Steps) -> Any:
+    check_identity(steps, str(agent.name), identity(agent))
+    bridge = Bridge(steps)
+    return bridge.run(_agent_run(agent, prompt_of(value), options, bridge))
+
+
+def _asks_approval(agent: PydanticAgent[Any, Any]) -> bool:
+    found = False
+
+    def visit(ts: Any) -> None:
+        nonlocal found
+        tools = getattr(ts, "tools", None)
+        if isinstance(tools, dict):
+            found = found or any(getattr(t, "requires_approval", False) for t in tools.values())
+
+    for toolset in agent.toolsets:
+        toolset.apply(visit)
+    return found
+
+
+def adapt(agent: PydanticAgent[Any, Any], **options: Any) -> DurableAgent:
     """The durable function that runs ``agent`` (registered under the agent's name).
 
-    ``deps``: the run's dependencies, or a function that makes them; made in the worker for
-    every task, never written into a step."""
+    ``options``: ``deps`` (the run's dependencies, or a function that makes them; made in the
+    worker for every task, never written into a step), ``approval_role`` (who decides tools
+    that need approval; "approver"), ``approval_timeout_seconds``."""
     if not agent.name:
         raise ValueError(
             "a Pydantic AI agent needs a name to be registered: Agent(..., name='support')"
         )
-    twin = durable(agent)
-    return DurableAgent(name=agent.name, fn=functools.partial(_run, twin, deps), input_type=Any)
+    chosen = Options(**options)
+    asks = "approval_role" in options or _asks_approval(agent)
+    return DurableAgent(
+        name=agent.name,
+        fn=functools.partial(_run, durable(agent), chosen),
+        input_type=Any,
+        approval_roles=(chosen.approval_role,) if asks else (),
+    )

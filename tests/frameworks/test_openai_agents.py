@@ -19,7 +19,7 @@ from agents.mcp import MCPServerStdio
 from openai import AsyncOpenAI
 from pydantic import BaseModel
 
-from db.records import RunStatus, StepStatus, Usage
+from db.records import ApprovalStatus, RunStatus, StepStatus, Usage
 from runtime.bootstrap import Runtime
 from runtime.frameworks import idempotency_key
 from runtime.frameworks.bridge import on_loop
@@ -143,3 +143,42 @@ def test_two_tools_an_mcp_server_a_handoff_and_structured_output(
     assert [s.usage for s in calls] == [Usage(10, 5)] * 3 + [Usage(12, 5, 0, 8)]
     assert done.tokens_used == 3 * 15 + 25
     assert done.cost_usd == sum(rt.pricing.cost(MODEL, s.usage) for s in calls)
+
+
+def test_a_run_state_interruption_becomes_this_runtimes_approval(
+    rt: Runtime, fake: FakeOpenAiApi, client: AsyncOpenAI
+) -> None:
+    refunded: list[str] = []
+
+    @function_tool(needs_approval=True)
+    def refund(order: str) -> str:
+        """Refund an order."""
+        refunded.append(order)
+        return "refunded"
+
+    model = OpenAIResponsesModel(MODEL, openai_client=client)
+    rt.agents.register(Agent(name="refunds", model=model, tools=[refund]), approval_role="lead")
+    fake.then_calls(("call_r", "refund", {"order": "A-7"})).then_text("Refunded A-7.")
+    run, dispatch = rt.submit("refunds", "Refund A-7")
+    drive_to_end(rt.driver(), dispatch)
+
+    assert rt.store.get_run(run.id).status is RunStatus.WAITING
+    assert refunded == []
+    [pending] = rt.store.list_approvals(run_id=run.id)
+    assert (pending.role, pending.step_key) == ("lead", "approve.refund:0")
+    resumed = rt.store.decide_approval(pending.id, ApprovalStatus.APPROVED, decided_by="ann")
+    assert resumed is not None
+    drive_to_end(rt.driver(), resumed)
+
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.result == "Refunded A-7."
+    assert refunded == ["A-7"]
+    assert fake.calls == 2
+    assert [s.step_key for s in rt.store.steps(run.id)] == [
+        "agent:0",
+        "model:0",
+        "approve.refund:0",
+        "tool.refund:0",
+        "model:1",
+    ]

@@ -22,7 +22,7 @@ from pydantic_ai.models.anthropic import AnthropicModel
 from pydantic_ai.providers.anthropic import AnthropicProvider
 
 import api
-from db.records import Dispatch, RunStatus, StepStatus, Usage
+from db.records import ApprovalStatus, Dispatch, RunStatus, StepStatus, Usage
 from runtime.bootstrap import Runtime
 from runtime.frameworks import adapt, idempotency_key
 from runtime.frameworks.bridge import on_loop
@@ -233,3 +233,46 @@ def test_a_renamed_tool_fails_a_run_in_flight_with_what_changed(
     assert "recorded {'<agent>': ['lookup']}, now {'<agent>': ['find_order']}" in done.error
     assert ran == [], "nothing ran on the changed code"
     assert fake.calls == 1, "and the model was not asked again"
+
+
+def test_a_tool_that_needs_approval_waits_for_this_runtimes_approver(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel
+) -> None:
+    refunded: list[str] = []
+    agent = PydanticAgent(model, name="refunds")
+
+    @agent.tool_plain(requires_approval=True)
+    def refund(order: str) -> str:
+        """Refund an order."""
+        refunded.append(order)
+        return "refunded"
+
+    rt.agents.register(agent, approval_role="lead")
+    assert rt.agents.approval_roles() >= {"lead"}
+    fake.then_tool_use("toolu_1", "refund", {"order": "A-7"}).then_text("Refunded A-7.")
+    run, dispatch = rt.submit("refunds", "Refund A-7")
+    drive_to_end(rt.driver(), dispatch)
+
+    waiting = rt.store.get_run(run.id)
+    assert waiting.status is RunStatus.WAITING, waiting.error
+    assert refunded == [], "nothing runs before the decision"
+    [pending] = rt.store.list_approvals(run_id=run.id)
+    assert pending.role == "lead"
+    assert pending.step_key == "approve.refund:0"
+    assert pending.payload["input"] == [{"tool": "refund", "arguments": {"order": "A-7"}}]
+    resumed = rt.store.decide_approval(pending.id, ApprovalStatus.APPROVED, decided_by="ann")
+    assert resumed is not None
+    drive_to_end(rt.driver(), resumed)
+
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.result == "Refunded A-7."
+    assert refunded == ["A-7"], "the approved call ran once"
+    assert fake.calls == 2, "no model request was repeated across the wait"
+    assert [s.step_key for s in rt.store.steps(run.id)] == [
+        "agent:0",
+        "model.request:0",
+        "approve.refund:0",
+        "tool.refund:0",
+        "model.request:1",
+    ]
