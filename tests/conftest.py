@@ -32,6 +32,44 @@ from tests.pgbouncer import PgBouncer
 
 TEST_DB = f"dar_test_{os.getpid()}"
 
+# The tiers a plain `pytest` leaves out (each a marker; `pytest --all` runs them too, and CI
+# does): real processes, the fault campaign, the schema fuzzer, the browser, and the slow
+# integration tests. A test joins a tier by its folder (tests/e2e, tests/chaos) or by a marker
+# in its module.
+FULL_ONLY_TIERS = ("e2e", "chaos", "fuzz", "browser", "slow")
+TIER_OF_FOLDER = {"e2e": "e2e", "chaos": "chaos"}
+TESTS_ROOT = Path(__file__).resolve().parent
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--all",
+        action="store_true",
+        help="run every tier (e2e, chaos, fuzz, browser, slow) as CI does; "
+        "plain `pytest` runs unit and integration only",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            folder = item.path.resolve().relative_to(TESTS_ROOT).parts[0]
+        except ValueError:
+            continue
+        if folder in TIER_OF_FOLDER:
+            item.add_marker(TIER_OF_FOLDER[folder])
+    # Only a bare `pytest` (the testpaths) is the fast tier: a path named on the command
+    # line runs what it names.
+    if config.getoption("--all") or config.args_source != pytest.Config.ArgsSource.TESTPATHS:
+        return
+    keep, drop = [], []
+    for item in items:
+        slow = any(item.get_closest_marker(tier) for tier in FULL_ONLY_TIERS)
+        (drop if slow else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
 
 @pytest.fixture(scope="session")
 def pg_admin_url() -> Iterator[str]:

@@ -31,7 +31,7 @@ from api.devstack import CODE_ROOT, DevStack
 from api.embedded import free_port
 from db.schema import metadata
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.timeout(120)]
 
 CHROMIUM = os.environ.get("DAR_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("DAR_ARTIFACTS", CODE_ROOT / "artifacts")) / "console"

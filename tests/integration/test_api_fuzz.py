@@ -18,6 +18,8 @@ from runtime.bootstrap import Runtime
 from tasks.celery_app import make_celery
 from tests.support import submit
 
+pytestmark = pytest.mark.fuzz
+
 ADMIN = "fuzz-admin-token"
 
 

@@ -342,6 +342,7 @@ def _finished(rt: Runtime, runs: list[Run]) -> dict[uuid.UUID, datetime]:
     return done
 
 
+@pytest.mark.slow  # hundreds of runs: `pytest --all`
 def test_a_busy_key_cannot_starve_a_quiet_one(keyed: Runtime) -> None:
     """Key A queues 200 runs before key B's 5, on four worker threads taking messages in
     order: with two slots per key, B's runs all finish while most of A's still wait."""

@@ -22,6 +22,8 @@ from runtime.tools import tool
 from tests.mcp.support import Ledger, stdio_server
 from tests.support import drive_to_end, submit
 
+pytestmark = pytest.mark.slow  # real servers and processes: `pytest --all`
+
 
 @tool(idempotent=True)
 def get_order(order_id: str) -> str:

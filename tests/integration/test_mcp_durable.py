@@ -24,6 +24,8 @@ from runtime.tools import tool
 from tests.mcp.support import CrashingClients, Ledger, stdio_server
 from tests.support import SimulatedCrash, drive_to_end, expire_lease, submit
 
+pytestmark = pytest.mark.slow  # real servers and processes: `pytest --all`
+
 
 @pytest.fixture
 def ledger(tmp_path: Path) -> Ledger:

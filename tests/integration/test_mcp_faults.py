@@ -31,6 +31,8 @@ from tests.mcp.support import (
 )
 from tests.support import SimulatedCrash, drive_to_end, expire_lease, submit
 
+pytestmark = pytest.mark.slow  # real servers and processes: `pytest --all`
+
 
 @pytest.fixture
 def ledger(tmp_path: Path) -> Ledger:

@@ -27,6 +27,8 @@ from tasks.celery_app import make_celery
 from tasks.dispatch import send_drive
 from tests.support import expire_lease, submit
 
+pytestmark = pytest.mark.slow  # real servers and processes: `pytest --all`
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 

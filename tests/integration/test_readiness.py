@@ -6,6 +6,8 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from api import create_app
 from api.embedded import EmbeddedPostgres
 from db.engine import make_engine
@@ -16,6 +18,7 @@ from runtime.llm.scripted import ScriptedLlm
 from tasks.celery_app import make_celery
 
 
+@pytest.mark.slow  # stops and restarts PostgreSQL: `pytest --all`
 def test_readyz_turns_503_when_postgres_stops_and_200_when_it_returns(settings: Settings) -> None:
     server = EmbeddedPostgres(Path(tempfile.mkdtemp(prefix="dar-ready-")))
     url = server.start()

@@ -1,0 +1,54 @@
+"""The test tiers: plain `pytest` is the fast tier (unit and integration), `pytest --all` is
+every test, and CI runs the README's test command, which is `pytest --all`."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SLOW_TIERS = "e2e or chaos or fuzz or browser or slow"
+
+
+def _collect(*args: str) -> tuple[Counter[str], str]:
+    """Test ids collected (parameters dropped: some are random uuids), and the summary."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ids = Counter(re.sub(r"\[.*\]$", "", t) for t in done.stdout.splitlines() if "::" in t)
+    return ids, done.stdout.splitlines()[-1]
+
+
+@pytest.mark.timeout(600)  # three collections of the whole suite, on a loaded machine
+def test_all_runs_every_test_and_plain_pytest_leaves_out_only_the_slow_tiers() -> None:
+    everything, summary = _collect("--all")
+    assert "deselected" not in summary, summary
+    fast, _ = _collect()
+    slow, _ = _collect("--all", "-m", SLOW_TIERS)
+    assert fast + slow == everything
+    assert not fast & slow
+    assert any(t.startswith("tests/unit/") for t in fast)
+    assert any(t.startswith("tests/integration/") for t in fast)
+    for folder in ("tests/e2e/", "tests/chaos/"):
+        assert not [t for t in fast if t.startswith(folder)], folder
+        assert [t for t in slow if t.startswith(folder)], folder
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## The two commands", 1)[1].split("```", 2)[1]
+    commands = [line.split("#")[0].strip() for line in block.splitlines()[1:]]
+    test_command = next(c for c in commands if c.startswith("pytest"))
+    assert test_command == "pytest --all"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(rf"^{re.escape(test_command)}$", ci, re.MULTILINE), "CI runs it verbatim"
