@@ -10,19 +10,19 @@ import re
 import signal
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from db.errors import DarError
 from db.records import TERMINAL, RunStatus
+from runtime.client import ApiUnreachable, Client
 
 DEMO_QUESTION = "Which acme tickets are overdue?"
 RUN_ID_PREFIX = re.compile(r"^[0-9a-f-]{1,36}$")
+T = TypeVar("T")
 
 
 class CliError(DarError):
@@ -251,29 +251,24 @@ def _error_message(body: Any) -> str:
     return str(body)
 
 
-def api_call(base: str, method: str, path: str, body: Any = None) -> Any:
-    """One REST call with ``DAR_API_TOKEN``; errors become a one-line :class:`CliError`."""
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(base.rstrip("/") + path, data=data, method=method)
-    token = os.environ.get("DAR_API_TOKEN")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
+def client(base: str) -> Client:
+    """The Python client the CLI is built on (``DAR_API_TOKEN`` as its token)."""
+    return Client(base, token=os.environ.get("DAR_API_TOKEN"))
+
+
+def _call(do: Callable[[], T]) -> T:
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as e:
-        try:
-            message = _error_message(json.loads(e.read() or b"{}"))
-        except ValueError:
-            message = str(e.reason)
-        raise CliError(f"{e.code} {message}") from None
-    except urllib.error.URLError as e:
+        return do()
+    except ApiUnreachable as e:
         raise CliError(
-            f"cannot reach the API at {base}: {e.reason} (is `dar dev` running? "
-            "--api or DAR_API_URL points elsewhere)"
+            f"{e} (is `dar dev` running? --api or DAR_API_URL points elsewhere)"
         ) from None
+
+
+def api_call(base: str, method: str, path: str, body: Any = None) -> Any:
+    """One REST call through :class:`~runtime.client.Client`; an unreachable API is one line
+    naming the likely fix, an error answer its status and message."""
+    return _call(lambda: client(base).request(method, path, body))
 
 
 def resolve_run_id(base: str, raw: str, *, max_pages: int = 50) -> str:
@@ -405,20 +400,19 @@ def _submit(args: argparse.Namespace) -> int:
         run_input = json.loads(args.input) if args.json else args.input
     except ValueError as e:
         raise CliError(f"--json was given but the input is not JSON: {e}") from None
-    body: dict[str, Any] = {"input": run_input}
-    for key, value in (
-        ("agent", args.agent),
-        ("model", args.model),
-        ("tokenBudget", args.token_budget),
-        ("timeoutSeconds", args.timeout_seconds),
-        ("maxSteps", args.max_steps),
-        ("concurrencyKey", args.key),
-        ("priority", args.priority),
-    ):
-        if value is not None:
-            body[key] = value
-    accepted = api_call(args.api, "POST", "/api/runs", body)
-    print(accepted["id"])
+    accepted = _call(
+        lambda: client(args.api).submit(
+            run_input,
+            agent=args.agent,
+            model=args.model,
+            token_budget=args.token_budget,
+            timeout_seconds=args.timeout_seconds,
+            max_steps=args.max_steps,
+            concurrency_key=args.key,
+            priority=args.priority,
+        )
+    )
+    print(accepted.id)
     return 0
 
 
@@ -430,8 +424,8 @@ def _timeline(args: argparse.Namespace) -> int:
 
 def _cancel(args: argparse.Namespace) -> int:
     run_id = resolve_run_id(args.api, args.run_id)
-    run = api_call(args.api, "POST", f"/api/runs/{run_id}/cancel")
-    print(f"dar: run {run_id} {run.get('status', '')}: cancel requested".rstrip())
+    accepted = _call(lambda: client(args.api).cancel(run_id))
+    print(f"dar: run {run_id} {accepted.status}: cancel requested")
     return 0
 
 
@@ -441,8 +435,6 @@ FOLLOW_EXIT = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3, "TIMED_OUT": 4}
 
 def _follow(args: argparse.Namespace) -> int:
     """Print a run live from GET /api/runs/{id}/events until it ends."""
-    from runtime.client import follow
-
     run_id = resolve_run_id(args.api, args.run_id)
     print(f"dar: following run {run_id}", flush=True)
     typing: str | None = None  # the step key whose text is being printed
@@ -454,7 +446,7 @@ def _follow(args: argparse.Namespace) -> int:
             typing = None
 
     try:
-        for ev in follow(args.api, run_id, token=os.environ.get("DAR_API_TOKEN")):
+        for ev in client(args.api).events(run_id):
             d = ev.data
             if ev.name == "text.delta":
                 if typing != d["key"]:
@@ -483,12 +475,6 @@ def _follow(args: argparse.Namespace) -> int:
                 error = f": {d['error']}" if d.get("error") else ""
                 print(f"dar: run {run_id} {d['status']}{error}", flush=True)
                 return FOLLOW_EXIT.get(d["status"], 1)
-    except urllib.error.HTTPError as e:
-        try:
-            message = _error_message(json.loads(e.read() or b"{}"))
-        except ValueError:
-            message = str(e.reason)
-        raise CliError(f"{e.code} {message}") from None
     except KeyboardInterrupt:
         end_text()
         return 130
@@ -497,38 +483,35 @@ def _follow(args: argparse.Namespace) -> int:
 
 def _resume(args: argparse.Namespace) -> int:
     run_id = resolve_run_id(args.api, args.run_id)
-    body: dict[str, Any] = {}
-    if args.token_budget is not None:
-        body["tokenBudget"] = args.token_budget
-    if args.timeout_seconds is not None:
-        body["timeoutSeconds"] = args.timeout_seconds
-    run = api_call(args.api, "POST", f"/api/runs/{run_id}/resume", body)
-    print(f"dar: run {run_id} resumed: {run.get('status', '')}".rstrip())
+    accepted = _call(
+        lambda: client(args.api).resume(
+            run_id, token_budget=args.token_budget, timeout_seconds=args.timeout_seconds
+        )
+    )
+    print(f"dar: run {run_id} resumed: {accepted.status}")
     return 0
 
 
 def _resolve(args: argparse.Namespace) -> int:
     run_id = resolve_run_id(args.api, args.run_id)
-    body: dict[str, Any] = {"action": args.action}
+    edits: dict[str, Any] = {}
     if args.action == "supply_result":
         if args.output is None:
             raise CliError("--action supply_result needs --output (the tool's result)")
-        body["output"] = args.output
-        if args.is_error:
-            body["isError"] = True
+        edits = {"output": args.output, "is_error": bool(args.is_error)}
     elif args.action == "fail" and args.reason:
-        body["reason"] = args.reason
-    run = api_call(args.api, "POST", f"/api/runs/{run_id}/resolve", body)
-    print(f"dar: run {run_id} resolved ({args.action}): {run.get('status', '')}".rstrip())
+        edits = {"reason": args.reason}
+    accepted = _call(lambda: client(args.api).resolve(run_id, args.action, **edits))
+    print(f"dar: run {run_id} resolved ({args.action}): {accepted.status}")
     return 0
 
 
 def _fork(args: argparse.Namespace) -> int:
     run_id = resolve_run_id(args.api, args.run_id)
-    body: dict[str, Any] = {"fromSeq": args.from_seq}
+    edits: dict[str, Any] = {}
     if args.input is not None:
         try:
-            body["input"] = json.loads(args.input) if args.json else args.input
+            edits["input"] = json.loads(args.input) if args.json else args.input
         except ValueError as e:
             raise CliError(f"--json was given but --input is not JSON: {e}") from None
     if args.tool_result is not None:
@@ -539,18 +522,19 @@ def _fork(args: argparse.Namespace) -> int:
             value: Any = json.loads(output) if args.json else output
         except ValueError as e:
             raise CliError(f"--json was given but the tool result is not JSON: {e}") from None
-        body["toolResult"] = {"seq": int(seq), "output": value}
-    for key, value in (
-        ("model", args.model),
-        ("tokenBudget", args.token_budget),
-        ("timeoutSeconds", args.timeout_seconds),
-    ):
-        if value is not None:
-            body[key] = value
-    if args.replay_model:
-        body["replayModel"] = True
-    accepted = api_call(args.api, "POST", f"/api/runs/{run_id}/fork", body)
-    print(accepted["id"])
+        edits["tool_result"] = (int(seq), value)
+    accepted = _call(
+        lambda: client(args.api).fork(
+            run_id,
+            args.from_seq,
+            model=args.model,
+            token_budget=args.token_budget,
+            timeout_seconds=args.timeout_seconds,
+            replay_model=bool(args.replay_model),
+            **edits,
+        )
+    )
+    print(accepted.id)
     return 0
 
 
@@ -565,7 +549,7 @@ def _diff_cell(side: dict[str, Any] | None) -> str:
 def _diff(args: argparse.Namespace) -> int:
     a = resolve_run_id(args.api, args.a)
     b = resolve_run_id(args.api, args.b)
-    diff = api_call(args.api, "GET", f"/api/runs/{a}/diff/{b}")
+    diff = _call(lambda: client(args.api).diff(a, b))
     for name in ("a", "b"):
         r = diff[name]
         fork = r["forkedFrom"]
@@ -596,10 +580,9 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _approvals(args: argparse.Namespace) -> int:
-    query = {"status": args.status}
-    if args.role:
-        query["role"] = args.role
-    items = api_call(args.api, "GET", f"/api/approvals?{urllib.parse.urlencode(query)}")["items"]
+    items = [
+        a.raw for a in _call(lambda: client(args.api).approvals(status=args.status, role=args.role))
+    ]
     print(
         _table(
             ["ID", "RUN", "STEP", "ROLE", "STATUS", "HASH", "PAYLOAD"],
@@ -622,13 +605,10 @@ def _approvals(args: argparse.Namespace) -> int:
 
 def _decide(args: argparse.Namespace) -> int:
     approval_id = resolve_approval_id(args.api, args.approval_id)
-    body: dict[str, Any] = {}
-    if args.comment:
-        body["comment"] = args.comment
-    if args.hash:
-        body["payloadHash"] = args.hash
-    a = api_call(args.api, "POST", f"/api/approvals/{approval_id}/{args.decision}", body)
-    print(f"dar: approval {approval_id} {a['status']} by {a.get('decidedBy') or '-'}")
+    api = client(args.api)
+    decide = api.approve if args.decision == "approve" else api.reject
+    a = _call(lambda: decide(approval_id, comment=args.comment, payload_hash=args.hash))
+    print(f"dar: approval {approval_id} {a.status} by {a.decided_by or '-'}")
     return 0
 
 

@@ -26,6 +26,7 @@ def _loaded_after(statement: str) -> set[str]:
     [
         "import api.cli",
         "from api.cli import build_parser; build_parser()",
+        "from runtime.client import Client",
     ],
 )
 def test_the_cli_and_the_client_load_no_heavy_package(statement: str) -> None:
