@@ -229,7 +229,10 @@ def _demo(args: argparse.Namespace) -> int:
         _, steps = stack.request("GET", f"/api/runs/{accepted['id']}/timeline")
         print()
         print(_timeline_table(steps))
-        print(f"\nstatus={run['status']} tokens={run['tokensUsed']} cost=${run['costUsd']:.4f}")
+        print(
+            f"\nstatus={run['status']} model={run['model']} tokens={run['tokensUsed']} "
+            f"cost=${run['costUsd']:.4f}"
+        )
         if run.get("result"):
             print(f"\n{run['result']}")
         if run.get("error"):

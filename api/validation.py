@@ -129,7 +129,7 @@ def parse_submission(body: dict[str, Any], settings: Settings, agents: AgentRegi
     if not durable and not (isinstance(text, str) and text.strip()):
         raise invalid("input", f"must be a non-empty string for the agent {agent_name!r}")
     agent_model = agent.model if isinstance(agent, Agent) else None
-    model = body.get("model") or agent_model or settings.default_model
+    model = body.get("model") or agent_model or settings.model_default
     token_budget = whole(body.get("tokenBudget")) or settings.default_token_budget
     timeout = whole(body.get("timeoutSeconds")) or settings.default_timeout_seconds
     max_steps = whole(body.get("maxSteps")) or agent.max_steps or settings.default_max_steps

@@ -260,7 +260,7 @@ class Runtime:
             NewRun(
                 agent=agent,
                 input=input,
-                model=model or agent_model or self.settings.default_model,
+                model=model or agent_model or self.settings.model_default,
                 max_steps=max_steps or chosen.max_steps or self.settings.default_max_steps,
                 token_budget=token_budget or self.settings.default_token_budget,
                 timeout_seconds=timeout_seconds or self.settings.default_timeout_seconds,

@@ -69,13 +69,19 @@ def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str,
     return value
 
 
+DEMO_MODEL = "demo"
+"""The offline demo model's name (runtime.llm.demo): the default model without a key."""
+CLAUDE_DEFAULT_MODEL = "claude-sonnet-4-5"
+
+
 @dataclass(frozen=True)
 class Settings:
     database_url: str | None = None
     redis_url: str | None = None
     anthropic_api_key: str | None = field(default=None, repr=False)
     anthropic_base_url: str | None = None
-    default_model: str = "claude-sonnet-4-5"
+    default_model: str = ""
+    """DAR_DEFAULT_MODEL; empty: :attr:`model_default` decides."""
     default_agent: str = "acme-tickets"
     agent_modules: tuple[str, ...] = ()
     max_tokens: int = 4096
@@ -186,6 +192,18 @@ class Settings:
     """DAR_DB_PREPARE: auto|on|off, server-side prepared statements (db.engine.PREPARE_MODES):
     ``auto`` turns them off on connections that go through a pooler such as PgBouncer."""
     worker_name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+
+    @property
+    def model_default(self) -> str:
+        """The model of a run when neither it nor its agent names one: DAR_DEFAULT_MODEL, else
+        claude-sonnet-4-5 with a key (or a model client of your own), else ``demo``: with
+        neither, the offline demo model answers, and the runs say so (priced at $0) rather
+        than naming a Claude model."""
+        if self.default_model:
+            return self.default_model
+        if self.anthropic_api_key or self.llm_factory:
+            return CLAUDE_DEFAULT_MODEL
+        return DEMO_MODEL
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

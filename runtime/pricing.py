@@ -57,7 +57,8 @@ DEFAULT_PRICES: dict[str, Price] = {
     "claude-3-5-haiku": _price("0.80", "4", "1", "0.08"),
     # The runtime's own stand-ins for a model (the demo client, the scripted test double)
     # bill nothing, and say so here rather than by being unknown.
-    "dar-demo": _price("0", "0", "0", "0"),
+    "demo": _price("0", "0", "0", "0"),
+    "dar-demo": _price("0", "0", "0", "0"),  # the demo model's name before 0.2.0
     "scripted": _price("0", "0", "0", "0"),
 }
 

@@ -170,6 +170,7 @@ def settings(database_url: str, redis_url: str) -> Settings:
         heartbeat_seconds=1.0,
         demo_latency_ms=0,
         worker_name="worker-A",
+        default_model="claude-sonnet-4-5",  # a priced model (without a key: `demo`, $0)
     )
 
 

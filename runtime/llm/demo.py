@@ -16,10 +16,11 @@ import time
 from typing import Any
 
 from db.records import Usage
+from runtime.config import DEMO_MODEL
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.live import LiveCall, ModelCallCancelled, current_live_call
 
-MODEL_NAME = "dar-demo-offline"
+MODEL_NAME = DEMO_MODEL
 
 
 def _tokens(value: Any) -> int:

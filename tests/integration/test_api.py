@@ -142,7 +142,7 @@ def test_submit_returns_201_queued_with_location_and_sends_one_message(
     assert run.agent == "acme-tickets"
     assert run.input == QUESTION
     assert run.token_budget == 50000
-    assert run.model == settings.default_model
+    assert run.model == settings.model_default
     assert run.max_steps == settings.default_max_steps
     assert 299 <= (run.deadline_at - run.created_at).total_seconds() <= 301
 

@@ -54,7 +54,8 @@ def test_defaults_with_an_empty_environment() -> None:
     assert s.redis_url is None
     assert s.anthropic_api_key is None
     assert s.anthropic_base_url is None
-    assert s.default_model == "claude-sonnet-4-5"
+    assert s.default_model == ""
+    assert s.model_default == "demo", "no key: the offline demo model answers, and says so"
     assert s.default_agent == "acme-tickets"
     assert s.agent_modules == ()
     assert s.max_tokens == 4096
@@ -298,3 +299,10 @@ def test_mcp_settings() -> None:
     assert (s.mcp_servers_json, s.mcp_startup_check) == ("{}", "warn")
     with pytest.raises(ConfigError, match="DAR_MCP_STARTUP_CHECK must be one of strict, warn"):
         Settings.from_env({"DAR_MCP_STARTUP_CHECK": "maybe"})
+
+
+def test_the_default_model_is_claude_with_a_key_or_a_client_of_your_own() -> None:
+    assert Settings.from_env({"ANTHROPIC_API_KEY": "k"}).model_default == "claude-sonnet-4-5"
+    assert Settings.from_env({"DAR_LLM_FACTORY": "m:f"}).model_default == "claude-sonnet-4-5"
+    named = {"DAR_DEFAULT_MODEL": "claude-haiku-4-5"}
+    assert Settings.from_env(named).model_default == "claude-haiku-4-5"
