@@ -29,7 +29,8 @@ def _collect(*args: str) -> tuple[Counter[str], str]:
     return ids, done.stdout.splitlines()[-1]
 
 
-@pytest.mark.timeout(600)  # three collections of the whole suite, on a loaded machine
+@pytest.mark.slow  # three collections of the whole suite (minutes on a loaded machine)
+@pytest.mark.timeout(900)
 def test_all_runs_every_test_and_plain_pytest_leaves_out_only_the_slow_tiers() -> None:
     everything, summary = _collect("--all")
     assert "deselected" not in summary, summary
