@@ -5,8 +5,6 @@ Each class's docstring is its default message.
 
 from __future__ import annotations
 
-from sqlalchemy.exc import DBAPIError, OperationalError
-
 
 class DarError(Exception):
     """Durable Agent Runtime error."""
@@ -57,6 +55,9 @@ class LeaseLost(BaseException):
 def database_unavailable(e: BaseException) -> bool:
     """The database went away (a restart, a dropped or refused connection): the statement
     may be tried again. Any other error (bad data, a constraint, a bug) is not."""
+    # Imported here: `dar` and the client import this module and must not load SQLAlchemy.
+    from sqlalchemy.exc import DBAPIError, OperationalError
+
     return isinstance(e, OperationalError) or (
         isinstance(e, DBAPIError) and e.connection_invalidated
     )
