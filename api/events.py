@@ -138,6 +138,8 @@ def durable_event(row: RowMapping) -> tuple[str, dict[str, Any]]:
         "status": row["status"],
         "decidedBy": row["decided_by"],
         "comment": row["comment"],
+        # A decision copied by a fork from the run that made it, not made for this run.
+        "copiedFrom": str(row["copied_from"]) if row["copied_from"] else None,
     }
 
 

@@ -708,6 +708,13 @@ def openapi_document(
                         "decidedBy": NULLABLE_STR,
                         "decidedAt": NULLABLE_TIME,
                         "comment": NULLABLE_STR,
+                        "copiedFrom": {
+                            "type": ["string", "null"],
+                            "format": "uuid",
+                            "description": "a fork's copy of a decision: the run that made it "
+                            "(decidedBy decided for that run, not for this one); null: decided "
+                            "for this run",
+                        },
                     },
                 },
                 "RunAccepted": {

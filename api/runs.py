@@ -131,6 +131,15 @@ def submit() -> tuple[Response, int, dict[str, str]]:
                 priority=sub.priority,
             ),
             quota=submit_quota(settings) if principal is not None else None,
+            audit=audit(
+                "submit",
+                {
+                    "agent": sub.agent,
+                    "model": sub.model,
+                    "tokenBudget": sub.token_budget,
+                    **({"idempotencyKey": key} if key else {}),
+                },
+            ),
         )
     except QuotaExceeded as e:
         raise rate_limited(e) from None

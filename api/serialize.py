@@ -142,6 +142,7 @@ def approval_json(a: Approval) -> dict[str, Any]:
         "decidedBy": a.decided_by,
         "decidedAt": _iso(a.decided_at),
         "comment": a.comment,
+        "copiedFrom": str(a.copied_from) if a.copied_from else None,
     }
 
 

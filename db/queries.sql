@@ -327,7 +327,7 @@ ON CONFLICT (run_id, step_key) DO UPDATE
 SET status = 'PENDING', payload = EXCLUDED.payload, payload_hash = EXCLUDED.payload_hash,
     role = EXCLUDED.role, timeout_policy = EXCLUDED.timeout_policy,
     requested_at = now(), expires_at = EXCLUDED.expires_at,
-    decided_by = NULL, decided_at = NULL, comment = NULL
+    decided_by = NULL, decided_at = NULL, comment = NULL, copied_from = NULL
 RETURNING id;
 
 -- lock_run_of_approval --
@@ -491,15 +491,22 @@ SET response = CAST(:response AS jsonb), status = :status, error = :error, origi
 WHERE run_id = :fork AND seq = :seq AND origin IS NOT NULL;
 
 -- copy_approvals_to_fork --
--- The decisions of the approvals among the copied steps (the fork's code asks again when
--- what it would approve differs: the payload hash decides).
+-- The decisions of the approvals whose results the fork replays: their step is copied DONE
+-- (the approved action ran in the source, once, and runs nowhere again) or REJECTED. Each
+-- copy is labelled with the run that decided it (copied_from). An approval authorises one
+-- execution in one run: one whose action the fork could execute (a failed action a resume
+-- would retry, a step at or after fromSeq) is not copied, so the fork asks again. The
+-- fork's code also asks again when what it would approve differs (the payload hash).
 INSERT INTO approval (id, run_id, step_key, role, status, payload, payload_hash,
-                      timeout_policy, requested_at, expires_at, decided_by, decided_at, comment)
+                      timeout_policy, requested_at, expires_at, decided_by, decided_at, comment,
+                      copied_from)
 SELECT gen_random_uuid(), :fork, a.step_key, a.role, a.status, a.payload, a.payload_hash,
-       a.timeout_policy, a.requested_at, a.expires_at, a.decided_by, a.decided_at, a.comment
+       a.timeout_policy, a.requested_at, a.expires_at, a.decided_by, a.decided_at, a.comment,
+       a.run_id
 FROM approval a
 JOIN run_step s ON s.run_id = a.run_id AND s.step_key = a.step_key
-WHERE a.run_id = :source AND s.seq < :from_seq AND a.status <> 'PENDING';
+WHERE a.run_id = :source AND s.seq < :from_seq AND a.status <> 'PENDING'
+  AND s.status IN ('DONE', 'REJECTED');
 
 -- get_step_by_key --
 SELECT run_id, seq, step_key, kind, status, tool_name, tool_use_id, model, prompt_hash,
@@ -758,6 +765,7 @@ SELECT e.n, e.kind, e.status, e.at, e.step_seq,
        s.attempt, s.input_tokens, s.output_tokens, s.cache_creation_input_tokens,
        s.cache_read_input_tokens, s.cost_usd, s.latency_ms,
        a.id AS approval_id, a.step_key AS approval_step_key, a.role, a.decided_by, a.comment,
+       a.copied_from,
        r.error AS run_error, r.result AS run_result
 FROM run_event e
 LEFT JOIN run_step s ON s.run_id = e.run_id AND s.seq = e.step_seq

@@ -332,6 +332,8 @@ class Approval:
     decided_by: str | None
     decided_at: datetime | None
     comment: str | None
+    copied_from: uuid.UUID | None = None
+    """A fork's copy of the decision the run ``copied_from`` recorded (not made for the fork)."""
 
 
 @dataclass(frozen=True, slots=True)

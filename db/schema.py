@@ -246,6 +246,9 @@ approval = Table(
     Column("decided_by", Text),
     Column("decided_at", TZ),
     Column("comment", Text),
+    # A decision a fork copied from the run it was forked from (that run's id): history the
+    # fork replays, never a decision made for the fork.
+    Column("copied_from", UUID(as_uuid=True)),
     CheckConstraint(
         "status IN ('PENDING', 'APPROVED', 'REJECTED', 'EXPIRED', 'CANCELLED')",
         name="approval_status_ck",
@@ -314,7 +317,16 @@ Index(
     postgresql_where=text("consumed_by IS NULL"),
 )
 
-AUDIT_ACTIONS = ("cancel", "resume", "resolve", "approve", "reject", "fork")
+AUDIT_ACTIONS = (
+    "cancel",
+    "resume",
+    "resolve",
+    "approve",
+    "reject",
+    "fork",
+    "submit",
+    "timeout",
+)
 
 # Who did what to a run, through the API: append-only (a trigger refuses UPDATE and DELETE).
 # No foreign key: the trail outlives the run when retention deletes it.

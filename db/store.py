@@ -213,6 +213,7 @@ def _approval(row: RowMapping) -> Approval:
         decided_by=row["decided_by"],
         decided_at=row["decided_at"],
         comment=row["comment"],
+        copied_from=row.get("copied_from"),
     )
 
 
@@ -331,7 +332,9 @@ class RunStore:
 
     # -- submitting ---------------------------------------------------------------------
 
-    def create_run(self, new: NewRun, quota: SubmitQuota | None = None) -> tuple[Run, bool]:
+    def create_run(
+        self, new: NewRun, quota: SubmitQuota | None = None, *, audit: NewAudit | None = None
+    ) -> tuple[Run, bool]:
         """Insert a QUEUED run. Returns ``(run, created)``; with an idempotency key seen
         before, the existing run and ``False`` (or :class:`IdempotencyConflict` when the
         earlier request differed). With ``quota`` and a submitter, the submitter's quota is
@@ -355,6 +358,8 @@ class RunStore:
                     _check_quota(conn, new.submitted_by, quota)
             row = conn.execute(Q["create_run"], params).mappings().first()
             if row is not None:
+                if audit is not None:  # the submit, in its own transaction
+                    _record_audit(conn, row["id"], audit)
                 return _run(row), True
             existing = (
                 conn.execute(

@@ -12,7 +12,7 @@ from celery import Celery
 from prometheus_client import CollectorRegistry, start_http_server
 
 from db.errors import LeaseLost
-from db.records import ApprovalStatus, Dispatch, StepStatus
+from db.records import ApprovalStatus, Dispatch, NewAudit, StepStatus
 from db.store import RunStore
 from runtime.bootstrap import Runtime
 from runtime.config import Settings
@@ -90,10 +90,31 @@ def stop_worker_state(app: Celery) -> None:
 
 
 def expire_approval(store: RunStore, approval_id: uuid.UUID, policy: str) -> Dispatch | None:
-    """Apply an expired approval's timeout policy: APPROVE, REJECT, or FAIL the step."""
+    """Apply an expired approval's timeout policy: APPROVE, REJECT, or FAIL the step, and
+    write it to the audit trail (action ``timeout``) in the same transaction."""
+    approval = store.get_approval(approval_id)
+    tenant = store.get_run(approval.run_id).tenant if approval is not None else ""
+    audit = NewAudit(
+        actor="timeout-policy",
+        action="timeout",
+        tenant=tenant,
+        detail={
+            "policy": policy,
+            **(
+                {
+                    "stepKey": approval.step_key,
+                    "role": approval.role,
+                    "payloadHash": approval.payload_hash,
+                }
+                if approval is not None
+                else {}
+            ),
+        },
+        approval_id=approval_id,
+    )
     if policy == "APPROVE":
         return store.decide_approval(
-            approval_id, ApprovalStatus.APPROVED, decided_by="timeout-policy"
+            approval_id, ApprovalStatus.APPROVED, decided_by="timeout-policy", audit=audit
         )
     if policy == "REJECT":
         return store.decide_approval(
@@ -101,12 +122,14 @@ def expire_approval(store: RunStore, approval_id: uuid.UUID, policy: str) -> Dis
             ApprovalStatus.REJECTED,
             decided_by="timeout-policy",
             comment="no decision before the deadline",
+            audit=audit,
         )
     return store.decide_approval(
         approval_id,
         ApprovalStatus.EXPIRED,
         decided_by="timeout-policy",
         comment="no decision before the deadline",
+        audit=audit,
         step_status=StepStatus.ERROR,
         step_error="ApprovalExpired: no decision before the deadline",
     )

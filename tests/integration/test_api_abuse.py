@@ -25,6 +25,7 @@ from examples.order_refund import build as build_refund
 from runtime.bootstrap import Runtime
 from runtime.config import Settings
 from tasks.celery_app import make_celery
+from tasks.drive import expire_approval
 from tests.support import drive_to_end
 
 # name: (roles, token, tenant)
@@ -359,3 +360,58 @@ def test_dar_token_new_expires(capsys: pytest.CaptureFixture[str]) -> None:
     (_, principal), *_ = TokenTable.parse(entry).entries
     assert principal.expires_at == 1801353600.0
     assert main(["token", "new", "ci", "--roles", "read", "--expires", "soon"]) == 2
+
+
+# -- 7. the audit trail: submits and timeouts --------------------------------------------------
+
+
+def test_submits_and_timeout_decisions_are_audited(client: FlaskClient, runtime: Runtime) -> None:
+    run_id = submit(client, "alice", **{"Idempotency-Key": "k-1"}).get_json()["id"]
+    again = submit(client, "alice", **{"Idempotency-Key": "k-1"})
+    assert again.status_code == 200
+    events = runtime.store.audit_events(uuid.UUID(run_id))
+    assert [(e.action, e.actor, e.tenant) for e in events] == [("submit", "alice", "red")], (
+        "one submit, not one per retry"
+    )
+    assert events[0].detail["idempotencyKey"] == "k-1"
+
+    approval = _approval(client, runtime)
+    assert expire_approval(runtime.store, uuid.UUID(approval["id"]), "REJECT") is not None
+    (timeout,) = [
+        e for e in runtime.store.audit_events(uuid.UUID(approval["runId"])) if e.action == "timeout"
+    ]
+    assert (timeout.actor, timeout.tenant) == ("timeout-policy", "red")
+    assert timeout.detail["policy"] == "REJECT"
+    assert timeout.detail["payloadHash"] == approval["payloadHash"]
+
+
+# -- 2. a fork's copied approval says whose decision it was ------------------------------------
+
+
+def test_a_forks_copied_approval_is_labelled_with_the_run_that_decided_it(
+    client: FlaskClient, runtime: Runtime
+) -> None:
+    approval = _approval(client, runtime)
+    run_id = approval["runId"]
+    assert (
+        client.post(
+            f"/api/approvals/{approval['id']}/approve", json={}, headers=auth("ann")
+        ).status_code
+        == 200
+    )
+    run = runtime.store.get_run(uuid.UUID(run_id))
+    drive_to_end(runtime.driver(), Dispatch(run.id, run.dispatch_token))
+    steps = client.get(f"/api/runs/{run_id}/timeline", headers=auth("alice")).get_json()
+    after = max(s["seq"] or 0 for s in steps) + 1
+    made = client.post(f"/api/runs/{run_id}/fork", json={"fromSeq": after}, headers=auth("amy"))
+    assert made.status_code == 201, made.get_json()
+    fork_id = made.get_json()["id"]
+    (copied,) = runtime.store.list_approvals(status=None, run_id=uuid.UUID(fork_id))
+    assert copied.copied_from == uuid.UUID(run_id)
+    shown = client.get(f"/api/approvals/{copied.id}", headers=auth("ann")).get_json()
+    assert shown["copiedFrom"] == run_id
+    # The original's own approval is its own decision.
+    assert (
+        client.get(f"/api/approvals/{approval['id']}", headers=auth("ann")).get_json()["copiedFrom"]
+        is None
+    )

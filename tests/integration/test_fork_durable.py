@@ -117,6 +117,7 @@ def test_an_unchanged_approval_is_copied_as_decided(
     (approval,) = runtime.store.list_approvals(status=None, run_id=done.run_id)
     assert approval.status is ApprovalStatus.APPROVED
     assert approval.decided_by == "alice"
+    assert approval.copied_from == first.run_id, "labelled: alice decided for the original"
     pay = next(s for s in done.steps if s.step_key == "pay:0")
     assert pay.origin is StepOrigin.COPIED
     assert runtime.store.get_run(done.run_id).tokens_used == 0

@@ -178,12 +178,16 @@ def test_actions_are_recorded_in_an_append_only_audit_trail(
     assert decided.status_code == 200
     assert client.post(f"/api/runs/{run_id}/cancel", headers=_h("alice")).status_code == 202
     audit = client.get(f"/api/runs/{run_id}", headers=_h("alice")).get_json()["audit"]
-    assert [(a["action"], a["actor"]) for a in audit] == [("reject", "ann"), ("cancel", "alice")]
-    assert audit[0]["approvalId"] == approval["id"]
+    assert [(a["action"], a["actor"]) for a in audit] == [
+        ("submit", "alice"),
+        ("reject", "ann"),
+        ("cancel", "alice"),
+    ]
+    assert audit[1]["approvalId"] == approval["id"]
     assert all(a["at"] for a in audit)
     timeline = client.get(f"/api/runs/{run_id}/timeline", headers=_h("alice")).get_json()
     entries = [(s["action"], s["actor"]) for s in timeline if s["kind"] == "AUDIT"]
-    assert entries == [("reject", "ann"), ("cancel", "alice")]
+    assert entries == [("submit", "alice"), ("reject", "ann"), ("cancel", "alice")]
     with pytest.raises(DBAPIError, match="append-only"), runtime.engine.begin() as conn:
         conn.execute(text("UPDATE audit_event SET actor = 'mallory'"))
     with pytest.raises(DBAPIError, match="append-only"), runtime.engine.begin() as conn:
@@ -194,7 +198,7 @@ def test_refused_actions_leave_no_audit_entry(client: FlaskClient, runtime: Runt
     run_id = _submit(client, "alice").get_json()["id"]
     _fail_run(runtime, run_id)
     assert client.post(f"/api/runs/{run_id}/cancel", headers=_h("alice")).status_code == 409
-    assert runtime.store.audit_events(uuid.UUID(run_id)) == []
+    assert [e.action for e in runtime.store.audit_events(uuid.UUID(run_id))] == ["submit"]
 
 
 # -- 5. hostile text, and what the log says ----------------------------------------------------
