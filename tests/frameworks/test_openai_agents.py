@@ -182,3 +182,30 @@ def test_a_run_state_interruption_becomes_this_runtimes_approval(
         "tool.refund:0",
         "model:1",
     ]
+
+
+def test_the_example_agent_registers_with_a_model_by_name(
+    rt: Runtime, fake: FakeOpenAiApi, client: AsyncOpenAI
+) -> None:
+    from agents import OpenAIProvider
+
+    from examples import openai_agents_agent
+
+    provider = OpenAIProvider(openai_client=client, use_responses=True)
+    rt.agents.register(openai_agents_agent.build(MODEL), model_provider=provider)
+    fake.then_calls(("call_1", "lookup_order", {"order": "A-7"}))
+    fake.then_calls(("call_2", "transfer_to_reply_writer", {}))
+    fake.then_text("It shipped on Monday.")
+    run, dispatch = rt.submit("order-desk-sdk", "Where is A-7?")
+    drive_to_end(rt.driver(), dispatch)
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.result == "It shipped on Monday."
+    assert [s.step_key for s in rt.store.steps(run.id)] == [
+        "agent:0",
+        "model:0",
+        "tool.lookup_order:0",
+        "model:1",
+        "handoff.reply-writer:0",
+        "model:2",
+    ]

@@ -276,3 +276,15 @@ def test_a_tool_that_needs_approval_waits_for_this_runtimes_approver(
         "tool.refund:0",
         "model.request:1",
     ]
+
+
+def test_the_example_agent_runs_offline(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    from examples import pydantic_ai_agent
+
+    pydantic_ai_agent.register(rt.agents)
+    run, dispatch = rt.submit("order-desk", "Where is order B-2?")
+    drive_to_end(rt.driver(), dispatch)
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.result == "Order status: waiting for stock."
