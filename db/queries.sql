@@ -234,6 +234,15 @@ SET status = CASE WHEN :status = 'NEEDS_ATTENTION' AND cancel_requested
 WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING'
 RETURNING status;
 
+-- begin_stop --
+-- A run the engine stops early (its worker kept dying) keeps the reason on the row while its
+-- compensations run, one per task: the next task reads it and goes on unwinding instead of
+-- running the function again. Only RUNNING has an error while running. Fenced.
+UPDATE run
+SET error = :error, updated_at = now()
+WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING'
+RETURNING status;
+
 -- cancel_run --
 -- Cooperative cancel. A run no worker holds (queued, between steps, parked) ends at once,
 -- unless it is a durable function with completed steps that may have compensations (only

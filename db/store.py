@@ -951,6 +951,13 @@ class RunStore:
             written = self._record(conn, claim, step)
         self.step_logs.wrote(claim.run_id, claim.epoch, [written])
 
+    def begin_stop(self, claim: Claim, reason: str) -> None:
+        """Mark the run as stopping for ``reason`` while its compensations run. Fenced."""
+        with self._statement() as conn:
+            row = conn.execute(Q["begin_stop"], {**_fence(claim), "error": reason}).first()
+        if row is None:
+            raise LeaseLost(claim.run_id, "stop refused by the fence")
+
     def finish(
         self,
         claim: Claim,

@@ -33,6 +33,7 @@ from runtime.agent_loop import run_agent
 from runtime.agents import Agent, AgentRegistry, UnknownAgent
 from runtime.config import Settings
 from runtime.durable.api import DurableAgent
+from runtime.durable.compensation import unwind_recorded
 from runtime.durable.execution import Execution
 from runtime.faults import crash_point
 from runtime.flow import FlowControl
@@ -224,15 +225,19 @@ class Driver:
             # Checked before anything else may fail on this run (reading its steps included),
             # so a run that keeps breaking its worker ends instead of being retried forever.
             if run.claims_without_progress > self.settings.max_claims_without_progress:
-                return task.finish(
-                    RunStatus.FAILED,
-                    error=(
-                        f"the run stopped its worker {run.claims_without_progress - 1} times "
-                        "without completing a step; giving up "
-                        f"(DAR_MAX_CLAIMS_WITHOUT_PROGRESS="
-                        f"{self.settings.max_claims_without_progress})"
-                    ),
+                reason = (
+                    f"the run stopped its worker {run.claims_without_progress - 1} times "
+                    "without completing a step; giving up "
+                    f"(DAR_MAX_CLAIMS_WITHOUT_PROGRESS="
+                    f"{self.settings.max_claims_without_progress})"
                 )
+                if task.stopping is not None:  # its unwinding breaks the worker too: end
+                    return task.finish(
+                        RunStatus.FAILED,
+                        error=f"{task.stopping}; then its compensations stopped the worker "
+                        "too, so the rest were not run",
+                    )
+                task.begin_stop(reason)  # its compensations run, one per task, then it ends
             task.steps = self.store.steps(
                 run.id, token=token, epoch=claim.epoch, status_changes=claim.status_changes
             )
@@ -240,11 +245,13 @@ class Driver:
                 log.info("run=%s resumed at seq=%d", short(run.id), self._resume_seq(task.steps))
             try:
                 agent = self.agents.get(run.agent)
-            except UnknownAgent as e:
-                return task.finish(RunStatus.FAILED, error=str(e))
+            except UnknownAgent as e:  # its compensations are found from its rows
+                return unwind_recorded(task, RunStatus.FAILED, task.stopping or str(e))
             if isinstance(agent, DurableAgent):
                 return Execution(task, agent).run()
             assert isinstance(agent, Agent)
+            if task.stopping is not None:  # an agent loop has nothing to compensate
+                return task.finish(RunStatus.FAILED, error=task.stopping)
             return run_agent(task, agent)
 
     @staticmethod

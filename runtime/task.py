@@ -109,6 +109,8 @@ class Task:
     spent_cost: Decimal = field(default_factory=Decimal)
     admission: Grant | None = None
     """Flow-control admission held by the model call about to be made (settled after it)."""
+    stop_reason: str | None = None
+    """Why the engine stops this run early, marked by this task (:meth:`begin_stop`)."""
     _log: tuple[list[Step], dict[str, Step]] | None = field(default=None, repr=False)
 
     @property
@@ -126,6 +128,22 @@ class Task:
     @property
     def rid(self) -> str:
         return short(self.claim.run_id)
+
+    @property
+    def stopping(self) -> str | None:
+        """Why the engine is stopping this run early while its compensations run, one per
+        task (``None``: it is not). Kept on the run (:meth:`begin_stop`), so every task of
+        the unwinding knows it, whatever the run's counters say by then."""
+        if self.stop_reason is not None:
+            return self.stop_reason
+        run = self.claim.run
+        return run.error if run.status is RunStatus.RUNNING and run.error else None
+
+    def begin_stop(self, reason: str) -> None:
+        """Mark the run as stopping for ``reason``: no new step runs, its compensations do,
+        then it ends FAILED."""
+        self.durably("the run's stop", lambda: self.store.begin_stop(self.claim, reason))
+        self.stop_reason = reason
 
     @property
     def log(self) -> dict[str, Step]:

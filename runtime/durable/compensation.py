@@ -27,7 +27,7 @@ from db.records import NewStep, RunStatus, Step, StepKind, StepStatus
 from runtime import effects, pipeline
 from runtime.codec import decode
 from runtime.durable.api import is_idempotent, resolve_compensation
-from runtime.durable.errors import DurableConfigError
+from runtime.durable.errors import DurableConfigError, Yield
 from runtime.pipeline import State
 from runtime.task import StepResult, Task
 
@@ -188,3 +188,37 @@ class Compensations:
         row = effects.row(effect, verdict, error=error)
         log.info("run=%s seq=%d COMPENSATION %s %s", task.rid, seq, target.step_key, row.status)
         return task.checkpoint([row])
+
+
+class _Recorded:
+    """The execution of a function this process cannot run (its agent is not registered
+    here): its completed steps' compensations are found from the references their rows
+    keep."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+        self._next_seq = task.next_seq
+
+    @property
+    def recorded(self) -> dict[str, Step]:
+        return self.task.log
+
+    def take_seq(self) -> int:
+        seq = self._next_seq
+        self._next_seq += 1
+        return seq
+
+    def end(self, result: StepResult) -> NoReturn:
+        raise Yield(result)
+
+    def engine_call(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def unwind_recorded(task: Task, status: RunStatus, reason: str) -> StepResult:
+    """Stop a run whose function cannot run here (an unknown agent): the next compensation
+    its rows name (one per task), or the end of the run."""
+    try:
+        return Compensations(_Recorded(task)).unwind(status, reason)
+    except Yield as y:
+        return y.result

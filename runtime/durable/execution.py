@@ -144,27 +144,34 @@ class Execution:
     # -- the whole function -----------------------------------------------------------------
 
     def run(self) -> StepResult:
+        """The function, replayed from the top, to its next step or its end. Every early end
+        (the guard, a replay that diverges, an exception, an output that cannot be recorded,
+        the engine stopping the run) goes through :meth:`stop`."""
         run = self.task.claim.run
         token = set_current_steps(self.steps_api)
         try:
-            argument = decode(run.input, self.agent.input_type)
-            output = self.agent.fn(argument, self.steps_api)
+            try:
+                argument = decode(run.input, self.agent.input_type)
+                output = self.agent.fn(argument, self.steps_api)
+                if self.task.stopping is not None:  # replayed to its end while stopping
+                    self.stop(RunStatus.FAILED, self.task.stopping)
+                result = encode(output)
+            except NonDeterministicReplay as e:
+                self.stop(RunStatus.FAILED, str(e))
+            except Exception as e:
+                self.stop(RunStatus.FAILED, f"{type_name(e)}: {e}")
         except Yield as y:
             return y.result
-        except NonDeterministicReplay as e:
-            return self.task.finish(RunStatus.FAILED, error=str(e))
-        except Exception as e:
-            try:
-                return self.compensations.unwind(RunStatus.FAILED, f"{type_name(e)}: {e}")
-            except Yield as y:
-                return y.result
         finally:
             reset_current_steps(token)
-        try:
-            result = encode(output)
-        except Exception as e:
-            return self.task.finish(RunStatus.FAILED, error=f"{type_name(e)}: {e}")
         return self.task.finish(RunStatus.SUCCEEDED, result=result)
+
+    def stop(self, status: RunStatus, reason: str) -> NoReturn:
+        """The one way the function ends early: the compensations of its completed steps,
+        one per task, then the end of the run with ``status`` and ``reason``. The reason
+        comes back on every task until the end (the guard's condition, a deterministic
+        divergence or failure, or the run's stop marker: :attr:`Task.stopping`)."""
+        self.end(self.compensations.unwind(status, reason))
 
     # -- keys, strict replay, ending the task -----------------------------------------------
 
@@ -220,13 +227,15 @@ class Execution:
                 steps_taken=steps_taken, next_is_model=KINDS[kind].guarded_as_model
             )
             run = self.task.claim.run
+            if self.task.stopping is not None:  # no new step: the run is being stopped
+                stop = Stop(RunStatus.FAILED, self.task.stopping)
             if stop is None and steps_taken >= run.max_steps:
                 stop = Stop(
                     RunStatus.FAILED,
                     f"step cap reached: {steps_taken} steps of maxSteps {run.max_steps}",
                 )
             if stop is not None:
-                self.end(self.compensations.unwind(stop.status, stop.reason))
+                self.stop(stop.status, stop.reason)
 
     def _pause_open_steps(self) -> None:
         """Before a step inside another ends the task, record the open steps around it as
@@ -427,7 +436,7 @@ class Execution:
             if pause.stop is not None:  # the guard stopped the run inside a step
                 for row in rows:
                     self.task.record_child(row)
-                self.end(self.compensations.unwind(pause.stop.status, pause.stop.reason))
+                self.stop(pause.stop.status, pause.stop.reason)
             assert pause.delay_seconds is not None
             self.end(
                 self.task.schedule(
@@ -644,7 +653,7 @@ class Execution:
                 )
         if isinstance(outcome, modelcall.Stopped):
             with self.engine_call():
-                self.end(self.compensations.unwind(outcome.status, outcome.reason))
+                self.stop(outcome.status, outcome.reason)
         text = f"{type_name(outcome.error)}: {outcome.error}"
         row = NewStep(
             seq,
