@@ -773,6 +773,26 @@ def openapi_document(
                             "format": "uuid",
                             "description": "the schedule whose tick started it",
                         },
+                        "parentRunId": {
+                            "type": ["string", "null"],
+                            "format": "uuid",
+                            "description": "the run whose steps.child started it",
+                        },
+                        "children": {
+                            "type": "array",
+                            "description": "GET of one run: the child runs it started "
+                            "(steps.child), oldest first",
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "id": {"type": "string", "format": "uuid"},
+                                    "agent": {"type": "string"},
+                                    "status": {"enum": statuses},
+                                    "tokensUsed": {"type": "integer"},
+                                    "costUsd": {"type": "number"},
+                                },
+                            },
+                        },
                         "audit": {
                             "type": "array",
                             "items": _ref("AuditEvent"),

@@ -215,8 +215,21 @@ def counts() -> Response:
 @requires("read")
 def get_run(run_id: str) -> Response:
     run = load_run(parse_run_id(run_id))
-    events = state().runtime.store.audit_events(run.id)
-    return jsonify({**run_json(run), "audit": [audit_json(e) for e in events]})
+    store = state().runtime.store
+    events = store.audit_events(run.id)
+    children = [
+        {
+            "id": str(c["id"]),
+            "agent": c["agent"],
+            "status": c["status"],
+            "tokensUsed": c["tokens_used"],
+            "costUsd": float(c["cost_usd"]),
+        }
+        for c in store.children(run.id)
+    ]
+    return jsonify(
+        {**run_json(run), "children": children, "audit": [audit_json(e) for e in events]}
+    )
 
 
 @bp.get("/runs/<run_id>/timeline")
@@ -356,6 +369,11 @@ def cancel(run_id: str) -> tuple[Response, int]:
     rid = parse_run_id(run_id)
     load_run(rid)
     status = store.cancel(rid, audit=audit("cancel"))
+    cancelled = load_run(rid)
+    if status is not None and status.terminal and cancelled.parent_run_id is not None:
+        woken = store.wake(cancelled.parent_run_id)  # its parent waits for it: look now
+        if woken is not None:
+            send_drive(state().celery, store, woken)
     live = state().runtime.live
     if status is not None and live is not None:  # a model call in flight stops within ~1 s
         live.request_cancel(rid)

@@ -12,11 +12,12 @@
 -- Idempotency keys are scoped to the tenant: another tenant's key is another key.
 INSERT INTO run (id, agent, input, model, max_steps, token_budget, cost_budget_usd,
                  deadline_at, dispatch_token, idempotency_key, request_hash, submitted_by,
-                 tenant, timeout_seconds, concurrency_key, priority, schedule_id)
+                 tenant, timeout_seconds, concurrency_key, priority, schedule_id,
+                 parent_run_id)
 VALUES (:id, :agent, CAST(:input AS jsonb), :model, :max_steps, :token_budget,
         :cost_budget_usd, now() + make_interval(secs => :timeout_seconds), :token,
         :idempotency_key, :request_hash, :submitted_by, :tenant, :timeout_seconds,
-        :concurrency_key, :priority, :schedule_id)
+        :concurrency_key, :priority, :schedule_id, :parent_run_id)
 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING *;
 
@@ -923,3 +924,12 @@ RETURNING id;
 
 -- get_signal_by_key --
 SELECT id FROM run_signal WHERE run_id = :run_id AND idempotency_key = :idempotency_key;
+
+-- live_children --
+-- A parent's children that have not ended (the cancel cascade).
+SELECT id FROM run
+WHERE parent_run_id = :id AND status NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT');
+
+-- list_children --
+SELECT id, agent, status, tokens_used, cost_usd, created_at, finished_at FROM run
+WHERE parent_run_id = :id ORDER BY created_at, id;

@@ -46,6 +46,8 @@ class StepKind(enum.StrEnum):
     """A durable timer or a wait for a signal (``steps.sleep``, ``steps.wait_for``)."""
     SEND = "SEND"
     """``steps.send``: a signal to another run, inserted with the step's record."""
+    CHILD = "CHILD"
+    """``steps.child``: a child run, inserted with the step's record; its result when it ends."""
 
 
 class StepStatus(enum.StrEnum):
@@ -142,6 +144,8 @@ class Run:
     """Higher first, among the runs waiting for a key slot or a model's rate limit."""
     schedule_id: uuid.UUID | None = None
     """The schedule whose tick started it."""
+    parent_run_id: uuid.UUID | None = None
+    """The run whose ``steps.child`` started it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +214,7 @@ class NewRun:
     concurrency_key: str | None = None
     priority: int = 0
     schedule_id: uuid.UUID | None = None
+    parent_run_id: uuid.UUID | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,6 +106,9 @@ run = Table(
     # The schedule whose tick started it (migration 0014); no foreign key: a deleted schedule
     # leaves its runs.
     Column("schedule_id", UUID(as_uuid=True)),
+    # A child run (migration 0016): the run whose steps.child started it. No foreign key, as
+    # for forks: the lineage outlives retention.
+    Column("parent_run_id", UUID(as_uuid=True)),
     CheckConstraint(
         "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES) + ")",
         name="run_status_ck",
@@ -144,6 +147,9 @@ Index(
     run.c.concurrency_key,
     postgresql_where=text("concurrency_key IS NOT NULL AND status IN ('QUEUED', 'RUNNING')"),
 )
+
+# A parent's children, for GET /api/runs/{id} and the cancel cascade.
+Index("run_parent_idx", run.c.parent_run_id, postgresql_where=text("parent_run_id IS NOT NULL"))
 
 # The overlap check of a schedule's tick reads its live runs.
 Index(
@@ -201,7 +207,7 @@ run_step = Table(
     PrimaryKeyConstraint("run_id", "seq", name="run_step_pkey"),
     CheckConstraint(
         "kind IN ('MODEL', 'TOOL', 'STEP', 'LLM', 'SIDE_EFFECT', 'APPROVAL', 'COMPENSATION', "
-        "'VERSION', 'TOOLSET', 'WAIT', 'SEND')",
+        "'VERSION', 'TOOLSET', 'WAIT', 'SEND', 'CHILD')",
         name="run_step_kind_ck",
     ),
     CheckConstraint(

@@ -125,6 +125,7 @@ def _run(row: Mapping[Any, Any]) -> Run:
         concurrency_key=row["concurrency_key"],
         priority=row["priority"],
         schedule_id=row.get("schedule_id"),
+        parent_run_id=row.get("parent_run_id"),
     )
 
 
@@ -304,6 +305,7 @@ def _new_run_params(new: NewRun, run_id: uuid.UUID) -> dict[str, Any]:
         "concurrency_key": new.concurrency_key,
         "priority": new.priority,
         "schedule_id": new.schedule_id,
+        "parent_run_id": new.parent_run_id,
     }
 
 
@@ -986,7 +988,51 @@ class RunStore:
                 conn.execute(Q["cancel_pending_approvals"], {"id": run_id})
             if row is not None and audit is not None:
                 _record_audit(conn, run_id, audit)
+            if row is not None:  # cancelling a parent cancels its children, down the tree
+                _cancel_children(conn, run_id)
         return RunStatus(row.status) if row else None
+
+    def park_for_child(
+        self, claim: Claim, child_id: uuid.UUID, delay_seconds: float, reason: str
+    ) -> Dispatch | None:
+        """Park the parent until its child ends (a timer of ``delay_seconds`` as a fallback),
+        unless the child has ended already (``None``: read its result now). Under the
+        parent's row lock, as :meth:`wait_for_signal`: a child that ends meanwhile finds the
+        parent parked and wakes it. Fenced."""
+        token = uuid.uuid4()
+        with self.engine.begin() as conn:
+            conn.execute(Q["lock_run_row"], {"id": claim.run_id})
+            child = conn.execute(Q["get_run"], {"id": child_id}).first()
+            if child is None or RunStatus(child.status).terminal:
+                return None
+            self._schedule(conn, claim, delay_seconds, token, reason, True, 0)  # a wait: progress
+        return Dispatch(claim.run_id, token, delay_seconds)
+
+    def children(self, run_id: uuid.UUID) -> list[dict[str, Any]]:
+        """A parent's child runs, oldest first: id, agent, status, tokens, cost."""
+        with self._statement() as conn:
+            return [dict(r) for r in conn.execute(Q["list_children"], {"id": run_id}).mappings()]
+
+    def start_child(
+        self, claim: Claim, step: NewStep, child: NewRun, child_id: uuid.UUID, recheck: float
+    ) -> Dispatch:
+        """``steps.child``: insert the child run, record the parent's ``PENDING`` step and
+        park the parent (a timer of ``recheck`` seconds, woken sooner when the child ends),
+        in one transaction: the child exists exactly when its step does. Returns the
+        child's first drive_run message. Fenced."""
+        token = uuid.uuid4()
+        try:
+            with self.engine.begin() as conn:
+                row = conn.execute(Q["create_run"], _new_run_params(child, child_id)).mappings()
+                created = row.one()
+                written = [self._record(conn, claim, step)]
+                self._hand_over(conn, claim, token, recheck, f"{step.step_key} waiting for "
+                                f"child run {str(child_id)[:8]}", True, 0)  # fmt: skip
+        except LeaseLost:
+            self.step_logs.forget(claim.run_id)
+            raise
+        self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
+        return Dispatch(created["id"], created["dispatch_token"])
 
     def resolve(
         self,
@@ -1280,7 +1326,8 @@ class RunStore:
                     if conn.execute(Q["pending_signal"], params).first() is not None:
                         return None
                 written = [self._record(conn, claim, step) for step in rows]
-                self._hand_over(conn, claim, token, delay_seconds, reason, bool(rows), 0)
+                # A wait is progress: a run that waits long is not a run that keeps killing workers.
+                self._schedule(conn, claim, delay_seconds, token, reason, True, 0)
         except LeaseLost:
             self.step_logs.forget(claim.run_id)
             raise
@@ -1521,3 +1568,10 @@ def _insert_signal(
         Q["get_signal_by_key"], {"run_id": run_id, "idempotency_key": idempotency_key}
     ).one()
     return int(seen.id), False
+
+
+def _cancel_children(conn: Connection, run_id: uuid.UUID) -> None:
+    for child in conn.execute(Q["live_children"], {"id": run_id}).scalars().all():
+        if conn.execute(Q["cancel_run"], {"id": child}).first() is not None:
+            conn.execute(Q["cancel_pending_approvals"], {"id": child})
+            _cancel_children(conn, child)

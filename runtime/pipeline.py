@@ -64,6 +64,8 @@ class StepKind(enum.StrEnum):
     """``steps.wait_for(name, timeout=...)``: waits for a signal sent to the run."""
     SEND = "SEND"
     """``steps.send(run_id, name, payload)``: a signal to another run."""
+    CHILD = "CHILD"
+    """``steps.child(agent, input)``: another agent as its own run, waited for."""
 
 
 class Before(enum.StrEnum):
@@ -329,6 +331,20 @@ KINDS: dict[StepKind, Policy] = {
         bills=False,
         notes="the signal is inserted in the transaction that records the step, under the "
         "step's idempotency key: exactly once across crashes",
+    ),
+    StepKind.CHILD: Policy(
+        name="`steps.child`",
+        key="`child.<agent>:n`",
+        row=RowKind.CHILD,
+        before=Before.CHECKPOINT,
+        after_crash=AfterCrash.NOTHING,
+        replays_as="the child's result (or `ChildRunFailed` raised again)",
+        compensable=False,
+        bills=False,
+        notes="the child run is inserted in the transaction that records the step `PENDING`: "
+        "a parent crash never starts it twice; the parent waits parked (no lease) and is "
+        "woken when the child ends; the child's tokens and cost are added to the parent's "
+        "with its result",
     ),
 }
 

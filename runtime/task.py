@@ -411,7 +411,12 @@ class Task:
             run_span(str(run.id), run.agent, str(run.status), run.created_at, run.finished_at)
         detail = f" reason={error_text(error)}" if error else ""
         log.info("run=%s %s tokens=%d%s", self.rid, run.status, run.tokens_used, detail)
-        return StepResult(Outcome.FINISHED, status=run.status)
+        wakes: tuple[Dispatch, ...] = ()
+        if run.parent_run_id is not None and run.status.terminal:  # its parent waits for it
+            parent = run.parent_run_id
+            woken = self.durably("-", lambda: self.store.wake(parent))
+            wakes = (woken,) if woken is not None else ()
+        return StepResult(Outcome.FINISHED, status=run.status, wakes=wakes)
 
     def needs_attention(self, reason: str) -> StepResult:
         return self.finish(RunStatus.NEEDS_ATTENTION, error=reason)

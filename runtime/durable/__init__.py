@@ -24,6 +24,7 @@ from runtime.durable.api import (
 from runtime.durable.errors import (
     ApprovalMismatch,
     ApprovalRejected,
+    ChildRunFailed,
     DurableConfigError,
     InfrastructureError,
     NonDeterministicReplay,
@@ -40,6 +41,7 @@ __all__ = [
     "ApprovalRejected",
     "ApprovalRequest",
     "Billed",
+    "ChildRunFailed",
     "DurableAgent",
     "DurableConfigError",
     "InfrastructureError",

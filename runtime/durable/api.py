@@ -272,6 +272,10 @@ class Engine(Protocol):
 
     def send(self, run_id: uuid.UUID, name: str, payload: Any) -> None: ...
 
+    def child(
+        self, agent: str, value: Any, token_budget: int | None, timeout_seconds: int | None
+    ) -> Any: ...
+
     def model_call(self, request: LlmRequest) -> LlmResponse: ...
 
     def current_key(self) -> str | None: ...
@@ -580,3 +584,19 @@ class Steps:
         once across crashes (the signal is written with this step's record, under its
         idempotency key). A run that does not exist or has ended fails the step."""
         self._engine.send(uuid.UUID(str(run_id)), name, payload)
+
+    def child(
+        self,
+        agent: str,
+        input: Any,
+        *,
+        token_budget: int | None = None,
+        timeout_seconds: int | None = None,
+    ) -> Any:
+        """Run the registered agent ``agent`` on ``input`` as its own run (``parentRunId``
+        is this run) and return its result; a child that ends FAILED, CANCELLED or TIMED_OUT
+        raises :class:`ChildRunFailed`. This run waits parked (no thread, no lease); a crash
+        never starts the same child twice. The child's budget is at most what this run has
+        left (``token_budget`` lowers it) and its tokens and cost count against this run's
+        budget; cancelling this run cancels the child."""
+        return self._engine.child(agent, input, token_budget, timeout_seconds)

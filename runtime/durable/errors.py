@@ -29,6 +29,10 @@ class SignalTimeout(StepError):
     """``steps.wait_for(name, timeout=...)``: no signal came before the timeout."""
 
 
+class ChildRunFailed(StepError):
+    """``steps.child(...)``: the child run ended FAILED, CANCELLED or TIMED_OUT."""
+
+
 class ApprovalRejected(DarError):
     """The approver rejected the step (or its timeout policy is REJECT)."""
 

@@ -26,7 +26,7 @@ from datetime import datetime, timedelta
 from typing import Any, NoReturn
 
 from db.errors import InvalidTransition, RunNotFound
-from db.records import NewStep, RunStatus, Step, StepStatus
+from db.records import NewRun, NewStep, RunStatus, Step, StepStatus
 from db.records import StepKind as RowKind
 from runtime import effects, mcpcall, modelcall
 from runtime.codec import decode, encode
@@ -44,6 +44,7 @@ from runtime.durable.compensation import Compensations
 from runtime.durable.errors import (
     ApprovalMismatch,
     ApprovalRejected,
+    ChildRunFailed,
     DurableConfigError,
     InfrastructureError,
     NonDeterministicReplay,
@@ -290,6 +291,8 @@ class Execution:
             return StepTimeout(key, message)
         if message.startswith("SignalTimeout:"):
             return SignalTimeout(key, message)
+        if message.startswith("ChildRunFailed:"):
+            return ChildRunFailed(key, message)
         return StepError(key, message)
 
     def _execute(
@@ -908,3 +911,74 @@ class Execution:
             woken = self.task.store.wake(run_id)
         log.info("run=%s seq=%d SEND %s to run=%s", self.task.rid, seq, key, str(run_id)[:8])
         self.end(StepResult(Outcome.CONTINUE, dispatch=dispatch, wakes=(woken,) if woken else ()))
+
+    # -- child runs -----------------------------------------------------------------------
+
+    CHILD_RECHECK_SECONDS = 30.0
+    """A parent waiting for its child is woken when the child ends; should that wake be
+    lost, it looks again after this long."""
+
+    def child(
+        self, agent: str, value: Any, token_budget: int | None, timeout_seconds: int | None
+    ) -> Any:
+        key, rec = self._top_level("steps.child", f"child.{agent}")
+        if rec is not None and rec.status is StepStatus.DONE:
+            return rec.response
+        if rec is not None and rec.status is StepStatus.ERROR:
+            raise self._recorded_error(key, rec)
+        self._guard(StepKind.CHILD)
+        row_kind = KINDS[StepKind.CHILD].row
+        task, parent = self.task, self.task.claim.run
+        if rec is None:
+            seq = self.take_seq()
+            left = parent.token_budget - parent.tokens_used - task.spent.total
+            if left <= 0:
+                no_budget = "ChildRunFailed: no token budget left for a child run"
+                failed = NewStep(seq, key, row_kind, StepStatus.ERROR, attempt=1, error=no_budget)
+                with self.engine_call():
+                    self.end(task.checkpoint([failed]))
+            seconds_left = int((parent.deadline_at - task.claim.db_now).total_seconds())
+            child_id = uuid.uuid5(parent.id, key)
+            new = NewRun(
+                agent=agent,
+                input=encode(value),
+                model=parent.model,
+                max_steps=task.settings.default_max_steps,
+                token_budget=min(token_budget or left, left),
+                timeout_seconds=max(1, min(timeout_seconds or seconds_left, seconds_left)),
+                submitted_by=parent.submitted_by,
+                tenant=parent.tenant,
+                idempotency_key=f"child:{parent.id}/{key}",
+                parent_run_id=parent.id,
+            )
+            pending = NewStep(seq, key, row_kind, StepStatus.PENDING, attempt=1,
+                              response={"runId": str(child_id), "agent": agent})  # fmt: skip
+            with self.engine_call():
+                first = task.store.start_child(
+                    task.claim, pending, new, child_id, self.CHILD_RECHECK_SECONDS
+                )
+            log.info("run=%s seq=%d CHILD %s started run=%s", task.rid, seq, key, str(child_id)[:8])
+            self.end(StepResult(Outcome.WAITING, wakes=(first,)))
+        child_id = uuid.UUID(rec.response["runId"])
+        with self.engine_call():
+            parked = task.store.park_for_child(
+                task.claim, child_id, self.CHILD_RECHECK_SECONDS,
+                f"{key} waiting for child run {str(child_id)[:8]}",
+            )  # fmt: skip
+        if parked is not None:
+            self.end(StepResult(Outcome.WAITING))
+        with self.engine_call():
+            child = task.store.get_run(child_id)
+        cost = child.cost_usd + child.unrecorded_cost_usd
+        if child.status is RunStatus.SUCCEEDED:
+            row = NewStep(rec.seq, key, row_kind, StepStatus.DONE, attempt=1,
+                          response=child.result, usage=child.usage, cost_usd=cost)  # fmt: skip
+        else:
+            row = NewStep(rec.seq, key, row_kind, StepStatus.ERROR, attempt=1,
+                          usage=child.usage, cost_usd=cost,
+                          error=f"ChildRunFailed: child run {child_id} ended {child.status}: "
+                          f"{child.error or 'no error recorded'}")  # fmt: skip
+        log.info("run=%s seq=%d CHILD %s: run=%s %s", task.rid, rec.seq, key, str(child_id)[:8],
+                 child.status)  # fmt: skip
+        with self.engine_call():
+            self.end(task.checkpoint([row]))
