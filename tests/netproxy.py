@@ -27,6 +27,9 @@ from collections.abc import Iterator
 
 
 class TcpProxy:
+    """Listens on a loopback port; forwards to ``target_host:target_port``, or to a
+    PostgreSQL Unix socket when ``target_host`` is a directory (``/dir``, port 5432)."""
+
     def __init__(self, target_host: str, target_port: int, *, listen_port: int = 0) -> None:
         self.target = (target_host, target_port)
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -118,7 +121,7 @@ class TcpProxy:
             self._pairs.add(pair)
         self._open.wait()  # a connection made during a cut hangs until the heal
         try:
-            server = socket.create_connection(self.target, timeout=5)
+            server = self._connect()
         except OSError:
             self._drop(pair)
             return
@@ -132,6 +135,15 @@ class TcpProxy:
             self._pairs.add(pair)
         self._pump(client, server)
         self._drop(pair)
+
+    def _connect(self) -> socket.socket:
+        host, port = self.target
+        if host.startswith("/"):  # a Unix socket directory, as libpq names one
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            server.settimeout(5)
+            server.connect(f"{host}/.s.PGSQL.{port}")
+            return server
+        return socket.create_connection((host, port), timeout=5)
 
     def _pump(self, client: socket.socket, server: socket.socket) -> None:
         peers = {client: server, server: client}

@@ -316,6 +316,9 @@ class WorkerSpec:
     """``DAR_FAULTS`` for the next (re)spawn of this worker (called with its name)."""
     restart_on_exit: bool = False
     """A worker that kills itself at crash points: its deaths are faults, not errors."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of this worker (its own ``DATABASE_URL`` or ``REDIS_URL``: through a
+    proxy the test cuts, ``tests/netproxy.py``)."""
 
 
 @dataclass
@@ -403,6 +406,7 @@ class ChaosStack(DevStack):
             ],
             DAR_WORKER_NAME=name,
             DAR_FAULTS=spec.faults(name) if spec.faults else "",
+            **spec.env,
         )  # fmt: skip
 
     def start_beat(self, name: str = "beat") -> None:
