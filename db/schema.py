@@ -106,7 +106,7 @@ run = Table(
     # The schedule whose tick started it (migration 0014); no foreign key: a deleted schedule
     # leaves its runs.
     Column("schedule_id", UUID(as_uuid=True)),
-    # A child run (migration 0016): the run whose steps.child started it. No foreign key, as
+    # A child run (migration 0017): the run whose steps.child started it. No foreign key, as
     # for forks: the lineage outlives retention.
     Column("parent_run_id", UUID(as_uuid=True)),
     CheckConstraint(

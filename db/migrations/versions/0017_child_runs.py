@@ -4,15 +4,15 @@ A durable function's ``steps.child(agent, input)`` inserts the child run in the 
 that records its ``PENDING`` step, so a parent crash never starts the same child twice; the
 parent waits parked (no lease), and is woken when the child ends.
 
-Revision ID: 0016
-Revises: 0015
+Revision ID: 0017
+Revises: 0016
 Create Date: 2026-12-03
 """
 
 from alembic import op
 
-revision = "0016"
-down_revision = "0015"
+revision = "0017"
+down_revision = "0016"
 branch_labels = None
 depends_on = None
 
