@@ -38,6 +38,7 @@ from api.errors import ApiError
 from api.eventhub import EventHub, Waiter
 from api.runs import load_run, parse_run_id
 from api.state import state
+from db import jsontext
 from db.records import RunStatus, StepKind
 from db.store import RunStore
 from runtime.config import Settings
@@ -129,7 +130,7 @@ def durable_event(row: RowMapping) -> tuple[str, dict[str, Any]]:
             )
             if row["step_kind"] in (StepKind.MODEL, StepKind.LLM):
                 data["model"] = row["model"]
-                data["text"] = _text(row["response"])
+                data["text"] = _text(jsontext.loads(row["response"]))
         return kind, data
     return kind, {
         "approvalId": str(row["approval_id"]) if row["approval_id"] else None,

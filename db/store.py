@@ -7,7 +7,6 @@ Writes made by a worker after claiming are fenced on (holder, lease epoch) and r
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -17,6 +16,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, RowMapping
 
+from db import jsontext
 from db.errors import (
     IdempotencyConflict,
     InvalidTransition,
@@ -74,7 +74,8 @@ class _NotWaiting(Exception):
 
 
 def _json(value: Any) -> str | None:
-    return None if value is None else json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    """A value for a ``jsonb`` column; NUL and lone surrogates in it survive (db.jsontext)."""
+    return None if value is None else jsontext.dumps(value)
 
 
 def _usage(row: Mapping[Any, Any]) -> Usage:
@@ -91,7 +92,7 @@ def _run(row: Mapping[Any, Any]) -> Run:
         id=row["id"],
         agent=row["agent"],
         status=RunStatus(row["status"]),
-        input=row["input"],
+        input=jsontext.loads(row["input"]),
         model=row["model"],
         max_steps=row["max_steps"],
         token_budget=row["token_budget"],
@@ -110,7 +111,7 @@ def _run(row: Mapping[Any, Any]) -> Run:
         dispatch_token=row["dispatch_token"],
         claims_without_progress=row["claims_without_progress"],
         cancel_requested=row["cancel_requested"],
-        result=row["result"],
+        result=jsontext.loads(row["result"]),
         error=row["error"],
         submitted_by=row["submitted_by"],
         created_at=row["created_at"],
@@ -178,7 +179,7 @@ def _step(row: Mapping[Any, Any]) -> Step:
         tool_use_id=row["tool_use_id"],
         model=row["model"],
         prompt_hash=row["prompt_hash"],
-        response=row["response"],
+        response=jsontext.loads(row["response"]),
         stop_reason=row["stop_reason"],
         usage=_usage(row),
         cost_usd=row["cost_usd"],
@@ -206,7 +207,7 @@ def _approval(row: RowMapping) -> Approval:
         step_key=row["step_key"],
         role=row["role"],
         status=ApprovalStatus(row["status"]),
-        payload=row["payload"],
+        payload=jsontext.loads(row["payload"]),
         payload_hash=row["payload_hash"],
         timeout_policy=row["timeout_policy"],
         requested_at=row["requested_at"],
@@ -232,7 +233,7 @@ def _step_params(
         "kind": str(step.kind),
         "status": str(step.status),
         "response": _json(step.response),
-        "error": step.error,
+        "error": jsontext.text(step.error),
         "attempt": step.attempt,
         "input_hash": step.input_hash,
         "model": step.model,
@@ -972,7 +973,12 @@ class RunStore:
         self.step_logs.forget(claim.run_id)
         row = self._fast.one(
             "finish_run",
-            {**_fence(claim), "status": str(status), "result": _json(result), "error": error},
+            {
+                **_fence(claim),
+                "status": str(status),
+                "result": _json(result),
+                "error": jsontext.text(error),
+            },
         )
         if row is None:
             raise LeaseLost(claim.run_id, "finish refused by the fence")
@@ -1125,7 +1131,7 @@ class RunStore:
                 tenant=r["tenant"],
                 actor=r["actor"],
                 action=r["action"],
-                detail=r["detail"],
+                detail=jsontext.loads(r["detail"]),
             )
             for r in rows
         ]

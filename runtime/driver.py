@@ -24,7 +24,7 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DataError, DBAPIError
 
 from db.errors import database_unavailable
 from db.records import Claim, Dispatch, RunStatus, Step, StepStatus
@@ -247,14 +247,38 @@ class Driver:
                 agent = self.agents.get(run.agent)
             except UnknownAgent as e:  # its compensations are found from its rows
                 return unwind_recorded(task, RunStatus.FAILED, task.stopping or str(e))
-            if isinstance(agent, DurableAgent):
-                return Execution(task, agent).run()
-            assert isinstance(agent, Agent)
-            if task.stopping is not None:  # an agent loop has nothing to compensate
-                return task.finish(RunStatus.FAILED, error=task.stopping)
-            return run_agent(task, agent)
+            try:
+                if isinstance(agent, DurableAgent):
+                    return Execution(task, agent).run()
+                assert isinstance(agent, Agent)
+                if task.stopping is not None:  # an agent loop has nothing to compensate
+                    return task.finish(RunStatus.FAILED, error=task.stopping)
+                return run_agent(task, agent)
+            except BaseException as e:
+                # The database refused a value of this step (not a blip: the same value is
+                # refused every time). Left RUNNING, the run would be claimed, and its step
+                # run and refused, again and again; it stops here, saying why.
+                refused = _refused_value(e)
+                if refused is None:
+                    raise
+                what = f"{type(refused.orig).__name__}: {str(refused.orig).splitlines()[0]}"
+                log.error("run=%s the database refused a value of its step: %s", task.rid, what)
+                return task.finish(
+                    RunStatus.FAILED,
+                    error=f"the database refused to store a value of this step ({what})",
+                )
 
     @staticmethod
     def _resume_seq(steps: list[Step]) -> int:
         started = [s.seq for s in steps if s.status is StepStatus.STARTED]
         return started[0] if started else max((s.seq for s in steps), default=0) + 1
+
+
+def _refused_value(e: BaseException | None) -> DataError | None:
+    """The database's refusal of a value (``DataError``) behind ``e``, if that is what it is
+    (the durable engine wraps it as an ``InfrastructureError``)."""
+    while e is not None:
+        if isinstance(e, DataError):
+            return e
+        e = e.__cause__
+    return None

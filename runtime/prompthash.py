@@ -25,7 +25,7 @@ def _canonical(value: Any) -> str:
 
 
 def prompt_hash(body: dict[str, Any]) -> str:
-    return hashlib.sha256(_canonical(body).encode()).hexdigest()
+    return hashlib.sha256(_canonical(body).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 @dataclass(slots=True)
@@ -69,13 +69,19 @@ class PromptHashes:
             digest = cached.state.copy()
         else:
             done = 0
-            digest = hashlib.sha256((head + "[").encode())
+            digest = hashlib.sha256((head + "[").encode("utf-8", "surrogatepass"))
         stable = max(len(messages) - 1, 0)
         for i in range(done, stable):
-            digest.update(("," if i else "").encode() + _canonical(messages[i]).encode())
+            digest.update(
+                ("," if i else "").encode("utf-8", "surrogatepass")
+                + _canonical(messages[i]).encode("utf-8", "surrogatepass")
+            )
         state = digest.copy()
         for i in range(stable, len(messages)):
-            digest.update(("," if i else "").encode() + _canonical(messages[i]).encode())
-        digest.update(("]" + tail).encode())
+            digest.update(
+                ("," if i else "").encode("utf-8", "surrogatepass")
+                + _canonical(messages[i]).encode("utf-8", "surrogatepass")
+            )
+        digest.update(("]" + tail).encode("utf-8", "surrogatepass"))
         self._prefixes.put(run_id, _Prefix(head, messages[:stable], state))
         return str(digest.hexdigest())
