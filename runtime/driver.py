@@ -9,11 +9,15 @@ Both programming models are programs over the same step log, run by the same :cl
 the agent loop (:mod:`runtime.agent_loop`) and durable functions (:mod:`runtime.durable`).
 Where each behaviour lives, once:
 
+- what differs per kind of step, and the one lookup of a step key: :mod:`runtime.pipeline`;
 - fencing: every write in :mod:`db.store` (``LeaseLost`` when the lease is gone);
-- the guard and the ways a task ends (checkpoint, timer, finish): :mod:`runtime.task`;
-- STARTED / in-doubt / timeout of every step with an effect: :mod:`runtime.effects`;
-- model calls, their attempts and their billing: :mod:`runtime.modelcall`;
-- compensation: :mod:`runtime.durable.compensation`.
+- the guard, every record (across a database blip) and the ways a task ends (checkpoint,
+  timer, finish): :mod:`runtime.task`;
+- STARTED / in-doubt / timeout of every step with an effect, and its row:
+  :mod:`runtime.effects`;
+- the model-call sequence, its attempts and its billing: :mod:`runtime.modelcall`;
+- stopping a durable function early, with its compensations: ``Execution.stop``
+  (:mod:`runtime.durable.execution`, :mod:`runtime.durable.compensation`).
 """
 
 from __future__ import annotations

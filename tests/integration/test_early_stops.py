@@ -57,6 +57,20 @@ def _start(runtime: Runtime, agent: Any) -> tuple[uuid.UUID, Dispatch]:
     return run.id, dispatch
 
 
+def _reserved(runtime: Runtime, name: str) -> tuple[uuid.UUID, Dispatch]:
+    """A run of a two-step function whose first step (with a compensation) is done."""
+
+    @durable_agent(name)
+    def fn(_: object, steps: Steps) -> str:
+        steps.run("reserve", reserve, type=str, compensate=release)
+        return steps.run("next", lambda: "done", type=str)
+
+    run_id, dispatch = _start(runtime, fn)
+    first = runtime.driver(worker="worker-A").drive(run_id, dispatch.token)
+    assert first.dispatch is not None
+    return run_id, first.dispatch
+
+
 def _ends_compensated_once(runtime: Runtime, run_id: uuid.UUID, status: RunStatus) -> str:
     run = runtime.store.get_run(run_id)
     assert run.status is status, run.error
@@ -131,16 +145,9 @@ def test_an_output_that_cannot_be_recorded_runs_the_compensations_once(runtime: 
 def test_an_unknown_agent_runs_the_compensations_its_rows_name_once(runtime: Runtime) -> None:
     RELEASED.clear()
 
-    @durable_agent("stop-unknown")
-    def fn(_: object, steps: Steps) -> str:
-        steps.run("reserve", reserve, type=str, compensate=release)
-        return steps.run("next", lambda: "done", type=str)
-
-    run_id, dispatch = _start(runtime, fn)
-    first = runtime.driver(worker="worker-A").drive(run_id, dispatch.token)
-    assert first.dispatch is not None
+    run_id, first = _reserved(runtime, "stop-unknown")
     runtime.agents._agents.pop("stop-unknown")  # the deploy that dropped it
-    assert drive_through_crashes(runtime, first.dispatch) is RunStatus.FAILED
+    assert drive_through_crashes(runtime, first) is RunStatus.FAILED
     error = _ends_compensated_once(runtime, run_id, status=RunStatus.FAILED)
     assert "stop-unknown" in error
 
@@ -148,14 +155,7 @@ def test_an_unknown_agent_runs_the_compensations_its_rows_name_once(runtime: Run
 def test_the_guard_runs_the_compensations_once(runtime: Runtime) -> None:
     RELEASED.clear()
 
-    @durable_agent("stop-guard")
-    def fn(_: object, steps: Steps) -> str:
-        steps.run("reserve", reserve, type=str, compensate=release)
-        return steps.run("next", lambda: "done", type=str)
-
-    run_id, dispatch = _start(runtime, fn)
-    first = runtime.driver(worker="worker-A").drive(run_id, dispatch.token)
-    assert first.dispatch is not None
+    run_id, first = _reserved(runtime, "stop-guard")
     runtime.store.cancel(run_id)
-    assert drive_through_crashes(runtime, first.dispatch) is RunStatus.CANCELLED
+    assert drive_through_crashes(runtime, first) is RunStatus.CANCELLED
     _ends_compensated_once(runtime, run_id, status=RunStatus.CANCELLED)
