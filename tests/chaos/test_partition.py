@@ -8,7 +8,10 @@ in flight, for several leases, then heals:
 
 - ``silent``: nothing answers (a partition: statements hang until the network returns);
 - ``reject``: every connection is reset and new ones refused (a host down, a firewall
-  answering with resets): the checkpoint retries within the lease, then gives up.
+  answering with resets): the checkpoint retries within the lease, then gives up;
+- ``redis``: silence between worker-P and Redis instead (the broker, flow control): its
+  steps in flight still record (PostgreSQL answers), the next messages it cannot send are
+  re-sent by the reaper, and its consumer reconnects by itself after the heal.
 
 Then: every run succeeds; the runs worker-P held moved to worker-A after the lease; worker-P
 wrote no step of them once healed (fenced); no tool effect happened twice (one comment per
@@ -94,6 +97,9 @@ class Partition:
     stack: ChaosStack
     fake: FakeMessagesApi
     proxy: TcpProxy
+    """worker-P's way to PostgreSQL."""
+    broker_proxy: TcpProxy
+    """worker-P's way to Redis (the broker, flow control, the live stream)."""
     engine: Engine
     store: RunStore
 
@@ -121,6 +127,7 @@ def partition() -> Iterator[Partition]:
             }
         )
         proxy: TcpProxy | None = None
+        broker_proxy: TcpProxy | None = None
         spec_p = WorkerSpec(concurrency=8)
         stack = ChaosStack(
             data_dir=tmp,
@@ -141,19 +148,23 @@ def partition() -> Iterator[Partition]:
             spec_p.env["DATABASE_URL"] = (
                 f"postgresql://{db.username or 'postgres'}@127.0.0.1:{proxy.port}{db.path}"
             )
+            assert stack.broker is not None
+            broker_proxy = TcpProxy("127.0.0.1", stack.broker.port)
+            spec_p.env["REDIS_URL"] = f"redis://127.0.0.1:{broker_proxy.port}/0"
             stack.start_web()
             for letter in stack.specs:
                 stack.start_worker(letter)
             stack.start_beat()
             stack.wait_ready(90)
             engine = make_engine(stack.database_url, pool_size=2, max_overflow=0)
-            yield Partition(stack, fake, proxy, engine, RunStore(engine))
+            yield Partition(stack, fake, proxy, broker_proxy, engine, RunStore(engine))
         finally:
             if engine is not None:
                 engine.dispose()
             stack.stop()
-            if proxy is not None:
-                proxy.close()
+            for each in (proxy, broker_proxy):
+                if each is not None:
+                    each.close()
             shutil.rmtree(tmp / "pgdata", ignore_errors=True)
             print(f"partition: process logs in {stack.log_dir}", flush=True)
 
@@ -200,7 +211,7 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
     raise AssertionError(f"{what} within {timeout:.0f}s")
 
 
-@pytest.mark.parametrize("mode", ["silent", "reject"])
+@pytest.mark.parametrize("mode", ["silent", "reject", "redis"])
 def test_a_partitioned_worker_is_fenced_loses_no_token_and_recovers(
     partition: Partition, mode: str
 ) -> None:
@@ -222,10 +233,11 @@ def test_a_partitioned_worker_is_fenced_loses_no_token_and_recovers(
 
     _wait(lambda: len(held_by_p()) >= 2, 60, "worker-P never held two runs")
     moved = held_by_p()
-    p.proxy.cut(reject=mode == "reject")
+    cut = p.broker_proxy if mode == "redis" else p.proxy
+    cut.cut(reject=mode == "reject")
     cut_at = time.time()
     time.sleep(CUT_SECONDS)
-    p.proxy.heal()
+    cut.heal()
     healed_at = time.time()
 
     def ended() -> bool:
@@ -284,7 +296,7 @@ def test_a_partitioned_worker_is_fenced_loses_no_token_and_recovers(
         tools = [s for s in steps if s.kind is StepKind.TOOL]
         if len(tools) != 1 or comments[tag] != 1:
             problems.append(f"run {tag}: {len(tools)} tool steps, {comments[tag]} comments")
-        if run_id in moved:
+        if run_id in moved and mode != "redis":
             late = [
                 s.seq
                 for s in steps
