@@ -203,3 +203,22 @@ def test_a_fork_of_the_parent_reuses_its_completed_children(
     assert (fork.status, fork.result) == (RunStatus.SUCCEEDED, 10)
     assert len(children_of(rt, fork_id)) == 1, "the first child was copied, not run again"
     assert len(children_of(rt, run.id)) == 2
+
+
+def test_the_walkthroughs_family_asks_the_agent_loop_two_questions(
+    rt: Runtime, llm: ScriptedLlm
+) -> None:
+    from examples.family import family
+
+    rt.agents.register(family)
+    llm.then_text("three are overdue").then_text("two are high")
+    run, dispatch = rt.submit("family", {})
+    drive_tree(rt, dispatch)
+    done = rt.store.get_run(run.id)
+    assert (done.status, done.result) == (
+        RunStatus.SUCCEEDED,
+        {"answers": ["three are overdue", "two are high"]},
+    )
+    kids = [rt.store.get_run(k.id) for k in children_of(rt, run.id)]
+    assert [k.agent for k in kids] == ["acme-tickets", "acme-tickets"]
+    assert done.tokens_used == sum(k.tokens_used for k in kids) == 30
