@@ -751,6 +751,7 @@ def openapi_document(
                         "costUsd": {"type": "number"},
                         "costBudgetUsd": {"type": ["number", "null"]},
                         "unrecordedTokens": {"type": "integer"},
+                        "unrecordedEstimatedTokens": {"type": "integer"},
                         "unrecordedCostUsd": {"type": "number"},
                         "waitReason": NULLABLE_STR,
                         "concurrencyKey": NULLABLE_STR,

@@ -29,6 +29,7 @@ def run_json(run: Run, *, with_input: bool = True) -> dict[str, Any]:
         "costUsd": float(run.cost_usd),
         "costBudgetUsd": float(run.cost_budget_usd) if run.cost_budget_usd is not None else None,
         "unrecordedTokens": run.unrecorded_tokens,
+        "unrecordedEstimatedTokens": run.unrecorded_estimated_tokens,
         "unrecordedCostUsd": float(run.unrecorded_cost_usd),
         "waitReason": run.wait_reason,
         "concurrencyKey": run.concurrency_key,

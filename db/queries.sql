@@ -186,13 +186,15 @@ SET run_at = now() + make_interval(secs => :delay_seconds),
 WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING';
 
 -- record_unrecorded_usage --
--- A model call was billed but its checkpoint was refused (lease lost, run ended meanwhile).
+-- A model call was billed but its checkpoint was refused (lease lost, run ended meanwhile),
+-- or was lost with its worker (then an estimate, counted in unrecorded_estimated_tokens too).
 -- Not fenced on purpose: the money was spent whoever holds the run now. With :step_key, only
 -- unless that step's row was written under :epoch (a checkpoint whose commit was not seen,
 -- its connection dropped: it is counted on its row already).
 UPDATE run
 SET unrecorded_tokens = unrecorded_tokens + :total_tokens,
-    unrecorded_cost_usd = unrecorded_cost_usd + :cost_usd
+    unrecorded_cost_usd = unrecorded_cost_usd + :cost_usd,
+    unrecorded_estimated_tokens = unrecorded_estimated_tokens + :estimated_tokens
 WHERE id = :id
   AND (CAST(:step_key AS text) IS NULL OR NOT EXISTS (
         SELECT 1 FROM run_step s

@@ -146,6 +146,9 @@ class Run:
     """The schedule whose tick started it."""
     parent_run_id: uuid.UUID | None = None
     """The run whose ``steps.child`` started it."""
+    unrecorded_estimated_tokens: int = 0
+    """The part of ``unrecorded_tokens`` that is an estimate (an upper bound): model calls
+    lost with their worker, estimated from the request before it was sent."""
 
 
 @dataclass(frozen=True, slots=True)

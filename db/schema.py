@@ -58,6 +58,8 @@ run = Table(
     # against the budgets and in the run's cost, never as a step.
     Column("unrecorded_tokens", BigInteger, nullable=False, server_default=text("0")),
     Column("unrecorded_cost_usd", Numeric(18, 8), nullable=False, server_default=text("0")),
+    # The part of unrecorded_tokens that is an estimate: calls lost with their worker.
+    Column("unrecorded_estimated_tokens", BigInteger, nullable=False, server_default=text("0")),
     Column("deadline_at", TZ, nullable=False),
     # When the run may next be worked on; a durable timer when in the future.
     Column("run_at", TZ, nullable=False, server_default=text("now()")),

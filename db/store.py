@@ -127,6 +127,7 @@ def _run(row: Mapping[Any, Any]) -> Run:
         priority=row["priority"],
         schedule_id=row.get("schedule_id"),
         parent_run_id=row.get("parent_run_id"),
+        unrecorded_estimated_tokens=row.get("unrecorded_estimated_tokens", 0),
     )
 
 
@@ -660,11 +661,14 @@ class RunStore:
         cost: Decimal,
         *,
         unless_step: tuple[str, int] | None = None,
+        estimated_tokens: int = 0,
     ) -> bool:
         """Count a billed model call whose checkpoint was refused against the run; with
         ``unless_step`` (key, epoch) only when no such step row was written. With the
         database away the count is kept in this process and written when it answers again
-        (:class:`db.owed.OwedUsage`): returns ``False`` then."""
+        (:class:`db.owed.OwedUsage`): returns ``False`` then. ``estimated_tokens`` of it are
+        an estimate (a call lost with its worker; negative when the API's count replaces
+        an estimate)."""
         key, epoch = unless_step if unless_step is not None else (None, None)
         params = {
             "id": run_id,
@@ -672,6 +676,7 @@ class RunStore:
             "cost_usd": cost,
             "step_key": key,
             "epoch": epoch,
+            "estimated_tokens": estimated_tokens,
         }
         return self.owed.write_or_owe(params)
 

@@ -43,6 +43,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from db.records import Usage
 from runtime.config import ConfigError
 from runtime.metrics import Metrics
 
@@ -156,6 +157,11 @@ class Grant:
     output_tokens: int
     estimated_input: int = 0
     """The caller's estimate, from which the ratio is learned at :meth:`FlowControl.settle`."""
+    run: str = ""
+    """The run whose call this is (``''``: none), for the lost-call record."""
+    lost: Usage | None = None
+    """The estimate of this run's previous call, admitted and never settled: lost with its
+    worker (see :meth:`FlowControl.admit`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +170,8 @@ class Refusal:
     """Which limit refused: ``requests``, ``input``, ``output`` or ``concurrent``."""
     delay_seconds: float
     model: str
+    lost: Usage | None = None
+    """As :attr:`Grant.lost`."""
 
     @property
     def reason(self) -> str:
@@ -175,7 +183,8 @@ class Refusal:
 # ARGV: 1-3 configured limits (requests, input, output per minute; 0 = none), 4 max
 # concurrent, 5-6 cost (input, output), 7 lease id, 8 lease ttl s, 9 waiter id, 10 waiter
 # priority, 11 waiter grace s, 12 the waiter's concurrency key ('' for none), 13 the spacing
-# in ms between one key's waiters
+# in ms between one key's waiters, 14 the run ('' for none), 15 the call's estimate
+# ('input:output' tokens). KEYS 6: the runs' calls in flight (hash run -> 'lease:in:out').
 #
 # A new waiter's score is -priority * 1e13 + its arrival in ms. A keyed waiter arrives, in
 # this order, no earlier than its key's virtual clock, which each waiter of the key pushes
@@ -187,6 +196,19 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local stale = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[11]))
 for _, w in ipairs(stale) do redis.call('ZREM', KEYS[3], w); redis.call('ZREM', KEYS[4], w) end
+-- this run's previous call, admitted and never settled: lost with its worker; hand its
+-- estimate to the caller once, and note it as charged for a settle that comes after all
+local lost = ''
+if ARGV[14] ~= '' then
+  local prev = redis.call('HGET', KEYS[6], ARGV[14])
+  if prev then
+    lost = prev
+    redis.call('HDEL', KEYS[6], ARGV[14])
+    local sep = string.find(prev, ':', 1, true)
+    local lease = string.sub(prev, 1, sep - 1)
+    redis.call('HSET', KEYS[6], 'charged:' .. lease, string.sub(prev, sep + 1))
+  end
+end
 local dims = {'requests', 'input', 'output'}
 local cost = {1, tonumber(ARGV[5]), tonumber(ARGV[6])}
 -- the caller's input estimate is deliberately high: scale it by what calls really used
@@ -248,7 +270,11 @@ if ahead < fits then
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[8]), ARGV[7])
   redis.call('EXPIRE', KEYS[2], 3600)
   redis.call('ZREM', KEYS[3], ARGV[9]); redis.call('ZREM', KEYS[4], ARGV[9])
-  return {1, '', '0', tostring(cost[2])}
+  if ARGV[14] ~= '' then
+    redis.call('HSET', KEYS[6], ARGV[14], ARGV[7] .. ':' .. ARGV[15])
+    redis.call('EXPIRE', KEYS[6], 3600)
+  end
+  return {1, '', '0', tostring(cost[2]), lost}
 end
 local wait, why = 0, binding
 for i, d in ipairs(dims) do
@@ -271,12 +297,13 @@ if arrival and ARGV[12] ~= '' then
 end
 redis.call('ZADD', KEYS[4], now + wait, ARGV[9])
 redis.call('EXPIRE', KEYS[3], 3600); redis.call('EXPIRE', KEYS[4], 3600)
-return {0, why, tostring(wait)}
+return {0, why, tostring(wait), '', lost}
 """
 
-# KEYS: 1 bucket hash, 2 in-flight zset. ARGV: 1-3 configured limits, 4-6 refund (requests,
-# input, output; negative takes more), 7 lease id, 8 the caller's input estimate (0: not
-# billed, learn nothing), 9 the input tokens the call used.
+# KEYS: 1 bucket hash, 2 in-flight zset, 3 the runs' calls in flight. ARGV: 1-3 configured
+# limits, 4-6 refund (requests, input, output; negative takes more), 7 lease id, 8 the
+# caller's input estimate (0: not billed, learn nothing), 9 the input tokens the call used,
+# 10 the run ('' for none).
 _SETTLE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -299,7 +326,18 @@ if est > 0 then
   r = 0.7 * r + 0.3 * tonumber(ARGV[9]) / est
   redis.call('HSET', KEYS[1], 'ratio:input', math.max(0.2, math.min(2.0, r)))
 end
-return 1
+-- the call is settled: drop its record, and say whether a later admission already charged
+-- its estimate as lost (this worker was fenced out, not dead)
+local charged = ''
+if ARGV[10] ~= '' then
+  local cur = redis.call('HGET', KEYS[3], ARGV[10])
+  if cur and string.sub(cur, 1, #ARGV[7] + 1) == ARGV[7] .. ':' then
+    redis.call('HDEL', KEYS[3], ARGV[10])
+  end
+  charged = redis.call('HGET', KEYS[3], 'charged:' .. ARGV[7]) or ''
+  if charged ~= '' then redis.call('HDEL', KEYS[3], 'charged:' .. ARGV[7]) end
+end
+return charged
 """
 
 # KEYS: 1 bucket hash. ARGV: (dimension, limit, remaining) triples, as read from headers.
@@ -415,6 +453,7 @@ class FlowControl:
             f"{base}:waiters",
             f"{base}:due",
             f"{base}:vclock",
+            f"{base}:calls",
         ]
 
     def admit(
@@ -426,18 +465,24 @@ class FlowControl:
         waiter: str,
         priority: int = 0,
         key: str | None = None,
+        run: str = "",
     ) -> Grant | Refusal | None:
         """A :class:`Grant` to hold until :meth:`settle`, a :class:`Refusal` (come back
         after its delay), or ``None``: Redis is unreachable (fail open). A model with no
         configured limit is admitted at once until the API's headers taught its limits. Refused
         callers queue by ``priority`` (higher first), then arrival; the callers of each
-        concurrency ``key`` are interleaved with other keys' round-robin."""
+        concurrency ``key`` are interleaved with other keys' round-robin.
+
+        With ``run``, a granted call is written down (its lease and estimate: ``input_tokens``
+        in, ``max_tokens`` out) until :meth:`settle`; the next admission of that run finds a
+        record never settled (its worker died in the call) and returns it once as ``lost``:
+        the API billed that call, and nobody recorded it."""
         limit = self.limit(model)
         lease = uuid.uuid4().hex
         # one key's waiters are spaced by about one request's share of the limit
         spacing = 60_000 / limit.requests_per_minute if limit.requests_per_minute else 250.0
         try:
-            ok, why, wait, *charged = self._admit(
+            ok, why, wait, charged, lost = self._admit(
                 keys=self._keys(limit),
                 args=[
                     limit.requests_per_minute,
@@ -453,6 +498,8 @@ class FlowControl:
                     WAITER_GRACE_SECONDS,
                     key or "",
                     spacing,
+                    run,
+                    f"{input_tokens}:{max_tokens}",
                 ],
             )
         except _redis_error() as e:
@@ -463,12 +510,20 @@ class FlowControl:
                 self.metrics.flow_admitted.labels(model).inc()
                 self.metrics.flow_granted.labels(model, "input").inc(input_tokens)
                 self.metrics.flow_granted.labels(model, "output").inc(max_tokens)
-            taken = int(charged[0]) if charged else input_tokens
-            return Grant(limit, lease, taken, max_tokens, estimated_input=input_tokens)
+            taken = int(charged) if charged else input_tokens
+            return Grant(
+                limit,
+                lease,
+                taken,
+                max_tokens,
+                estimated_input=input_tokens,
+                run=run,
+                lost=_estimate(lost, with_lease=True),
+            )
         dim = why.decode() if isinstance(why, bytes) else str(why)
         if self.metrics is not None:
             self.metrics.flow_refused.labels(model, dim).inc()
-        return Refusal(dim or "requests", float(wait), model)
+        return Refusal(dim or "requests", float(wait), model, _estimate(lost, with_lease=True))
 
     def settle(
         self,
@@ -478,17 +533,20 @@ class FlowControl:
         *,
         headers: Iterable[tuple[str, str]] = (),
         billed: bool = True,
-    ) -> None:
+    ) -> Usage | None:
         """The call is over: free its concurrency slot and give back what it did not use
         (``billed`` false: the API refused it, so give back all tokens but not the request).
-        Headers from the API (``anthropic-ratelimit-*``) correct the buckets."""
+        Headers from the API (``anthropic-ratelimit-*``) correct the buckets. Returns the
+        estimate a later admission of the run already counted as lost (this worker was
+        fenced out mid-call, not dead), else ``None``."""
         lim = grant.limit
         keys = self._keys(lim)
         used_in = input_tokens if billed else 0
         used_out = output_tokens if billed else 0
+        charged: Usage | None = None
         try:
-            self._settle(
-                keys=keys[:2],
+            raw = self._settle(
+                keys=[keys[0], keys[1], keys[5]],
                 args=[
                     lim.requests_per_minute,
                     lim.input_tokens_per_minute,
@@ -499,13 +557,16 @@ class FlowControl:
                     grant.lease,
                     grant.estimated_input if billed else 0,
                     used_in,
+                    grant.run,
                 ],
             )
+            charged = _estimate(raw, with_lease=False)
             learned = learned_limits(headers)
             if learned:
                 self._learn(keys=keys[:1], args=learned)
         except _redis_error() as e:
             self._fail_open("settle", e)
+        return charged
 
     def in_flight(self, model: str) -> int:
         """Calls holding admission now (expired slots excluded)."""
@@ -518,6 +579,18 @@ class FlowControl:
         limit = self.limit(model)
         raw = self.client.hget(self._keys(limit)[0], f"lvl:{dim}")
         return None if raw is None else float(raw)
+
+
+def _estimate(raw: object, *, with_lease: bool) -> Usage | None:
+    """``[lease:]input:output`` as written by the admit script, or ``None``."""
+    text = raw.decode() if isinstance(raw, bytes) else str(raw or "")
+    parts = text.split(":")[1:] if with_lease else text.split(":")
+    if len(parts) != 2:
+        return None
+    try:
+        return Usage(input_tokens=int(parts[0]), output_tokens=int(parts[1]))
+    except ValueError:
+        return None
 
 
 def _redis_error() -> type[Exception]:

@@ -114,7 +114,25 @@ def admit(task: Task, request: LlmRequest, body: dict[str, Any]) -> Wait | None:
         waiter=str(run.id),
         priority=run.priority,
         key=tenant_key(run.tenant, run.concurrency_key) if run.concurrency_key else None,
+        run=str(run.id),
     )
+    if decision is not None and decision.lost is not None:
+        # The run's previous call was admitted and never settled: its worker died in it.
+        # The API billed it; count its estimate, then come back at once, so the guard sees
+        # it before this call is made (a budget is never crossed by a call that was lost).
+        lost = decision.lost
+        cost = task.services.pricing.cost(request.model, lost)
+        task.store.record_unrecorded_usage(task.run_id, lost, cost, estimated_tokens=lost.total)
+        log.warning(
+            "run=%s a model call was lost with its worker: %d tokens counted (estimate)",
+            task.rid,
+            lost.total,
+            extra={"run_id": str(task.run_id), "event": "llm.lost_call", "action": "estimated"},
+        )
+        if not isinstance(decision, Refusal):
+            task.admission = decision
+            settle(task, None)
+        return Wait(0.0, "a model call lost with its worker was counted; checking the budget")
     if isinstance(decision, Refusal):
         return Wait(decision.delay_seconds, decision.reason)
     task.admission = decision
@@ -131,15 +149,32 @@ def settle(
     if grant is None or flow is None:
         return
     if response is None:  # the API refused or failed: nothing billed, the request counted
-        flow.settle(grant, 0, 0, billed=False, headers=refusal)
+        charged = flow.settle(grant, 0, 0, billed=False, headers=refusal)
+        if charged is not None:  # counted as lost, but nothing was billed: take it back
+            replace_estimate(task, charged, Usage(), grant.limit.match)
         return
     u = response.usage
-    flow.settle(
+    task.charged_estimate = flow.settle(
         grant,
         u.input_tokens + u.cache_creation_input_tokens,  # cache reads do not count
         u.output_tokens,
         headers=response.rate_limits,
     )
+
+
+def replace_estimate(task: Task, estimate: Usage, actual: Usage, model: str) -> None:
+    """The call counted as lost (``estimate``) was not: ``actual`` replaces it in the run's
+    unrecorded tokens (``actual`` itself is counted by whoever recorded it elsewhere: pass
+    ``Usage()`` then)."""
+    pricing = task.services.pricing
+    delta = Usage(
+        actual.input_tokens - estimate.input_tokens,
+        actual.output_tokens - estimate.output_tokens,
+        actual.cache_creation_input_tokens,
+        actual.cache_read_input_tokens,
+    )
+    cost = pricing.cost(model, actual) - pricing.cost(model, estimate)
+    task.store.record_unrecorded_usage(task.run_id, delta, cost, estimated_tokens=-estimate.total)
 
 
 def send(
@@ -263,12 +298,16 @@ def record_billed(
             # Taken over, or the lease is gone with the database still away: the call was
             # billed whoever holds the run now. Counted as unrecorded (now, or when the
             # database answers: db/owed.py), unless a try did commit its row.
-            task.store.record_unrecorded_usage(
-                task.run_id,
-                answer.response.usage,
-                answer.cost,
-                unless_step=(row.step_key, task.claim.epoch),
-            )
+            charged, task.charged_estimate = task.charged_estimate, None
+            if charged is None:
+                task.store.record_unrecorded_usage(
+                    task.run_id,
+                    answer.response.usage,
+                    answer.cost,
+                    unless_step=(row.step_key, task.claim.epoch),
+                )
+            else:  # the run's next admission counted this call as lost: correct it
+                replace_estimate(task, charged, answer.response.usage, answer.model)
         raise
     u, r = task.spent, answer.response.usage
     task.spent = Usage(

@@ -18,10 +18,13 @@ import pytest
 from db.records import RunStatus, Usage
 from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from runtime.driver import Outcome
+from runtime.flow import Grant
 from runtime.llm.anthropic import AnthropicClient
 from runtime.llm.base import LlmError, LlmRequest
 from runtime.llm.billing import metering
 from runtime.llm.retry import TimeLimitedLlmClient
+from runtime.llm.scripted import ScriptedLlm
 from tests.fakes.messages_api import FakeMessagesApi, cut, error, slow, text, wait_until
 from tests.support import drive_to_end, register_agent, submit
 
@@ -170,3 +173,63 @@ def test_a_run_counts_the_attempt_it_abandoned_and_the_stream_it_lost(
     missing = billed - done.tokens_used - done.unrecorded_tokens
     assert 0 <= missing <= USAGE["output_tokens"], (billed, done)
     assert done.unrecorded_cost_usd > 0
+
+
+# -- a call lost with its worker is counted: an estimate, settled by the next admission --------
+
+
+def _died_in_a_call(rt: Runtime, run_id: object, model: str = MODEL) -> tuple[Usage, Grant]:
+    """What a worker killed mid-call leaves: its admission, never settled."""
+    flow = rt.flow_control()
+    assert flow is not None
+    grant = flow.admit(model, 300, 64, waiter=str(run_id), run=str(run_id))
+    assert isinstance(grant, Grant)
+    assert grant.lost is None
+    return Usage(input_tokens=300, output_tokens=64), grant
+
+
+def test_a_call_lost_with_its_worker_is_counted_as_an_estimate(
+    runtime: Runtime, llm: ScriptedLlm
+) -> None:
+    register_agent(runtime.agents)
+    llm.then_text("done", 20, 2)
+    run, dispatch = submit(runtime.store, model=MODEL)
+    estimate, _ = _died_in_a_call(runtime, run.id)
+    outcomes = drive_to_end(runtime.driver(), dispatch)
+    done = runtime.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert outcomes[0] is Outcome.WAITING  # counted first, then the guard looked again
+    assert (done.unrecorded_tokens, done.unrecorded_estimated_tokens) == (estimate.total,) * 2
+    assert done.tokens_used == 22
+    assert len(llm.requests) == 1
+
+
+def test_a_budget_is_not_crossed_because_a_call_was_lost(
+    runtime: Runtime, llm: ScriptedLlm
+) -> None:
+    register_agent(runtime.agents)
+    run, dispatch = submit(runtime.store, model=MODEL, token_budget=300)
+    _died_in_a_call(runtime, run.id)  # 364 tokens, estimated: past the budget
+    drive_to_end(runtime.driver(), dispatch)
+    done = runtime.store.get_run(run.id)
+    assert done.status is RunStatus.FAILED
+    assert "token budget exhausted" in (done.error or "")
+    assert llm.requests == []  # no call made once the lost one was counted
+
+
+def test_a_worker_fenced_out_mid_call_replaces_the_estimate_with_the_real_usage(
+    runtime: Runtime,
+) -> None:
+    """Worker A's call outlived its lease; the run's next admission (worker B) counted it as
+    lost; then A's answer arrives: its settle learns the estimate was charged, and A's
+    refused checkpoint records the real usage in its place."""
+    flow = runtime.flow_control()
+    assert flow is not None
+    run, _ = submit(runtime.store, model=MODEL)
+    estimate, a_grant = _died_in_a_call(runtime, run.id)
+    b_grant = flow.admit(MODEL, 100, 64, waiter=str(run.id), run=str(run.id))
+    assert isinstance(b_grant, Grant)
+    assert b_grant.lost == estimate
+    assert flow.settle(a_grant, 250, 9) == estimate  # A: already counted as lost
+    assert flow.settle(b_grant, 90, 5) is None
+    assert flow.admit(MODEL, 100, 64, waiter=str(run.id), run=str(run.id)).lost is None  # type: ignore[union-attr]
