@@ -9,9 +9,16 @@ a custom model client), so no runtime code is edited. The run input is a spec st
                                                ``pause_turn`` (the run continues with
                                                another model call) and the last ``end_turn``
 
-It does no work of its own besides ``time.sleep(latency_ms)``: its replies are a few
-constant dicts and its token usage is constant, so a step's wall time minus the model's
-latency is the runtime's overhead.
+    "bench mode=digest tools=10 rounds=20"    the model calls the ``digest`` tool 10 times
+                                               (50 MB hashed 20 times a call: C code)
+    "bench mode=hub tools=10 rounds=20"        the same hashing done by the model call
+                                               itself, on the step's greenlet: what a tool
+                                               blocking in C did to a gevent worker before
+                                               tool bodies ran on native threads
+
+Besides those two modes it does no work of its own but ``time.sleep(latency_ms)``: its
+replies are a few constant dicts and its token usage is constant, so a step's wall time
+minus the model's latency is the runtime's overhead.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class Spec:
     tools: int = 20
     steps: int = 10
     latency_ms: float = 0.0
+    rounds: int = 1
 
 
 @functools.lru_cache(maxsize=256)
@@ -47,11 +55,21 @@ def parse_spec(raw: str) -> Spec:
         tools=int(values.get("tools", 20)),
         steps=int(values.get("steps", 10)),
         latency_ms=float(values.get("latency_ms", 0)),
+        rounds=int(values.get("rounds", 1)),
     )
 
 
-def spec(mode: str = "tools", *, tools: int = 20, steps: int = 10, latency_ms: float = 0) -> str:
-    return f"bench mode={mode} tools={tools} steps={steps} latency_ms={latency_ms:g}"
+def spec(
+    mode: str = "tools",
+    *,
+    tools: int = 20,
+    steps: int = 10,
+    latency_ms: float = 0,
+    rounds: int = 1,
+) -> str:
+    return (
+        f"bench mode={mode} tools={tools} steps={steps} latency_ms={latency_ms:g} rounds={rounds}"
+    )
 
 
 class BenchModel:
@@ -68,13 +86,21 @@ class BenchModel:
                 return LlmResponse([{"type": "text", "text": "."}], "pause_turn", USAGE, MODEL_NAME)
             return LlmResponse([{"type": "text", "text": "done"}], "end_turn", USAGE, MODEL_NAME)
         turns = sum(1 for m in request.messages if m["role"] == "assistant")
+        if s.mode == "hub" and turns < s.tools:
+            from bench.agents import hash_blocking
+
+            hash_blocking(50, s.rounds)  # on this step's greenlet: the hub is held
+            return LlmResponse([{"type": "text", "text": "."}], "pause_turn", USAGE, MODEL_NAME)
         if turns < s.tools:
+            name, arguments = "noop", {"i": turns + 1}
+            if s.mode == "digest":
+                name, arguments = "digest", {"mb": 50, "rounds": s.rounds}
             content = [
                 {
                     "type": "tool_use",
                     "id": f"toolu_bench_{turns + 1:05d}",
-                    "name": "noop",
-                    "input": {"i": turns + 1},
+                    "name": name,
+                    "input": arguments,
                 }
             ]
             return LlmResponse(content, "tool_use", USAGE, MODEL_NAME)

@@ -196,6 +196,40 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
                     nd=0,
                 )
 
+    shipped = sections.get("defaults")
+    if shipped:
+        for lv in shipped["levels"]:
+            add(
+                "c",
+                f"steps/s, {lv['runs']} in flight, {lv['model_latency_ms']} ms model, SHIPPED "
+                f"defaults (--pool {shipped['pool']} --concurrency {shipped['concurrency']})",
+                lv["steps_per_s"],
+                "ideal in_flight/latency",
+                lv["ideal_steps_per_s"],
+                ">= 0.90 x ideal",
+                lv["ratio_to_ideal"] >= 0.9,
+                nd=0,
+            )
+        alone = next((b for b in shipped["blocking"] if b["label"] == "alone"), None)
+        for b in shipped["blocking"]:
+            add(
+                "c",
+                f"steps/s, {b['runs']} model calls of {b['model_latency_ms']} ms, {b['label']}",
+                b["steps_per_s"],
+                "the same alone" if alone is not None and b is not alone else "ideal",
+                alone["steps_per_s"]
+                if alone is not None and b is not alone
+                else b["ideal_steps_per_s"],
+                nd=0,
+            )
+            add(
+                "c",
+                f"  model call returned late, p50 / p99 ms, {b['label']}",
+                b["model_stretch_ms"].get("p50"),
+                "p99",
+                b["model_stretch_ms"].get("p99"),
+                nd=0,
+            )
     inf = sections.get("inflight")
     if inf:
         hop2 = ((tp or {}).get("by_processes") or {}).get(2) or (

@@ -161,9 +161,14 @@ def in_flight(
     latency_ms: int,
     *,
     spread: bool = True,
+    beside: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """``runs`` runs at once, each ``steps`` model steps of ``latency_ms``: the steps/s
     sustained against the ideal runs / latency, and the database connections held.
+
+    ``beside``: the specs of runs submitted first and running alongside (a tool blocking in
+    C code): they are waited for but not counted; ``model_stretch_ms`` says how much later
+    than ``latency_ms`` the counted runs' model calls returned.
 
     The runs' first messages go out evenly over one model latency (``spread``): runs in
     steady operation started at different times. Sent all at once, their model calls return
@@ -180,6 +185,7 @@ def in_flight(
     sampler = threading.Thread(target=_sample_connections, args=(env, fleet, stop, conns))
     meter = CpuMeter(fleet.pids().values()).start()
     t_submit = time.time()
+    others = submit(env, fleet, list(beside)) if beside else []
     ids = submit(
         env,
         fleet,
@@ -189,7 +195,9 @@ def in_flight(
     submit_s = time.time() - t_submit
     sampler.start()
     try:
-        counts = env.wait_terminal(ids, timeout=steps * latency_ms / 1000 * 10 + 120, poll=0.5)
+        timeout = steps * latency_ms / 1000 * 10 + 120
+        counts = env.wait_terminal(ids, timeout=timeout, poll=0.5)
+        beside_counts = env.wait_terminal(others, timeout=timeout, poll=0.5) if others else {}
     finally:
         stop.set()
         sampler.join()
@@ -203,7 +211,11 @@ def in_flight(
     window = window_rate(commits)
     step_s = latency_ms / 1000 + (sum(gaps) / len(gaps) / 1000 if gaps else math.nan)
     rate = runs / step_s
+    stretch = [r["latency_ms"] - latency_ms for r in rows if r["kind"] == "MODEL"]
     return {
+        "beside": list(beside),
+        "beside_statuses": beside_counts,
+        "model_stretch_ms": summary(stretch),
         "runs": runs,
         "steps_per_run": steps,
         "model_latency_ms": latency_ms,

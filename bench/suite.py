@@ -21,6 +21,7 @@ from bench.baselines import broker_floor, hop_latency, hop_throughput, raw_check
 from bench.dbos_bench import DbosFleet, dbos_latency, dbos_throughput, reset_schema
 from bench.dbos_bench import available as dbos_available
 from bench.env import BenchEnv
+from bench.models import spec
 from bench.stack import HopFleet, RuntimeFleet
 from bench.stats import median
 from runtime.config import Settings
@@ -65,13 +66,27 @@ class Plan:
     gevent_concurrency: int = 1200
     inflight_workers: int = 2
     model_latency_ms: int = 1000
+    # (c) with the shipped defaults
+    defaults_level: tuple[int, int, int] = (2000, 3, 10000)
+    """(runs, steps each, model latency ms) on the worker as the Procfile ships it."""
+    blocking_level: tuple[int, int, int] = (1000, 3, 5000)
+    """Model calls beside the blocking tool: (runs, steps each, model latency ms)."""
+    blocking_tools: int = 12
+    """Calls of the blocking tool (50 MB hashed 20 times each, ~2 s of C code)."""
     # (e)
     recovery_runs: int = 16
     recovery_configs: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         (f"default (DAR_LEASE_SECONDS={DEFAULT_LEASE:g})", ()),
         ("DAR_LEASE_SECONDS=5", (("DAR_LEASE_SECONDS", "5"),)),
     )
-    sections: tuple[str, ...] = ("latency", "throughput", "replay", "inflight", "recovery")
+    sections: tuple[str, ...] = (
+        "latency",
+        "throughput",
+        "replay",
+        "inflight",
+        "defaults",
+        "recovery",
+    )
 
     @property
     def steps_per_run(self) -> int:
@@ -339,6 +354,51 @@ def section_inflight(env: BenchEnv, plan: Plan) -> dict[str, Any]:
     }
 
 
+def section_defaults(env: BenchEnv, plan: Plan) -> dict[str, Any]:
+    """(c) with the shipped defaults: the worker exactly as the Procfile runs it (pool and
+    concurrency from runtime.config, no tuning environment), 2 processes; and a tool blocking
+    in C code (hashing 50 MB, again and again) beside 1,000 model calls, against the same
+    1,000 calls alone and against the same hashing done on the step's own greenlet (what a
+    tool did before tool bodies ran on native threads)."""
+    from runtime.config import WORKER_CONCURRENCY, WORKER_POOL
+
+    env.reset_redis()
+    runs, steps, latency = plan.defaults_level
+    levels = []
+    with RuntimeFleet(
+        env,
+        workers=plan.inflight_workers,
+        concurrency=WORKER_CONCURRENCY,
+        pool=WORKER_POOL,
+        name="defaults",
+    ) as rt:
+        _log(f"shipped defaults: {runs} runs x {steps} steps of {latency} ms")
+        lv = rb.in_flight(env, rt, runs, steps, latency)
+        lv["pool"] = WORKER_POOL
+        levels.append(lv)
+        blocking = []
+        calls, bsteps, blatency = plan.blocking_level
+        for label, beside in (
+            ("alone", ()),
+            ("beside a blocking tool", (spec("digest", tools=plan.blocking_tools, rounds=20),)),
+            (
+                "beside the same on the greenlet",
+                (spec("hub", tools=plan.blocking_tools, rounds=20),),
+            ),
+        ):
+            _log(f"blocking tool: {calls} runs x {bsteps} steps of {blatency} ms, {label}")
+            b = rb.in_flight(env, rt, calls, bsteps, blatency, beside=beside)
+            b["label"] = label
+            blocking.append(b)
+    return {
+        "workers": plan.inflight_workers,
+        "pool": WORKER_POOL,
+        "concurrency": WORKER_CONCURRENCY,
+        "levels": levels,
+        "blocking": blocking,
+    }
+
+
 # -- (e) -----------------------------------------------------------------------------------
 
 
@@ -364,6 +424,7 @@ SECTIONS = {
     "throughput": section_throughput,
     "replay": section_replay,
     "inflight": section_inflight,
+    "defaults": section_defaults,
     "recovery": section_recovery,
 }
 
