@@ -121,6 +121,7 @@ def test_an_attempt_abandoned_at_its_time_limit_is_reported_when_it_completes(
         assert seen == []  # not yet: the attempt is still running
         assert wait_until(lambda: len(seen) == 1, timeout=15)
     usage, _, why = seen[0]
+    assert wait_until(lambda: len(fake.billed) == 1)  # the fake bills after its last write
     assert usage.total == fake.billed[0].total
     assert "time limit" in why
 
