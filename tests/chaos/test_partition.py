@@ -11,7 +11,10 @@ in flight, for several leases, then heals:
   answering with resets): the checkpoint retries within the lease, then gives up;
 - ``redis``: silence between worker-P and Redis instead (the broker, flow control): its
   steps in flight still record (PostgreSQL answers), the next messages it cannot send are
-  re-sent by the reaper, and its consumer reconnects by itself after the heal.
+  re-sent by the reaper, and its consumer reconnects by itself after the heal;
+- ``failover``: the database's address behind worker-P's name moves (the proxy re-pointed,
+  every open connection dropped), as at a failover to a new primary: it follows without a
+  restart. (Here the new address leads to the same server: the data is the replica's.)
 
 Then: every run succeeds; the runs worker-P held moved to worker-A after the lease; worker-P
 wrote no step of them once healed (fenced); no tool effect happened twice (one comment per
@@ -211,7 +214,7 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
     raise AssertionError(f"{what} within {timeout:.0f}s")
 
 
-@pytest.mark.parametrize("mode", ["silent", "reject", "redis"])
+@pytest.mark.parametrize("mode", ["silent", "reject", "redis", "failover"])
 def test_a_partitioned_worker_is_fenced_loses_no_token_and_recovers(
     partition: Partition, mode: str
 ) -> None:
@@ -233,11 +236,19 @@ def test_a_partitioned_worker_is_fenced_loses_no_token_and_recovers(
 
     _wait(lambda: len(held_by_p()) >= 2, 60, "worker-P never held two runs")
     moved = held_by_p()
+    held_at_cut = len(moved)
     cut = p.broker_proxy if mode == "redis" else p.proxy
-    cut.cut(reject=mode == "reject")
     cut_at = time.time()
-    time.sleep(CUT_SECONDS)
-    cut.heal()
+    if mode == "failover":
+        # The database's address moves (a new primary behind the same name): every
+        # connection worker-P has dies, new ones go to the new address.
+        host, port = p.proxy.target
+        p.proxy.repoint(host, port, reset=True)
+        moved = {}  # it may keep its leases: nothing needs to move
+    else:
+        cut.cut(reject=mode == "reject")
+        time.sleep(CUT_SECONDS)
+        cut.heal()
     healed_at = time.time()
 
     def ended() -> bool:
@@ -296,7 +307,7 @@ def test_a_partitioned_worker_is_fenced_loses_no_token_and_recovers(
         tools = [s for s in steps if s.kind is StepKind.TOOL]
         if len(tools) != 1 or comments[tag] != 1:
             problems.append(f"run {tag}: {len(tools)} tool steps, {comments[tag]} comments")
-        if run_id in moved and mode != "redis":
+        if run_id in moved and mode in ("silent", "reject"):
             late = [
                 s.seq
                 for s in steps
@@ -310,7 +321,7 @@ def test_a_partitioned_worker_is_fenced_loses_no_token_and_recovers(
             if not any(s.worker == "worker-A" for s in steps):
                 problems.append(f"run {tag} held by worker-P did not move to worker-A")
     print(
-        f"\npartition ({mode}): worker-P held {len(moved)} runs at the cut, cut "
+        f"\npartition ({mode}): worker-P held {held_at_cut} runs at the cut, cut "
         f"{healed_at - cut_at:.1f}s (lease {LEASE_SECONDS:.0f}s); "
         f"{sum(billed.values())} tokens billed, {unrecorded_total} of them unrecorded "
         f"(answers whose checkpoint was fenced out), none lost",
