@@ -132,6 +132,13 @@ def durable_event(row: RowMapping) -> tuple[str, dict[str, Any]]:
                 data["model"] = row["model"]
                 data["text"] = _text(jsontext.loads(row["response"]))
         return kind, data
+    if kind == "run.recovery":  # the reaper re-dispatched it, or a worker resumed it
+        return kind, {
+            "action": row["recovery_action"],
+            "by": row["recovery_actor"],
+            "detail": row["recovery_detail"],
+            "at": row["at"].isoformat() if row["at"] else None,
+        }
     return kind, {
         "approvalId": str(row["approval_id"]) if row["approval_id"] else None,
         "key": row["approval_step_key"],

@@ -570,8 +570,10 @@ LIMIT :limit;
 -- (older than :redispatch_after seconds), whose lease lapsed since the last dispatch, or whose
 -- timer came due since. Each gets a new dispatch token, which makes every older message stale.
 -- Safe with two reapers: SKIP LOCKED, and the condition is false once dispatched_at moves.
+-- A run still naming a holder lost it with its lease (a hand-over clears the holder): that
+-- holder and when its lease lapsed are returned, for the run's recovery trail.
 WITH due AS (
-    SELECT id FROM run
+    SELECT id, locked_by, locked_until FROM run
     WHERE status IN ('QUEUED', 'RUNNING') AND run_at <= now()
       AND (locked_until IS NULL OR locked_until < now())
       AND dispatched_at < GREATEST(
@@ -584,7 +586,8 @@ WITH due AS (
 )
 UPDATE run r SET dispatch_token = gen_random_uuid(), dispatched_at = now()
 FROM due WHERE r.id = due.id
-RETURNING r.id, r.dispatch_token;
+RETURNING r.id, r.dispatch_token, r.tenant, due.locked_by AS lost_by,
+          due.locked_until AS lease_lapsed_at;
 
 -- delete_finished_runs --
 -- Retention: one bounded batch of finished runs older than the cut-off (their steps go with
@@ -778,10 +781,12 @@ SELECT e.n, e.kind, e.status, e.at, e.step_seq,
        s.cache_read_input_tokens, s.cost_usd, s.latency_ms,
        a.id AS approval_id, a.step_key AS approval_step_key, a.role, a.decided_by, a.comment,
        a.copied_from,
-       r.error AS run_error, r.result AS run_result
+       r.error AS run_error, r.result AS run_result,
+       ae.action AS recovery_action, ae.actor AS recovery_actor, ae.detail AS recovery_detail
 FROM run_event e
 LEFT JOIN run_step s ON s.run_id = e.run_id AND s.seq = e.step_seq
 LEFT JOIN approval a ON a.id = e.approval_id
+LEFT JOIN audit_event ae ON ae.id = e.audit_id
 JOIN run r ON r.id = e.run_id
 WHERE e.run_id = :id AND e.n > :after
 ORDER BY e.n

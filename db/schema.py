@@ -285,10 +285,11 @@ run_event = Table(
     Column("approval_id", UUID(as_uuid=True)),
     Column("status", Text),
     Column("at", TZ, nullable=False, server_default=text("now()")),
+    Column("audit_id", BigInteger),  # a run.recovery event's audit_event row (migration 0018)
     PrimaryKeyConstraint("run_id", "n", name="run_event_pkey"),
     CheckConstraint(
         "kind IN ('run.status', 'step.started', 'step.finished', 'approval.requested', "
-        "'approval.decided')",
+        "'approval.decided', 'run.recovery')",
         name="run_event_kind_ck",
     ),
 )
@@ -334,6 +335,10 @@ AUDIT_ACTIONS = (
     "fork",
     "submit",
     "timeout",
+    # The runtime's own, with actor "reaper" or the worker: a run recovered after a crash
+    # (migration 0018). Each is also a run.recovery event of the run's live stream.
+    "recovery.redispatched",
+    "recovery.resumed",
 )
 
 # Who did what to a run, through the API: append-only (a trigger refuses UPDATE and DELETE).

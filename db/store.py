@@ -1095,11 +1095,35 @@ class RunStore:
     def redispatch_due(self, *, redispatch_after: float, limit: int = 500) -> list[Dispatch]:
         """Give a fresh dispatch token to every run whose message is presumed lost, whose
         lease lapsed, or whose timer came due. The caller sends one message for each."""
-        with self._statement() as conn:
+        with self.engine.begin() as conn:
             rows = conn.execute(
                 Q["redispatch_due"], {"redispatch_after": redispatch_after, "limit": limit}
             ).all()
+            for r in rows:
+                if r.lost_by is not None:  # its holder's lease lapsed: a recovery, on the record
+                    lapsed = r.lease_lapsed_at.isoformat() if r.lease_lapsed_at else None
+                    detail = {"leaseHolder": r.lost_by, "leaseLapsedAt": lapsed}
+                    _record_audit(
+                        conn,
+                        r.id,
+                        NewAudit(
+                            actor="reaper",
+                            action="recovery.redispatched",
+                            tenant=r.tenant,
+                            detail=detail,
+                        ),
+                    )
         return [Dispatch(r.id, r.dispatch_token) for r in rows]
+
+    def record_recovery(
+        self, run_id: uuid.UUID, *, tenant: str, actor: str, action: str, detail: Any
+    ) -> None:
+        """One entry of a run's recovery trail (``recovery.*``): an audit event, and through
+        the trigger of migration 0018 a ``run.recovery`` event of its live stream."""
+        with self.engine.begin() as conn:
+            _record_audit(
+                conn, run_id, NewAudit(actor=actor, action=action, tenant=tenant, detail=detail)
+            )
 
     def delete_finished_runs(self, *, older_than_seconds: float, batch: int) -> int:
         """Delete one batch of finished runs older than the cut-off; returns how many."""

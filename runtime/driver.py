@@ -245,8 +245,16 @@ class Driver:
             task.steps = self.store.steps(
                 run.id, token=token, epoch=claim.epoch, status_changes=claim.status_changes
             )
-            if run.claims_without_progress > 1:
-                log.info("run=%s resumed at seq=%d", short(run.id), self._resume_seq(task.steps))
+            if run.claims_without_progress > 1:  # claimed before, no step since: a recovery
+                seq = self._resume_seq(task.steps)
+                log.info("run=%s resumed at seq=%d", short(run.id), seq)
+                self.store.record_recovery(
+                    run.id,
+                    tenant=run.tenant,
+                    actor=self.worker,
+                    action="recovery.resumed",
+                    detail={"seq": seq, "worker": self.worker},
+                )
             try:
                 agent = self.agents.get(run.agent)
             except UnknownAgent as e:  # its compensations are found from its rows

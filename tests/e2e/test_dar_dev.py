@@ -153,11 +153,15 @@ def test_the_readme_kill_demo_under_dar_dev(dar_dev: DarDev, tmp_path: Path) -> 
         run = dar_dev.api("GET", f"/api/runs/{run_id}")
     assert run["status"] == "SUCCEEDED", run["error"]
     timeline = dar_dev.api("GET", f"/api/runs/{run_id}/timeline")
-    assert [(t["seq"], t["kind"], t["status"]) for t in timeline] == [
+    assert [(t["seq"], t["kind"], t["status"]) for t in timeline if t["kind"] != "AUDIT"] == [
         (1, "MODEL", "DONE"),
         (2, "TOOL", "DONE"),
         (3, "MODEL", "DONE"),
     ]
+    recovery = [(t["action"], t["detail"]) for t in timeline if t["kind"] == "AUDIT"]
+    assert ("recovery.redispatched", victim) in [(a, d["leaseHolder"]) for a, d in recovery[:1]]
+    assert recovery[-1][0] == "recovery.resumed"
+    assert recovery[-1][1]["seq"] == 3
     assert f"run={run_id[:8]} resumed at seq=3" in dar_dev.output
     assert dar_dev.proc.poll() is None, "the stack kept running"
 

@@ -114,11 +114,16 @@ def test_sigkill_mid_step_resumes_on_the_other_worker(stack: DevStack, pool: str
         assert steps[2].lease_epoch > epoch_at_kill, "under a new lease"
         assert run.tokens_used == sum(s.usage.total for s in steps)
         _, timeline = stack.request("GET", f"/api/runs/{run_id}/timeline")
-        assert [(t["seq"], t["kind"], t["status"]) for t in timeline] == [
+        assert [(t["seq"], t["kind"], t["status"]) for t in timeline if t["kind"] != "AUDIT"] == [
             (1, "MODEL", "DONE"),
             (2, "TOOL", "DONE"),
             (3, "MODEL", "DONE"),
         ]
+        # The recovery is on the record: whose lease lapsed, and where the run resumed.
+        trail = [(t["actor"], t["action"], t["detail"]) for t in timeline if t["kind"] == "AUDIT"]
+        lapsed = [d for a, act, d in trail if (a, act) == ("reaper", "recovery.redispatched")]
+        assert [d["leaseHolder"] for d in lapsed] == [victim], trail
+        assert (survivor, "recovery.resumed", {"seq": 3, "worker": survivor}) in trail
     finally:
         engine.dispose()
 
