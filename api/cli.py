@@ -34,9 +34,20 @@ class _Interrupted(BaseException):
 
 
 def version() -> str:
+    """The version, written in one place: ``pyproject.toml``. From a checkout (an editable
+    install included, whose installed metadata keeps the version of its install) it is read
+    there; from an installed package, from the package's metadata."""
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    if pyproject.is_file():
+        import tomllib
+
+        try:
+            return str(tomllib.loads(pyproject.read_text())["project"]["version"])
+        except (OSError, ValueError, KeyError):
+            pass
     try:
         return metadata.version("durable-agent-runtime")
-    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+    except metadata.PackageNotFoundError:  # pragma: no cover - not installed, no checkout
         return "unknown"
 
 
@@ -334,6 +345,9 @@ def _timeline_table(steps: list[dict[str, Any]]) -> str:
                 f"{s['latencyMs']}ms" if s["latencyMs"] is not None else "",
                 s["worker"],
             ]
+            if s["seq"] is not None
+            # an audit entry (an operator's action, a recovery): what, and by whom
+            else [None, s["kind"], s["status"], s.get("action"), None, None, None, s.get("actor")]
             for s in steps
         ],
     )

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import threading
+import tomllib
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy import text
@@ -54,7 +56,10 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out == f"dar {version()}\n"
-    assert version() == "0.1.0"
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert version() == pyproject["project"]["version"], "one place: pyproject.toml"
+    changelog = (Path(__file__).parents[2] / "CHANGELOG.md").read_text()
+    assert f"- {version()} " in changelog, "the changelog has an entry for it"
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:

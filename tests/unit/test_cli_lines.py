@@ -36,3 +36,13 @@ def test_an_audit_entry_has_no_seq_and_says_who_did_what() -> None:
     line = _step_line(audit)
     assert line == 'AUDIT approve by dar demo: {"comment":"ok"}'
     assert "None" not in line
+
+
+def test_the_timeline_table_shows_an_audit_entry_as_what_and_by_whom() -> None:
+    from api.cli import _timeline_table
+
+    audit = {**STEP, "seq": None, "kind": "AUDIT", "stepKey": "audit:recovery.resumed",
+             "action": "recovery.resumed", "actor": "worker-B", "worker": None}  # fmt: skip
+    rows = _timeline_table([STEP, audit]).splitlines()
+    assert rows[2].split() == ["AUDIT", "DONE", "recovery.resumed", "worker-B"]
+    assert "None" not in rows[2]

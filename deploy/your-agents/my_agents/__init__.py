@@ -1,0 +1,1 @@
+"""Your agents: one module per team or product, each with ``register(registry)``."""
