@@ -158,7 +158,11 @@ def test_the_readme_kill_demo_under_dar_dev(dar_dev: DarDev, tmp_path: Path) -> 
         (2, "TOOL", "DONE"),
         (3, "MODEL", "DONE"),
     ]
-    recovery = [(t["action"], t["detail"]) for t in timeline if t["kind"] == "AUDIT"]
+    recovery = [
+        (t["action"], t["detail"])
+        for t in timeline
+        if t["kind"] == "AUDIT" and t["action"].startswith("recovery.")
+    ]
     assert ("recovery.redispatched", victim) in [(a, d["leaseHolder"]) for a, d in recovery[:1]]
     assert recovery[-1][0] == "recovery.resumed"
     assert recovery[-1][1]["seq"] == 3
