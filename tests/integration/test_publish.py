@@ -107,3 +107,20 @@ def test_a_dead_broker_is_reported_not_raised(runtime: Runtime, settings: Settin
     finally:
         dead.close()
     assert runtime.store.get_run(run.id).status is RunStatus.QUEUED
+
+
+def test_queued_runs_are_served_oldest_first(app: Celery, redis_client: redis.Redis) -> None:
+    """The lean publisher pushes to the end Celery's ``send_task`` pushes to, the far end from
+    the one workers take from: under a backlog the oldest message goes first (pushed to the
+    other end, new runs would be served first and old ones starve)."""
+    lean = publisher(app, DRIVE_RUN)
+    assert lean is not None
+    app.send_task(DRIVE_RUN, args=["run-1", "t"])
+    lean.send("run-2", "t")
+    lean.send("run-3", "t")
+    app.send_task(DRIVE_RUN, args=["run-4", "t"])
+    order = []
+    for _ in range(4):  # as a worker takes them (the Redis transport pops the list's tail)
+        body = json.loads(base64.b64decode(_pop(redis_client, lean.queue)["body"]))
+        order.append(body[0][0])
+    assert order == ["run-1", "run-2", "run-3", "run-4"]

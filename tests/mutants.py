@@ -1,0 +1,295 @@
+"""A hand-made mutation audit of the engine's guarantee code: ``python -m tests.mutants``.
+
+Each mutant below is a realistic slip in the code that keeps a guarantee (the step-log copy,
+fences, the checkpoint retry, hand-over, key slots, fork, reconcile, the lean publisher),
+written as a text patch, with the tests that must notice it. For each one the script copies
+the repository (the files git knows, plus those not yet committed) to a temporary
+directory once, applies the patch there, runs the named tests against that copy, restores
+the file, and reports ``killed`` (a test failed: the suite notices the slip) or
+``survived``; then the score. The checkout itself is never modified.
+
+Not run in CI: it runs each mutant's tests once more against real PostgreSQL and Redis
+(``DATABASE_URL``/``REDIS_URL`` as for the tests), a few minutes in all. Options::
+
+    python -m tests.mutants                 # every mutant
+    python -m tests.mutants steplog keys    # only the mutants whose name contains a word
+    python -m tests.mutants --list          # the mutants and their tests
+
+A patch that no longer applies (its text changed) is reported ``stale``: update the mutant
+with the code. Exit status 1 when a mutant survived or is stale.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    why: str
+
+
+T = "tests/integration/"
+
+MUTANTS = (
+    Mutant(
+        "steplog-wrote-without-epoch-check",
+        "db/steplog.py",
+        "            if log is None or log.epoch != epoch:\n                self._logs.pop",
+        "            if log is None:\n                self._logs.pop",
+        (
+            T + "test_one_executor.py::test_an_old_copy_does_not_take_the_token_of_a_run_parked"
+            "_for_its_key",
+            "tests/unit/test_steplog.py::test_a_write_of_another_lease_drops_the_copy_and_takes"
+            "_no_token",
+        ),
+        "an old copy takes the token of a run parked for its key before its log was read",
+    ),
+    Mutant(
+        "steplog-hit-keeps-the-token",
+        "db/steplog.py",
+        "log.epoch, log.token, log.status_changes = epoch, None, status_changes",
+        "log.epoch, log.status_changes = epoch, status_changes",
+        ("tests/unit/test_steplog.py::test_a_hand_over_serves_the_claim_right_after_it_once",),
+        "a cache hit does not consume the hand-on dispatch token",
+    ),
+    Mutant(
+        "steplog-token-alone",
+        "db/steplog.py",
+        "                or epoch != log.handed_epoch + 1\n",
+        "",
+        (
+            T + "test_one_executor.py::test_a_duplicated_message_after_another_process_wrote"
+            "_reads_the_log",
+        ),
+        "issue 23 defect 1: a duplicated message served the copy of the process that handed on",
+    ),
+    Mutant(
+        "checkpoint-retry-keeps-the-log-copy",
+        "runtime/task.py",
+        "                        self.store.step_logs.forget(self.run_id)  # it missed the lost"
+        " write\n",
+        "",
+        (
+            T + "test_checkpoint_retry.py::test_a_commit_found_after_a_blink_drops_the_processs"
+            "_copy_of_the_log",
+        ),
+        "the step-log copy kept after finding that an earlier try committed",
+    ),
+    Mutant(
+        "checkpoint-retry-by-key-alone",
+        "runtime/task.py",
+        "            or found.lease_epoch != self.claim.epoch\n",
+        "",
+        (
+            T + "test_checkpoint_retry.py::test_an_earlier_attempts_row_is_not_taken_for_this"
+            "_tries_commit",
+        ),
+        '"an earlier try committed" decided by the step key alone, ignoring the epoch',
+    ),
+    Mutant(
+        "checkpoint-retry-takes-a-copied-row",
+        "runtime/task.py",
+        "            or found.origin is not None\n",
+        "",
+        (
+            T + "test_checkpoint_retry.py::test_a_resumed_forks_model_call_is_not_taken_for_its"
+            "_copied_row",
+        ),
+        "issue 23 defect 6: a fork's copied row taken for the checkpoint's own commit",
+    ),
+    Mutant(
+        "checkpoint-retry-on-any-exception",
+        "runtime/task.py",
+        "if not database_unavailable(e) or left <= 0:",
+        "if left <= 0:",
+        (T + "test_checkpoint_blip.py::test_an_error_that_is_not_a_blip_is_not_retried",),
+        "a checkpoint retried for the whole lease on any exception, not only a database blip",
+    ),
+    Mutant(
+        "fork-copies-a-retrying-step",
+        "runtime/fork.py",
+        "COPYABLE = frozenset({StepStatus.DONE,",
+        "COPYABLE = frozenset({StepStatus.RETRYING, StepStatus.DONE,",
+        (T + "test_checkpoint_retry.py::test_a_fork_after_a_step_being_retried_is_refused",),
+        "a fork copies a RETRYING step and keeps it marked copied (never compensated, unbilled)",
+    ),
+    Mutant(
+        "reconcile-hang-read-as-not-happened",
+        "runtime/effects.py",
+        "if isinstance(answer, Raised | StillRunning):",
+        "if isinstance(answer, Raised):",
+        (
+            T + "test_reconcile.py::test_a_reconcile_hook_that_hangs_past_its_grace_is_not_read"
+            "_as_not_happened",
+        ),
+        "a reconcile hook still running past its timeout and grace read as 'not happened'",
+    ),
+    Mutant(
+        "reconcile-error-read-as-not-happened",
+        "runtime/effects.py",
+        "if isinstance(answer, Raised | StillRunning):",
+        "if isinstance(answer, StillRunning):",
+        (T + "test_reconcile.py::test_a_reconcile_hook_that_raises_is_not_read_as_not_happened",),
+        "a reconcile hook that raises read as 'not happened'",
+    ),
+    Mutant(
+        "reconcile-asked-once",
+        "runtime/effects.py",
+        "    if not (isinstance(again, Raised) and isinstance(again.error, OutcomeUnknown)):",
+        "    if True:",
+        (T + "test_reconcile.py::test_an_answer_lost_again_after_reconcile_is_reconciled_again",),
+        "issue 23 defect 3: a re-run whose answer is lost again recorded as a plain failure",
+    ),
+    Mutant(
+        "pool-connection-left-in-autocommit",
+        "db/fastpath.py",
+        "                try:\n                    conn.autocommit = False\n",
+        "                try:\n                    pass\n",
+        (
+            T + "test_awkward_text.py::test_a_statement_error_returns_its_connection_to_the_pool"
+            "_out_of_autocommit",
+        ),
+        "after a statement error that is not a disconnect, the connection pooled in autocommit",
+    ),
+    Mutant(
+        "key-renew-re-adds-a-released-slot",
+        "runtime/keys.py",
+        "redis.call('ZADD', k, 'XX', now",
+        "redis.call('ZADD', k, now",
+        (T + "test_concurrency_keys.py::test_a_lapsed_slot_taken_by_another_is_not_renewed_back",),
+        "the key-slot renew re-adding a slot released (lapsed, taken) meanwhile",
+    ),
+    Mutant(
+        "key-wake-goes-to-a-cancelled-waiter",
+        "runtime/driver.py",
+        "            woken = self.keys.skip(slot, woken, continuing=continuing)\n",
+        "            return ()\n",
+        (
+            T + "test_concurrency_keys.py::test_a_waiter_cancelled_while_parked_does_not_swallow"
+            "_the_wake",
+        ),
+        "issue 23 defect 7: a waiter cancelled while parked swallows the freed slot's wake",
+    ),
+    Mutant(
+        "key-holder-loses-its-place",
+        "runtime/keys.py",
+        "  me = ARGV[5]\n  redis.call('ZADD', KEYS[2]",
+        "  me = ARGV[5]\n  if true then return next_waiter(now, tonumber(ARGV[4]), me) end\n"
+        "  redis.call('ZADD', KEYS[2]",
+        (
+            T + "test_concurrency_keys.py::test_a_holder_continuing_keeps_its_place_and_a_newcomer"
+            "_cannot_overtake",
+        ),
+        "issue 23 defect 7: a newcomer overtakes a holder between its steps and older waiters",
+    ),
+    Mutant(
+        "lean-publisher-pushes-to-the-wrong-end",
+        "tasks/publish.py",
+        "self._client.lpush(self.queue",
+        "self._client.rpush(self.queue",
+        (T + "test_publish.py::test_queued_runs_are_served_oldest_first",),
+        "the lean publisher pushes to the other end: queued runs served newest first",
+    ),
+)
+
+
+def _copy_tree() -> Path:
+    """The repository's files (committed or not, ignored ones left out) in a temporary
+    directory."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    dest = Path(tempfile.mkdtemp(prefix="dar-mutants-"))
+    for raw in listed:
+        if not raw:
+            continue
+        rel = raw.decode()
+        src = ROOT / rel
+        if not src.is_file():
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+    return dest
+
+
+def _run_tests(tree: Path, tests: tuple[str, ...]) -> tuple[bool, str]:
+    """``True`` when every test passed; the last line pytest printed."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    return proc.returncode == 0, (lines[-1] if lines else proc.stderr.strip()[-200:])
+
+
+def main(argv: list[str]) -> int:
+    if "--list" in argv:
+        for m in MUTANTS:
+            print(f"{m.name}  ({m.path}): {m.why}")
+            for t in m.tests:
+                print(f"    {t}")
+        return 0
+    words = [a for a in argv if not a.startswith("-")]
+    chosen = [m for m in MUTANTS if not words or any(w in m.name for w in words)]
+    tree = _copy_tree()
+    results: dict[str, str] = {}
+    try:
+        for m in chosen:
+            target = tree / m.path
+            original = target.read_text()
+            if original.count(m.old) != 1:
+                results[m.name] = "stale"
+                print(f"STALE     {m.name}: the patch's text is not in {m.path} exactly once")
+                continue
+            # The unmutated tests must pass first, or "killed" would mean nothing.
+            passed, line = _run_tests(tree, m.tests)
+            if not passed:
+                results[m.name] = "stale"
+                print(f"STALE     {m.name}: its tests fail without the mutant ({line})")
+                continue
+            started = time.monotonic()
+            target.write_text(original.replace(m.old, m.new, 1))
+            try:
+                passed, line = _run_tests(tree, m.tests)
+            finally:
+                target.write_text(original)
+            verdict = "survived" if passed else "killed"
+            results[m.name] = verdict
+            took = time.monotonic() - started
+            print(f"{verdict.upper():9} {m.name} ({took:.0f}s): {m.why} [{line}]", flush=True)
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+    killed = sum(1 for v in results.values() if v == "killed")
+    scored = sum(1 for v in results.values() if v in ("killed", "survived"))
+    stale = sum(1 for v in results.values() if v == "stale")
+    score = f"{100 * killed / scored:.0f}%" if scored else "n/a"
+    print(f"\nmutation score: {killed} of {scored} killed ({score}); {stale} stale")
+    return 0 if killed == scored and not stale else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
