@@ -285,7 +285,7 @@ run_event = Table(
     Column("approval_id", UUID(as_uuid=True)),
     Column("status", Text),
     Column("at", TZ, nullable=False, server_default=text("now()")),
-    Column("audit_id", BigInteger),  # a run.recovery event's audit_event row (migration 0018)
+    Column("audit_id", BigInteger),  # a run.recovery event's audit_event row (migration 0019)
     PrimaryKeyConstraint("run_id", "n", name="run_event_pkey"),
     CheckConstraint(
         "kind IN ('run.status', 'step.started', 'step.finished', 'approval.requested', "
@@ -336,7 +336,7 @@ AUDIT_ACTIONS = (
     "submit",
     "timeout",
     # The runtime's own, with actor "reaper" or the worker: a run recovered after a crash
-    # (migration 0018). Each is also a run.recovery event of the run's live stream.
+    # (migration 0019). Each is also a run.recovery event of the run's live stream.
     "recovery.redispatched",
     "recovery.resumed",
 )

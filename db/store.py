@@ -1119,7 +1119,7 @@ class RunStore:
         self, run_id: uuid.UUID, *, tenant: str, actor: str, action: str, detail: Any
     ) -> None:
         """One entry of a run's recovery trail (``recovery.*``): an audit event, and through
-        the trigger of migration 0018 a ``run.recovery`` event of its live stream."""
+        the trigger of migration 0019 a ``run.recovery`` event of its live stream."""
         with self.engine.begin() as conn:
             _record_audit(
                 conn, run_id, NewAudit(actor=actor, action=action, tenant=tenant, detail=detail)

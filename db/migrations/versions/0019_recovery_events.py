@@ -5,16 +5,16 @@ resume are audit events (``recovery.redispatched``, ``recovery.resumed``), and e
 Before, a crash and its recovery left an unexplained gap in the timeline and the console:
 what happened was only in the worker and beat logs.
 
-Revision ID: 0018
-Revises: 0017
+Revision ID: 0019
+Revises: 0018
 Create Date: 2026-12-03
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0018"
-down_revision = "0017"
+revision = "0019"
+down_revision = "0018"
 branch_labels = None
 depends_on = None
 
