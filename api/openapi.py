@@ -1028,9 +1028,26 @@ def _common_responses(document: JsonObj, auth: bool) -> None:
                 operation["security"] = [{"bearer": []}]
                 responses.setdefault("401", _error("No valid token (when tokens are configured)"))
                 responses.setdefault("403", _error("The token lacks the role this needs"))
+            # gunicorn's own answer to a request line over --limit-request-line (4094 bytes):
+            # before the app, for any operation (an over-long id or query string).
+            responses.setdefault(
+                "414",
+                {
+                    "description": "Request line longer than the server accepts (gunicorn's "
+                    "own page, before the app: not JSON)",
+                    "content": {"text/html": {"schema": {"type": "string"}}},
+                },
+            )
             if "requestBody" in operation:
                 responses.setdefault("400", _error("Invalid field; the message names it"))
                 responses.setdefault("408", _error("The body did not arrive in time"))
+                responses.setdefault(
+                    "503",
+                    _error(
+                        "Too many chunked bodies being received at once "
+                        "(DAR_HTTP_BUFFER_BYTES); retry after Retry-After seconds"
+                    ),
+                )
                 responses.setdefault("413", _error("Body larger than DAR_MAX_BODY_BYTES"))
                 responses.setdefault("415", _error("Body is not JSON"))
             # Every string in a query or body is refused (400) when it is not text PostgreSQL
