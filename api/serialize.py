@@ -195,9 +195,10 @@ def _audit_entry(e: AuditEvent) -> dict[str, Any]:
 
 def timeline_json(steps: list[Step], events: list[AuditEvent]) -> list[dict[str, Any]]:
     """Steps in seq order; each audit event goes before the first step that started after
-    it."""
+    it. The submit is not repeated here: the run's ``createdAt`` and ``submittedBy`` say it
+    (``GET /api/runs/{id}``'s ``audit`` has it)."""
     out: list[dict[str, Any]] = []
-    pending = sorted(events, key=lambda e: (e.at, e.id))
+    pending = sorted((e for e in events if e.action != "submit"), key=lambda e: (e.at, e.id))
     for step in steps:
         while pending and pending[0].at < step.started_at:
             out.append(_audit_entry(pending.pop(0)))
