@@ -143,7 +143,8 @@ def _model_step(
     key = model_step_key(conversation.model_turns + 1)
     outcome = modelcall.call(task, request, kind=pipeline.StepKind.MODEL, key=key, seq=seq)
     if isinstance(outcome, modelcall.Failed):
-        assert isinstance(outcome.error, LlmError)
+        if not isinstance(outcome.error, LlmError):
+            raise outcome.error  # not an answer of the API: the task fails, the run goes on
         return task.finish(RunStatus.FAILED, error=modelcall.failure(outcome.error))
     if isinstance(outcome, modelcall.Stopped):
         return task.finish(outcome.status, error=outcome.reason)

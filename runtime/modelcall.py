@@ -358,9 +358,10 @@ class Stopped:
 
 @dataclass(frozen=True)
 class Failed:
-    """The call itself failed for good: the client's :class:`LlmError` (or what ``make``
-    raised). What it means is the caller's: the agent loop fails the run, a durable step's
-    code sees the exception."""
+    """The call itself failed for good: the client's :class:`LlmError`, or anything else the
+    call raised. What it means is the caller's: the agent loop fails the run on an
+    ``LlmError`` (anything else fails the task), a durable step's code sees the exception,
+    a framework's call is recorded as its step's error."""
 
     error: Exception
 
@@ -417,11 +418,7 @@ def call(
         return _later(task, key, e)
     except ModelCallCancelled:
         return Stopped(RunStatus.CANCELLED, "cancelled by request (model call aborted)")
-    except LlmError as e:
-        return Failed(e)
-    except Exception as e:
-        if make is None:
-            raise  # not the client's error: the engine's
+    except Exception as e:  # the client's LlmError, or whatever the call itself raised
         return Failed(e)
     response = answer.response
     row = NewStep(
