@@ -91,13 +91,14 @@ def test_a_second_dar_dev_on_the_same_data_is_refused(tmp_path: Path) -> None:
         (
             {"DAR_API_TOKENS": "ci:read"},
             "dar: DAR_API_TOKENS entry 'ci' must be name:role+role:sha256hex, optionally "
-            "followed by :tenant (make one with `dar token new NAME --roles read,submit`)",
+            "followed by :tenant and :expires=YYYY-MM-DD (make one with `dar token new NAME "
+            "--roles read,submit`)",
         ),
         (
             {"DAR_API_TOKENS": f"ci:sumbit:{'0' * 64}"},
             "dar: DAR_API_TOKENS entry 'ci' names the unknown role 'sumbit' (did you mean "
-            "'submit'?): roles are read, submit, cancel, approve, admin, or an approval role a "
-            "durable function declares (none declared)",
+            "'submit'?): roles are read, submit, cancel, approve, metrics, admin, or an "
+            "approval role a durable function declares (none declared)",
         ),
         (
             {"DAR_AGENT_MODULES": "nowhere.agents"},
