@@ -92,10 +92,10 @@ def propose(ticket: Ticket, c: Classification, similar: list[SimilarTicket]) -> 
 def build(tickets: TicketStore) -> Any:
     @step
     def apply(resolution: Resolution) -> dict[str, Any]:
-        """The side effect: a comment on the ticket, idempotent by the step's key, so a
-        re-execution after a crash adds nothing."""
+        """The side effect: a comment on the ticket, idempotent by the step's idempotency
+        key (``<run id>/<step key>``), so a re-execution after a crash adds nothing."""
         steps = current_steps()
-        key = f"triage:{steps.run_id}:{steps.key}" if steps else "triage:manual"
+        key = f"triage:{steps.key}" if steps else "triage:manual"
         comment_id, created = tickets.add_comment(
             resolution.ticket_id, f"{resolution.action}: {resolution.note}", idempotency_key=key
         )
