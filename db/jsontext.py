@@ -36,8 +36,8 @@ def dumps(value: Any) -> str:
     """``value`` as JSON text ``jsonb`` accepts (see the module's docstring)."""
     text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
     wrapper = type(value) is dict and MARKER in value
-    if not wrapper and "\\u0000" not in text and _NEEDS.search(text) is None:
-        return text
+    if not wrapper and "\\u0000" not in text and (text.isascii() or _NEEDS.search(text) is None):
+        return text  # (a NUL is escaped as \\u0000 in the text; an ASCII text has no surrogate)
     return json.dumps(
         {MARKER: 1, "v": _walk(value, _escape)},
         separators=(",", ":"),
