@@ -119,6 +119,7 @@ def create_app(
     from api.events import bp as events_bp
     from api.forks import bp as forks_bp
     from api.health import bp as health_bp
+    from api.messages import bp as messages_bp
     from api.runs import bp as runs_bp
     from api.schedules import bp as schedules_bp
     from api.signals import bp as signals_bp
@@ -131,6 +132,7 @@ def create_app(
     app.register_blueprint(forks_bp, url_prefix="/api")
     app.register_blueprint(schedules_bp, url_prefix="/api")
     app.register_blueprint(signals_bp, url_prefix="/api")
+    app.register_blueprint(messages_bp, url_prefix="/api")
     app.register_blueprint(health_bp)
     app.register_blueprint(console_bp)
 

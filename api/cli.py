@@ -629,6 +629,17 @@ def _decide(args: argparse.Namespace) -> int:
     return 0
 
 
+def _send(args: argparse.Namespace) -> int:
+    """``dar send RUN TEXT``: a message into an agent-loop run (or the next turn of a
+    finished one)."""
+    run_id = resolve_run_id(args.api, args.run_id)
+    body: dict[str, Any] = {"text": args.text, "policy": args.policy}
+    sent = api_call(args.api, "POST", f"/api/runs/{run_id}/messages", body)
+    print(f"dar: message {sent['messageId']} for run {run_id} ({sent['status']}): delivered at "
+          "its next step boundary")  # fmt: skip
+    return 0
+
+
 def _schedules(args: argparse.Namespace) -> int:
     """``dar schedules`` (list), ``dar schedules add``, ``dar schedules delete``."""
     action = getattr(args, "schedule_command", None) or "list"
@@ -923,6 +934,20 @@ def build_parser() -> argparse.ArgumentParser:
             help="the payloadHash you were shown: refused if what is to be approved changed",
         )
         p.set_defaults(decision=decision)
+
+    p = api_command(
+        "send",
+        _send,
+        "send a message to an agent-loop run (delivered at its next step boundary); a "
+        "SUCCEEDED run continues as the next turn",
+    )
+    p.add_argument("run_id", help=run_help)
+    p.add_argument("text", help="the message")
+    p.add_argument(
+        "--policy", default="enqueue", choices=("enqueue", "reject"),
+        help="enqueue: delivered at the next step boundary; reject: refused while the run "
+        "is inside a step",
+    )  # fmt: skip
 
     p = api_command("schedules", _schedules, "list schedules; `add` or `delete` one")
     sched_sub = p.add_subparsers(dest="schedule_command", metavar="COMMAND")

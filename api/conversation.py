@@ -52,6 +52,8 @@ def conversation_json(run: Run, steps: list[Step]) -> JsonObj:
                     )
                 else:  # thinking, server tools...: shown as they came
                     entries.append({**base, "type": "block", "block": block})
+        elif step.kind is StepKind.MESSAGE:  # a message posted to the run: a user turn
+            entries.append({**base, "type": "message", "content": step.response})
         elif step.kind is StepKind.TOOL:
             entries.append(
                 {

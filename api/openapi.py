@@ -13,11 +13,13 @@ from api.schemas import (
     ID_PREFIX_PATTERN,
     MAX_AGENT_CHARS,
     MAX_JSON_DEPTH,
+    MESSAGE_POLICIES,
     SAFE_TEXT,
     STATS_WINDOWS,
     TEXT_RULE,
     decision_schema,
     fork_schema,
+    message_schema,
     resolution_schema,
     resume_schema,
     schedule_schema,
@@ -503,6 +505,49 @@ def openapi_document(
                     },
                 }
             },
+            "/api/runs/{run_id}/messages": {
+                "post": {
+                    "summary": "Send a message to an agent-loop run: delivered at its next "
+                    "step boundary as a user turn (after the pending tool results), never "
+                    "lost, never twice; a SUCCEEDED run continues as the next turn",
+                    "operationId": "postMessage",
+                    "parameters": [
+                        RUN_ID,
+                        {
+                            "name": "Idempotency-Key",
+                            "in": "header",
+                            "required": False,
+                            "description": "a retried request with the same key is one message",
+                            "schema": {"type": "string", "minLength": 1, "maxLength": 200},
+                        },
+                    ],
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _ref("Message")}},
+                    },
+                    "responses": {
+                        "202": _json(
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "runId": {"type": "string", "format": "uuid"},
+                                    "messageId": {"type": "integer"},
+                                    "new": {"type": "boolean"},
+                                    "status": {"enum": statuses},
+                                    "policy": {"enum": list(MESSAGE_POLICIES)},
+                                },
+                            },
+                            "Kept; delivered at the next step boundary",
+                        ),
+                        "404": _error("No such run"),
+                        "409": _error(
+                            "The run ended otherwise than SUCCEEDED, is not an agent-loop run, "
+                            "or (policy reject) is inside a step"
+                        ),
+                        "422": _error("policy interrupt is not supported yet"),
+                    },
+                }
+            },
             "/api/runs/{run_id}/cancel": {
                 "post": {
                     "summary": "Cancel a run (a model call in flight is aborted within about a "
@@ -609,6 +654,7 @@ def openapi_document(
                 "Resume": resume_schema(s),
                 "Fork": fork_schema(s, any_json_input=any_json_input),
                 "Signal": signal_schema(),
+                "Message": message_schema(s),
                 "ScheduleRequest": schedule_schema(s, agents, any_json_input=any_json_input),
                 "Schedule": {
                     "type": "object",
@@ -894,6 +940,7 @@ def openapi_document(
                                             "tool_result",
                                             "block",
                                             "step",
+                                            "message",
                                             "result",
                                             "error",
                                         ]

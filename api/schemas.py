@@ -197,6 +197,42 @@ def schedule_schema(
     }
 
 
+MESSAGE_POLICIES = ("enqueue", "interrupt", "reject")
+
+
+def message_schema(settings: Settings) -> JsonObj:
+    """``POST /api/runs/{id}/messages``: text or content blocks, and what to do while the
+    run is inside a step."""
+    limit = settings.max_input_chars
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "oneOf": [{"required": ["text"]}, {"required": ["content"]}],
+        "properties": {
+            "text": _text(
+                f"must be a non-empty string of {TEXT_RULE}, at most {limit} characters "
+                "(DAR_MAX_INPUT_CHARS): the user's message",
+                max_length=limit,
+                non_blank=True,
+            ),
+            "content": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 100,
+                "items": {"type": "object", "required": ["type"]},
+                "description": "must be a non-empty list of Messages API content blocks "
+                '(each an object with a type, e.g. {"type": "text", "text": "..."}); '
+                "send text or content, not both",
+            },
+            "policy": {
+                "enum": list(MESSAGE_POLICIES),
+                "description": "must be enqueue (default: delivered at the next step "
+                "boundary), reject (409 while the run is inside a step) or interrupt",
+            },
+        },
+    }
+
+
 def signal_schema() -> JsonObj:
     """``POST /api/runs/{id}/signals/{name}``: the payload ``steps.wait_for`` returns."""
     return {

@@ -224,15 +224,25 @@ RETURNING *;
 -- finish_run --
 -- End the run (or park it for a human, NEEDS_ATTENTION), releasing the lease. Fenced.
 -- A cancel requested meanwhile turns parking for a human into the end of the run.
+-- A run about to end SUCCEEDED with a message posted meanwhile (messages_pending) goes on
+-- instead: it stays RUNNING, unheld and due, for the reaper's next sweep to send (a message
+-- is never left behind by the end of its conversation).
 UPDATE run
-SET status = CASE WHEN :status = 'NEEDS_ATTENTION' AND cancel_requested
-                  THEN 'CANCELLED' ELSE :status END,
-    result = CAST(:result AS jsonb),
+SET status = CASE WHEN :status = 'NEEDS_ATTENTION' AND cancel_requested THEN 'CANCELLED'
+                  WHEN :status = 'SUCCEEDED' AND messages_pending > 0 THEN 'RUNNING'
+                  ELSE :status END,
+    result = CASE WHEN :status = 'SUCCEEDED' AND messages_pending > 0 THEN NULL
+                  ELSE CAST(:result AS jsonb) END,
     error = CASE WHEN :status = 'NEEDS_ATTENTION' AND cancel_requested
                  THEN 'cancelled by request' ELSE :error END,
     locked_by = NULL, locked_until = NULL,
-    finished_at = CASE WHEN :status = 'NEEDS_ATTENTION' AND NOT cancel_requested
-                       THEN NULL ELSE now() END,
+    finished_at = CASE WHEN :status = 'NEEDS_ATTENTION' AND NOT cancel_requested THEN NULL
+                       WHEN :status = 'SUCCEEDED' AND messages_pending > 0 THEN NULL
+                       ELSE now() END,
+    run_at = CASE WHEN :status = 'SUCCEEDED' AND messages_pending > 0 THEN now()
+                  ELSE run_at END,
+    dispatched_at = CASE WHEN :status = 'SUCCEEDED' AND messages_pending > 0 THEN 'epoch'
+                         ELSE dispatched_at END,
     updated_at = now()
 WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING'
 RETURNING status;
@@ -940,3 +950,28 @@ WHERE parent_run_id = :id AND status NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED',
 -- list_children --
 SELECT id, agent, status, tokens_used, cost_usd, created_at, finished_at FROM run
 WHERE parent_run_id = :id ORDER BY created_at, id;
+
+-- message_arrived --
+-- A message posted to an agent-loop run: counted (the claim reads the count with the run).
+-- A SUCCEEDED run is queued again, as the next turn of its conversation: a new dispatch
+-- token, due now, its deadline renewed from now (a deadline is per turn; budgets and the step
+-- cap count the whole run).
+UPDATE run
+SET messages_pending = messages_pending + 1,
+    status = CASE WHEN status = 'SUCCEEDED' THEN 'QUEUED' ELSE status END,
+    result = CASE WHEN status = 'SUCCEEDED' THEN NULL ELSE result END,
+    finished_at = CASE WHEN status = 'SUCCEEDED' THEN NULL ELSE finished_at END,
+    deadline_at = CASE WHEN status = 'SUCCEEDED'
+                       THEN now() + make_interval(secs => COALESCE(timeout_seconds, 600))
+                       ELSE deadline_at END,
+    run_at = CASE WHEN status = 'SUCCEEDED' THEN now() ELSE run_at END,
+    dispatch_token = CASE WHEN status = 'SUCCEEDED' THEN gen_random_uuid()
+                          ELSE dispatch_token END,
+    dispatched_at = CASE WHEN status = 'SUCCEEDED' THEN now() ELSE dispatched_at END,
+    updated_at = now()
+WHERE id = :id
+RETURNING id, status, dispatch_token;
+
+-- message_delivered --
+UPDATE run SET messages_pending = messages_pending - 1
+WHERE id = :id AND messages_pending > 0;

@@ -48,6 +48,8 @@ class StepKind(enum.StrEnum):
     """``steps.send``: a signal to another run, inserted with the step's record."""
     CHILD = "CHILD"
     """``steps.child``: a child run, inserted with the step's record; its result when it ends."""
+    MESSAGE = "MESSAGE"
+    """A message posted to an agent-loop run, delivered as a user turn at a step boundary."""
 
 
 class StepStatus(enum.StrEnum):
@@ -149,6 +151,8 @@ class Run:
     unrecorded_estimated_tokens: int = 0
     """The part of ``unrecorded_tokens`` that is an estimate (an upper bound): model calls
     lost with their worker, estimated from the request before it was sent."""
+    messages_pending: int = 0
+    """Messages posted to this agent-loop run, not delivered yet."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -111,6 +111,9 @@ run = Table(
     # A child run (migration 0017): the run whose steps.child started it. No foreign key, as
     # for forks: the lineage outlives retention.
     Column("parent_run_id", UUID(as_uuid=True)),
+    # Messages posted to an agent-loop run and not delivered yet (migration 0018): read with
+    # every claim, so a step boundary knows without a query.
+    Column("messages_pending", Integer, nullable=False, server_default=text("0")),
     CheckConstraint(
         "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES) + ")",
         name="run_status_ck",
@@ -209,7 +212,7 @@ run_step = Table(
     PrimaryKeyConstraint("run_id", "seq", name="run_step_pkey"),
     CheckConstraint(
         "kind IN ('MODEL', 'TOOL', 'STEP', 'LLM', 'SIDE_EFFECT', 'APPROVAL', 'COMPENSATION', "
-        "'VERSION', 'TOOLSET', 'WAIT', 'SEND', 'CHILD')",
+        "'VERSION', 'TOOLSET', 'WAIT', 'SEND', 'CHILD', 'MESSAGE')",
         name="run_step_kind_ck",
     ),
     CheckConstraint(

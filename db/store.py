@@ -69,6 +69,10 @@ _HOT = (
 """The statements of a step, run through :mod:`db.fastpath`."""
 
 
+MESSAGE_SIGNAL = "$message"
+"""The run_signal name of a message (no signal name can be it: they are [A-Za-z0-9_.-])."""
+
+
 class _NotWaiting(Exception):
     """Internal: abort a decision's transaction."""
 
@@ -128,6 +132,7 @@ def _run(row: Mapping[Any, Any]) -> Run:
         schedule_id=row.get("schedule_id"),
         parent_run_id=row.get("parent_run_id"),
         unrecorded_estimated_tokens=row.get("unrecorded_estimated_tokens", 0),
+        messages_pending=row.get("messages_pending") or 0,
     )
 
 
@@ -1338,6 +1343,67 @@ class RunStore:
         caller wakes the run after the commit (:meth:`wake`)."""
         with self.engine.begin() as conn:
             return _insert_signal(conn, run_id, name, payload, idempotency_key, sent_by, None)
+
+    def post_message(
+        self,
+        run_id: uuid.UUID,
+        content: Any,
+        *,
+        idempotency_key: str | None = None,
+        sent_by: str | None = None,
+    ) -> tuple[int, bool, Dispatch | None]:
+        """Keep a message for an agent-loop run until a step boundary delivers it. A
+        SUCCEEDED run is queued again (its next turn). Returns the message's id, whether it
+        is new (a retried request with the same key: the first, nothing counted again) and
+        the drive_run message of a run queued again. :class:`RunNotFound`;
+        :class:`InvalidTransition` for a run ended otherwise than SUCCEEDED."""
+        with self.engine.begin() as conn:
+            run = conn.execute(Q["lock_run_row"], {"id": run_id}).first()
+            if run is None:
+                raise RunNotFound(f"no run with id {run_id}")
+            if RunStatus(run.status).terminal and run.status != RunStatus.SUCCEEDED:
+                raise InvalidTransition(
+                    f"run {run_id} ended {run.status}: only a running or SUCCEEDED run takes "
+                    "a message (resume a FAILED or TIMED_OUT run first)"
+                )
+            params = {
+                "run_id": run_id,
+                "name": MESSAGE_SIGNAL,
+                "payload": _json(content),
+                "idempotency_key": idempotency_key,
+                "sent_by": sent_by,
+            }
+            row = conn.execute(Q["insert_signal"], params).first()
+            if row is None:
+                seen = conn.execute(
+                    Q["get_signal_by_key"], {"run_id": run_id, "idempotency_key": idempotency_key}
+                ).one()
+                return int(seen.id), False, None
+            after = conn.execute(Q["message_arrived"], {"id": run_id}).one()
+        reopened = run.status == RunStatus.SUCCEEDED
+        dispatch = Dispatch(after.id, after.dispatch_token) if reopened else None
+        return int(row.id), True, dispatch
+
+    def deliver_message(self, claim: Claim, row_for: Callable[[Any], NewStep]) -> Dispatch | None:
+        """Deliver the oldest pending message: consume it, count it delivered and record the
+        step ``row_for(content)`` in one transaction, handing the lease on (never lost,
+        never twice). ``None`` when there is none. Fenced."""
+        token = uuid.uuid4()
+        try:
+            with self.engine.begin() as conn:
+                params = {"run_id": claim.run_id, "name": MESSAGE_SIGNAL}
+                found = conn.execute(Q["pending_signal"], params).first()
+                if found is None:
+                    return None
+                step = row_for(found.payload)
+                conn.execute(Q["consume_signal"], {"id": found.id, "step_key": step.step_key})
+                conn.execute(Q["message_delivered"], {"id": claim.run_id})
+                written = [self._record(conn, claim, step, token)]
+        except LeaseLost:
+            self.step_logs.forget(claim.run_id)
+            raise
+        self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
+        return Dispatch(claim.run_id, token)
 
     def wait_for_signal(
         self,

@@ -54,6 +54,10 @@ def run_agent(task: Task, agent: Agent) -> StepResult:
             },
         ):
             return _tool_step(task, agent, use)
+    if task.claim.run.messages_pending > 0:  # a step boundary: messages go in now
+        delivered = _deliver_message(task, conversation)
+        if delivered is not None:
+            return delivered
     if conversation.finished:
         return task.finish(RunStatus.SUCCEEDED, result=conversation.final_text)
     if halt:
@@ -89,7 +93,7 @@ def halt_reason(task: Task, conversation: Conversation) -> str | None:
     """Why the last model turn ends the run without success, or ``None`` when the next
     step is a model call (first call, tool results to send, or a turn to continue)."""
     stop = conversation.stop_reason
-    if stop in (None, "tool_use", "pause_turn") or conversation.finished:
+    if stop in (None, "tool_use", "pause_turn", "message") or conversation.finished:
         return None
     if stop == "max_tokens":
         if conversation.last_turn_has_tool_use:
@@ -108,6 +112,27 @@ def halt_reason(task: Task, conversation: Conversation) -> str | None:
     if stop == "model_context_window_exceeded":
         return "the conversation no longer fits in the model's context window"
     return f"the model stopped with an unexpected stop_reason {stop!r}"
+
+
+# -- a message posted to the run ------------------------------------------------------------
+
+
+def _deliver_message(task: Task, conversation: Conversation) -> StepResult | None:
+    """The oldest message posted to the run becomes its next step, ``message:n``: a user
+    turn after the last turn's tool results. ``None`` when there is none after all."""
+    seq = task.next_seq
+    key = f"message:{sum(1 for s in task.steps if s.kind is StepKind.MESSAGE)}"
+    kind = pipeline.KINDS[pipeline.StepKind.MESSAGE].row
+
+    def row(content: Any) -> NewStep:
+        return NewStep(seq, key, kind, StepStatus.DONE, response=content, attempt=1, latency_ms=0)
+
+    task.ensure_lease()
+    dispatch = task.store.deliver_message(task.claim, row)
+    if dispatch is None:
+        return None
+    log.info("run=%s seq=%d MESSAGE %s delivered", task.rid, seq, key)
+    return StepResult(Outcome.CONTINUE, dispatch=dispatch)
 
 
 # -- model step -----------------------------------------------------------------------------

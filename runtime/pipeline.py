@@ -66,6 +66,8 @@ class StepKind(enum.StrEnum):
     """``steps.send(run_id, name, payload)``: a signal to another run."""
     CHILD = "CHILD"
     """``steps.child(agent, input)``: another agent as its own run, waited for."""
+    MESSAGE = "MESSAGE"
+    """A message posted to an agent-loop run (``POST /api/runs/{id}/messages``)."""
 
 
 class Before(enum.StrEnum):
@@ -345,6 +347,20 @@ KINDS: dict[StepKind, Policy] = {
         "a parent crash never starts it twice; the parent waits parked (no lease) and is "
         "woken when the child ends; the child's tokens and cost are added to the parent's "
         "with its result",
+    ),
+    StepKind.MESSAGE: Policy(
+        name="message",
+        key="`message:n`",
+        row=RowKind.MESSAGE,
+        before=Before.CHECKPOINT,
+        after_crash=AfterCrash.NOTHING,
+        replays_as="a user turn (after the turn's tool results, in the same user message)",
+        compensable=False,
+        bills=False,
+        notes="delivered at a step boundary: the posted message is consumed in the "
+        "transaction that records the step, never lost, never twice; a run about to end "
+        "`SUCCEEDED` with one pending goes on; a `SUCCEEDED` run that gets one is queued "
+        "again",
     ),
 }
 

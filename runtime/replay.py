@@ -85,6 +85,9 @@ class _Fold:
     def add(self, step: Step) -> None:
         if step.kind is StepKind.TOOLSET:
             return  # the tools offered, not part of the conversation
+        if step.kind is StepKind.MESSAGE:
+            self._message(step)
+            return
         if step.kind is not StepKind.MODEL:
             if step.status is not StepStatus.STARTED:
                 self.pending.pop(step.tool_use_id or "", None)
@@ -113,6 +116,29 @@ class _Fold:
             if self.stop == "tool_use"
             else {}
         )
+
+    def _message(self, step: Step) -> None:
+        """A message posted to the run: a user turn. The turn's tool results come first in
+        the same user message (the Messages API wants them there); after a user message it
+        joins that one (roles alternate)."""
+        content = step.response
+        blocks: list[JsonObj] = (
+            [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        )
+        messages = self.messages
+        if self.results:
+            messages.append({"role": "user", "content": [*self.results, *blocks]})
+            self.results = []
+        elif messages[-1]["role"] == "user":
+            previous = messages[-1]["content"]
+            if isinstance(previous, str):
+                previous = [{"type": "text", "text": previous}]
+            messages[-1] = {"role": "user", "content": [*previous, *blocks]}
+        else:
+            messages.append({"role": "user", "content": blocks})
+        self.pending = {}
+        self.stop = "message"
+        self.last_content = []
 
     def conversation(self) -> Conversation:
         """The conversation so far, on lists of its own (the fold goes on growing)."""

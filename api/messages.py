@@ -1,0 +1,82 @@
+"""``POST /api/runs/{id}/messages``: talk to a running agent-loop run, or continue a finished
+one. The message is kept and delivered at the run's next step boundary as a user turn."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, Response, jsonify, request
+
+from api.auth import current_principal, requires
+from api.errors import ApiError
+from api.runs import load_run, parse_run_id
+from api.schemas import message_schema, validate
+from api.state import state
+from api.validation import idempotency_key, json_body
+from db.errors import InvalidTransition, RunNotFound
+from runtime.agents import Agent
+from tasks.dispatch import send_drive
+
+bp = Blueprint("messages", __name__)
+
+
+@bp.post("/runs/<run_id>/messages")
+@requires("submit")
+def post_message(run_id: str) -> tuple[Response, int]:
+    s = state()
+    run = load_run(parse_run_id(run_id))
+    body = json_body(request, limit_input=None)
+    validate(body, message_schema(s.runtime.settings))
+    policy = body.get("policy", "enqueue")
+    agent = s.runtime.agents.get(run.agent) if run.agent in s.runtime.agents else None
+    if not isinstance(agent, Agent):
+        raise ApiError(
+            409,
+            f"run {run.id} is not an agent-loop run: a durable function takes signals (POST "
+            f"/api/runs/{run.id}/signals/{{name}}), not messages",
+            code="not_an_agent_loop",
+        )
+    if policy == "interrupt":
+        raise ApiError(
+            422,
+            "policy 'interrupt' is not supported yet: send with 'enqueue' (delivered at the "
+            "next step boundary) or cancel the run",
+            code="unsupported_policy",
+            field="policy",
+        )
+    if policy == "reject" and run.locked_by is not None and not run.status.terminal:
+        raise ApiError(
+            409,
+            f"run {run.id} is inside a step (held by {run.locked_by}); send with policy "
+            "'enqueue' to have it delivered at the next step boundary",
+            code="inside_a_step",
+        )
+    content: Any = body["text"] if "text" in body else body["content"]
+    principal = current_principal()
+    try:
+        message_id, created, reopened = s.runtime.store.post_message(
+            run.id,
+            content,
+            idempotency_key=idempotency_key(request),
+            sent_by=principal.name if principal else None,
+        )
+    except RunNotFound as e:
+        raise ApiError(404, str(e), code="not_found") from None
+    except InvalidTransition as e:
+        raise ApiError(409, str(e), code="run_finished") from None
+    dispatch = reopened or (s.runtime.store.wake(run.id) if created else None)
+    if dispatch is not None:  # after the commit: a finished or parked run goes now
+        send_drive(s.celery, s.runtime.store, dispatch)
+    after = load_run(run.id)
+    return (
+        jsonify(
+            {
+                "runId": str(run.id),
+                "messageId": message_id,
+                "new": created,
+                "status": str(after.status),
+                "policy": policy,
+            }
+        ),
+        202,
+    )

@@ -1,0 +1,166 @@
+"""Messages into an agent-loop run on real PostgreSQL: delivered at the next step boundary as
+a user turn after the turn's tool results, never lost, never twice; a SUCCEEDED run takes a
+message and continues as the next turn of the same conversation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from celery import Celery
+from flask import Flask
+from flask.testing import FlaskClient
+
+import api
+from db.records import Dispatch, RunStatus, StepKind
+from runtime.bootstrap import Runtime
+from runtime.driver import Outcome
+from runtime.durable import Steps, durable_agent
+from runtime.llm.scripted import ScriptedLlm
+from runtime.tools import tool
+from tasks.celery_app import make_celery
+from tests.support import register_agent, submit
+
+
+@tool(idempotent=True)
+def lookup(q: str) -> str:
+    """Look something up."""
+    return f"found {q}"
+
+
+@durable_agent("a-function")
+def a_function(_: Any, steps: Steps) -> str:
+    return steps.wait_for("go")
+
+
+@pytest.fixture
+def rt(runtime: Runtime) -> Runtime:
+    runtime.settings = replace(runtime.settings, started_row_after_seconds=0)
+    register_agent(runtime.agents, lookup)
+    runtime.agents.register(a_function)
+    return runtime
+
+
+@pytest.fixture
+def client(rt: Runtime, settings: Any) -> Iterator[FlaskClient]:
+    celery: Celery = make_celery(settings, register=False)
+    app: Flask = api.create_app(runtime=rt, celery=celery)
+    yield app.test_client()
+    celery.close()
+
+
+def step(rt: Runtime, dispatch: Dispatch) -> Dispatch | None:
+    result = rt.driver().drive(dispatch.run_id, dispatch.token)
+    assert result.outcome is not Outcome.DROPPED
+    return result.dispatch
+
+
+def to_end(rt: Runtime, dispatch: Dispatch | None) -> None:
+    for _ in range(30):
+        if dispatch is None:
+            return
+        dispatch = step(rt, dispatch)
+    raise AssertionError("the run did not end")
+
+
+def kinds(rt: Runtime, run_id: Any) -> list[tuple[str, str]]:
+    return [(str(s.kind), s.step_key) for s in rt.store.steps(run_id)]
+
+
+def test_a_message_sent_while_a_tool_runs_follows_its_result_in_one_user_turn(
+    rt: Runtime, llm: ScriptedLlm, client: FlaskClient
+) -> None:
+    llm.then_tool_use("toolu_1", "lookup", {"q": "x"}).then_text("done, and noted")
+    run, dispatch = submit(rt.store)
+    after_model = step(rt, dispatch)  # the model asked for the tool
+    sent = client.post(f"/api/runs/{run.id}/messages", json={"text": "also check y"})
+    assert sent.status_code == 202, sent.get_data(as_text=True)
+    assert sent.get_json()["new"] is True
+    to_end(rt, after_model)
+    done = rt.store.get_run(run.id)
+    assert (done.status, done.result) == (RunStatus.SUCCEEDED, "done, and noted")
+    assert kinds(rt, run.id) == [
+        ("MODEL", "model:1"),
+        ("TOOL", "tool:toolu_1"),
+        ("MESSAGE", "message:0"),
+        ("MODEL", "model:2"),
+    ]
+    last_user = llm.requests[1].messages[-1]
+    assert last_user["role"] == "user"
+    assert [b["type"] for b in last_user["content"]] == ["tool_result", "text"]
+    assert last_user["content"][1]["text"] == "also check y"
+
+
+def test_a_succeeded_run_continues_as_the_next_turn(
+    rt: Runtime, llm: ScriptedLlm, client: FlaskClient
+) -> None:
+    llm.then_text("first answer").then_text("second answer")
+    run, dispatch = submit(rt.store, "hello")
+    to_end(rt, dispatch)
+    assert rt.store.get_run(run.id).status is RunStatus.SUCCEEDED
+    key = {"Idempotency-Key": "m-1"}
+    sent = client.post(f"/api/runs/{run.id}/messages", json={"text": "and then?"}, headers=key)
+    again = client.post(f"/api/runs/{run.id}/messages", json={"text": "and then?"}, headers=key)
+    assert sent.get_json()["status"] == "QUEUED"
+    assert again.get_json()["new"] is False, "a retried message is one message"
+    reopened = rt.store.get_run(run.id)
+    assert (reopened.status, reopened.finished_at, reopened.messages_pending) == (
+        RunStatus.QUEUED,
+        None,
+        1,
+    )
+    to_end(rt, Dispatch(run.id, reopened.dispatch_token))
+    done = rt.store.get_run(run.id)
+    assert (done.status, done.result) == (RunStatus.SUCCEEDED, "second answer")
+    assert [k for k, _ in kinds(rt, run.id)] == ["MODEL", "MESSAGE", "MODEL"]
+    assert [m["role"] for m in llm.requests[1].messages] == ["user", "assistant", "user"]
+    assert done.messages_pending == 0
+    talk = client.get(f"/api/runs/{run.id}/conversation").get_json()["entries"]
+    assert {"type": "message", "content": "and then?"}.items() <= talk[2].items()
+    timeline = client.get(f"/api/runs/{run.id}/timeline").get_json()
+    assert [t["kind"] for t in timeline] == ["MODEL", "MESSAGE", "MODEL"]
+
+
+def test_a_run_about_to_succeed_with_a_message_pending_goes_on(
+    rt: Runtime, llm: ScriptedLlm
+) -> None:
+    """The message arrives between the claim of the run's last task and its end: the end is
+    refused as an end, the run stays due, and the message is delivered, not lost."""
+    llm.then_text("first").then_text("second")
+    run, dispatch = submit(rt.store, "hello")
+    last = step(rt, dispatch)
+    assert last is not None
+    claim = rt.store.claim(run.id, last.token, "worker-A", 30)
+    assert claim is not None
+    rt.store.post_message(run.id, "wait, one more thing")
+    rt.store.finish(claim, RunStatus.SUCCEEDED, result="first")
+    still = rt.store.get_run(run.id)
+    assert (still.status, still.finished_at, still.result) == (RunStatus.RUNNING, None, None)
+    [due] = [d for d in rt.store.redispatch_due(redispatch_after=0) if d.run_id == run.id]
+    to_end(rt, due)
+    done = rt.store.get_run(run.id)
+    assert (done.status, done.result) == (RunStatus.SUCCEEDED, "second")
+    assert [k for k, _ in kinds(rt, run.id)] == ["MODEL", "MESSAGE", "MODEL"]
+
+
+def test_content_blocks_policies_and_refusals(
+    rt: Runtime, llm: ScriptedLlm, client: FlaskClient
+) -> None:
+    llm.then_text("ok").then_text("ok again")
+    run, dispatch = submit(rt.store, "hello")
+    claim = rt.store.claim(run.id, dispatch.token, "worker-A", 30)
+    assert claim is not None  # inside a step now
+    refused = client.post(f"/api/runs/{run.id}/messages", json={"text": "now?", "policy": "reject"})
+    assert refused.status_code == 409
+    assert "inside a step" in refused.get_json()["error"]["message"]
+    blocks = {"content": [{"type": "text", "text": "as blocks"}]}
+    assert client.post(f"/api/runs/{run.id}/messages", json=blocks).status_code == 202
+    assert client.post(f"/api/runs/{run.id}/messages", json={}).status_code == 400
+    fn_run, _ = rt.submit("a-function", {})
+    not_loop = client.post(f"/api/runs/{fn_run.id}/messages", json={"text": "hi"})
+    assert not_loop.status_code == 409
+    assert rt.store.get_run(run.id).messages_pending == 1
+    assert [s.kind for s in rt.store.steps(run.id)] == []
+    assert StepKind.MESSAGE.value == "MESSAGE"
