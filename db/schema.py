@@ -111,7 +111,7 @@ run = Table(
     # A child run (migration 0017): the run whose steps.child started it. No foreign key, as
     # for forks: the lineage outlives retention.
     Column("parent_run_id", UUID(as_uuid=True)),
-    # Messages posted to an agent-loop run and not delivered yet (migration 0018): read with
+    # Messages posted to an agent-loop run and not delivered yet (migration 0020): read with
     # every claim, so a step boundary knows without a query.
     Column("messages_pending", Integer, nullable=False, server_default=text("0")),
     CheckConstraint(

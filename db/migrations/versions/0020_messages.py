@@ -6,15 +6,15 @@ it at the next step boundary as a MESSAGE step, consuming the row and the count 
 transaction that records the step. A run that would end SUCCEEDED with a message pending
 goes on instead (finish_run), and a SUCCEEDED run that gets one is queued again.
 
-Revision ID: 0018
-Revises: 0017
+Revision ID: 0020
+Revises: 0019
 Create Date: 2026-12-03
 """
 
 from alembic import op
 
-revision = "0018"
-down_revision = "0017"
+revision = "0020"
+down_revision = "0019"
 branch_labels = None
 depends_on = None
 
