@@ -548,6 +548,7 @@ def _fork(args: argparse.Namespace) -> int:
             token_budget=args.token_budget,
             timeout_seconds=args.timeout_seconds,
             replay_model=bool(args.replay_model),
+            reuse_approvals=bool(args.reuse_approvals),
             **edits,
         )
     )
@@ -912,6 +913,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--replay-model", action="store_true",
         help="answer model steps from the run's recorded responses while the request is "
         "unchanged; call the model from the first request that differs",
+    )  # fmt: skip
+    p.add_argument(
+        "--reuse-approvals", action="store_true",
+        help="keep the run's decision on the approval at --from-seq (the token must hold its "
+        "role): the fork runs the approved action again without asking; default: it asks",
     )  # fmt: skip
 
     p = api_command("diff", _diff, "compare two runs step by step (a fork and its original)")

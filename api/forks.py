@@ -22,8 +22,8 @@ from api.schemas import fork_schema, validate
 from api.serialize import forked_from_json
 from api.state import state
 from api.validation import idempotency_key, json_body, request_hash, whole
-from db.errors import IdempotencyConflict, QuotaExceeded, RunNotFound
-from db.records import Dispatch, Run, Step, StepKind
+from db.errors import IdempotencyConflict, InvalidTransition, QuotaExceeded, RunNotFound
+from db.records import ApprovalStatus, Dispatch, Run, Step, StepKind
 from runtime.agents import Agent
 from runtime.fork import ForkRefused, ForkRequest, fork_run
 from tasks.dispatch import send_drive
@@ -45,6 +45,9 @@ def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
     durable = any(not isinstance(agents.get(n), Agent) for n in agents.names())
     validate(body, fork_schema(settings, any_json_input=durable))
     source = load_run(rid)  # another tenant's run is no run
+    reuse = bool(body.get("reuseApprovals", False))
+    if reuse:
+        _may_reuse_approval(source, int(body["fromSeq"]))
     # A fork is a resume from an earlier step: the same limits (a larger budget needs admin).
     check_run_limits(
         source, whole(body.get("tokenBudget")), whole(body.get("timeoutSeconds")), "forking"
@@ -67,12 +70,14 @@ def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
                 "fromSeq": int(body["fromSeq"]),
                 "edits": edits,
                 "replayModel": bool(body.get("replayModel", False)),
+                **({"reuseApprovals": True} if reuse else {}),
             },
         ),
         quota=submit_quota(settings) if principal is not None else None,
         idempotency_key=key,
         # The run forked is part of the request: the same body for another run is another.
         request_hash=request_hash({"fork": str(rid), "body": body}) if key else None,
+        reuse_approval=reuse,
         **({"input": body["input"]} if "input" in body else {}),
     )
     try:
@@ -90,6 +95,8 @@ def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
         raise key_reused(e) from None
     except RunNotFound as e:
         raise ApiError(404, str(e), code="not_found") from None
+    except InvalidTransition as e:
+        raise ApiError(409, str(e), code="fork_refused", field="reuseApprovals") from None
     if created:
         send_drive(s.celery, s.runtime.store, Dispatch(run.id, run.dispatch_token))
     return (
@@ -99,6 +106,48 @@ def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
         201 if created else 200,
         {"Location": url_for("runs.get_run", run_id=str(run.id))},
     )
+
+
+def _may_reuse_approval(run: Run, from_seq: int) -> None:
+    """``reuseApprovals``: the step at ``fromSeq`` is an approval the run approved, and the
+    forker holds its role (an approval authorises one execution: running it again is the
+    role's decision, never a ``submit`` token's). 409 / 403 otherwise."""
+    store = state().runtime.store
+    step = next((st for st in store.steps(run.id) if st.seq == from_seq), None)
+    approval = next(
+        (
+            a
+            for a in store.list_approvals(status=None, run_id=run.id)
+            if step is not None and a.step_key == step.step_key
+        ),
+        None,
+    )
+    if step is None or step.kind is not StepKind.APPROVAL or approval is None:
+        raise ApiError(
+            409,
+            f"reuseApprovals: step {from_seq} of run {run.id} is not an approval; fork from "
+            "the approval's seq to reuse its decision",
+            code="fork_refused",
+            field="reuseApprovals",
+        )
+    if approval.status is not ApprovalStatus.APPROVED:
+        raise ApiError(
+            409,
+            f"reuseApprovals: the approval at step {from_seq} is {approval.status}: there is "
+            "no approval to reuse",
+            code="fork_refused",
+            field="reuseApprovals",
+        )
+    principal = current_principal()
+    if principal is not None and not principal.holds(approval.role):
+        raise ApiError(
+            403,
+            f"reuseApprovals: token {principal.name!r} lacks the role {approval.role!r} of "
+            "the approval it would reuse (admin does not imply it); fork without it and the "
+            "fork asks again",
+            code="forbidden",
+            field="reuseApprovals",
+        )
 
 
 @bp.get("/runs/<run_id>/diff/<other_id>")

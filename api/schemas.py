@@ -300,6 +300,13 @@ def fork_schema(settings: Settings, *, any_json_input: bool = False) -> JsonObj:
                 "run's recorded response while the request is byte-identical to the recorded "
                 "one, and calls the model from the first request that differs",
             },
+            "reuseApprovals": {
+                "type": "boolean",
+                "description": "must be true or false: true keeps the run's decision on the "
+                "approval at fromSeq (the fork runs the approved action again without asking; "
+                "needs a token holding that approval's role); false or absent: the fork asks "
+                "again",
+            },
         },
     }
 

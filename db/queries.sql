@@ -530,6 +530,35 @@ JOIN run_step s ON s.run_id = a.run_id AND s.step_key = a.step_key
 WHERE a.run_id = :source AND s.seq < :from_seq AND a.status <> 'PENDING'
   AND s.status IN ('DONE', 'REJECTED');
 
+-- carry_approval_to_fork --
+-- reuseApprovals: the approval at :from_seq, the first step the fork executes, keeps the
+-- source's APPROVED decision (labelled copied_from) and its step row is APPROVED, so the fork
+-- runs the approved action without asking again; the engine still asks again if what it
+-- would approve differs (input hash). Only when the forker holds the approval's role and
+-- asked for it explicitly (checked by the caller); nothing when the step is no such approval.
+WITH src AS (
+    SELECT s.step_key, s.kind, s.input_hash, s.lease_epoch, s.attempt, a.role, a.payload,
+           a.payload_hash,
+           a.timeout_policy, a.requested_at, a.expires_at, a.decided_by, a.decided_at,
+           a.comment
+    FROM run_step s JOIN approval a ON a.run_id = s.run_id AND a.step_key = s.step_key
+    WHERE s.run_id = :source AND s.seq = :from_seq AND s.kind = 'APPROVAL'
+      AND a.status = 'APPROVED'
+), step AS (
+    INSERT INTO run_step (run_id, seq, step_key, kind, status, input_hash, lease_epoch,
+                          attempt, started_at, origin)
+    SELECT :fork, :from_seq, step_key, kind, 'APPROVED', input_hash, lease_epoch, attempt,
+           now(), 'copied'
+    FROM src
+)
+INSERT INTO approval (id, run_id, step_key, role, status, payload, payload_hash,
+                      timeout_policy, requested_at, expires_at, decided_by, decided_at, comment,
+                      copied_from)
+SELECT gen_random_uuid(), :fork, step_key, role, 'APPROVED', payload, payload_hash,
+       timeout_policy, requested_at, expires_at, decided_by, decided_at, comment, :source
+FROM src
+RETURNING step_key;
+
 -- get_step_by_key --
 SELECT run_id, seq, step_key, kind, status, tool_name, tool_use_id, model, prompt_hash,
        response, stop_reason, input_tokens, output_tokens, cache_creation_input_tokens,

@@ -438,6 +438,10 @@ class NewFork:
     """As a submit's: unique per tenant (the fork's tenant is the source's); a retry with the
     same key and ``request_hash`` gets the fork made first."""
     request_hash: str | None = None
+    reuse_approval: bool = False
+    """The step at ``from_seq`` is an approval the source approved: the fork keeps that
+    decision (copied, labelled) instead of asking again. The caller checks that the forker
+    holds the approval's role and asked for it explicitly (``reuseApprovals``)."""
 
 
 @dataclass(frozen=True, slots=True)

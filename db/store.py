@@ -1230,6 +1230,11 @@ class RunStore:
             copy = {"fork": fork_id, "source": new.source, "from_seq": new.from_seq}
             conn.execute(Q["copy_steps_to_fork"], copy)
             conn.execute(Q["copy_approvals_to_fork"], copy)
+            if new.reuse_approval and not conn.execute(Q["carry_approval_to_fork"], copy).first():
+                raise InvalidTransition(
+                    f"step {new.from_seq} of run {new.source} is not an approved approval: "
+                    "there is no decision to reuse"
+                )
             for edit in edits:
                 edited = conn.execute(
                     Q["edit_fork_step"],

@@ -428,9 +428,11 @@ class Client:
         timeout_seconds: int | None = None,
         replay_model: bool = False,
         idempotency_key: str | None = None,
+        reuse_approvals: bool = False,
     ) -> Accepted:
         """A new run that copies this one's steps before ``from_seq`` and runs on from there,
-        with the edits given."""
+        with the edits given. ``reuse_approvals``: keep the decision on the approval at
+        ``from_seq`` (the token must hold its role); otherwise the fork asks again."""
         body: dict[str, Any] = {"fromSeq": from_seq}
         if input is not _UNSET:
             body["input"] = input
@@ -445,6 +447,8 @@ class Client:
                 body[name] = value
         if replay_model:
             body["replayModel"] = True
+        if reuse_approvals:
+            body["reuseApprovals"] = True
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         d = self.request("POST", f"/api/runs/{run_id}/fork", body, headers=headers)
         return Accepted(d["id"], d["status"], created=self.last_status == 201)

@@ -72,6 +72,8 @@ class ForkRequest:
     idempotency_key: str | None = None
     """A retry with this key and the same ``request_hash`` gets the fork made first."""
     request_hash: str | None = None
+    reuse_approval: bool = False
+    """Keep the source's decision on the approval at ``from_seq`` (:class:`NewFork`)."""
 
     @property
     def edits_input(self) -> bool:
@@ -124,6 +126,7 @@ def fork_run(
         audit=request.audit,
         idempotency_key=request.idempotency_key,
         request_hash=request.request_hash,
+        reuse_approval=request.reuse_approval,
     )
     return store.fork_run(new, check, quota=request.quota)
 

@@ -415,3 +415,45 @@ def test_a_forks_copied_approval_is_labelled_with_the_run_that_decided_it(
         client.get(f"/api/approvals/{approval['id']}", headers=auth("ann")).get_json()["copiedFrom"]
         is None
     )
+
+
+def test_reusing_an_approval_in_a_fork_needs_its_role_and_an_approval_to_reuse(
+    runtime: Runtime, settings: Settings
+) -> None:
+    tokens = {**TOKENS, "fin": ("read+submit+finance", "tok-fin", "red")}
+    client = make_client(runtime, settings, tokens)
+    approval = _approval(client, runtime)
+    run_id = approval["runId"]
+    assert (
+        client.post(
+            f"/api/approvals/{approval['id']}/approve", json={}, headers=auth("ann")
+        ).status_code
+        == 200
+    )
+    run = runtime.store.get_run(uuid.UUID(run_id))
+    drive_to_end(runtime.driver(), Dispatch(run.id, run.dispatch_token))
+    steps = client.get(f"/api/runs/{run_id}/timeline", headers=auth("alice")).get_json()
+    pay = next(s["seq"] for s in steps if s["kind"] == "APPROVAL")
+    body = {"fromSeq": pay, "reuseApprovals": True}
+    refused = client.post(f"/api/runs/{run_id}/fork", json=body, headers=auth("amy"))
+    assert refused.status_code == 403, refused.get_json()
+    assert "finance" in refused.get_json()["error"]["message"]
+    not_one = client.post(
+        f"/api/runs/{run_id}/fork",
+        json={"fromSeq": 1, "reuseApprovals": True},
+        headers={"Authorization": "Bearer tok-fin"},
+    )
+    assert not_one.status_code == 409
+    made = client.post(
+        f"/api/runs/{run_id}/fork", json=body, headers={"Authorization": "Bearer tok-fin"}
+    )
+    assert made.status_code == 201, made.get_json()
+    (carried,) = runtime.store.list_approvals(status=None, run_id=uuid.UUID(made.get_json()["id"]))
+    assert carried.copied_from == uuid.UUID(run_id)
+    # Without reuseApprovals, anyone's fork from the approval asks again.
+    again = client.post(f"/api/runs/{run_id}/fork", json={"fromSeq": pay}, headers=auth("amy"))
+    assert again.status_code == 201
+    fork = runtime.store.get_run(uuid.UUID(again.get_json()["id"]))
+    drive_to_end(runtime.driver(), Dispatch(fork.id, fork.dispatch_token))
+    (asked,) = runtime.store.list_approvals(status=None, run_id=fork.id)
+    assert (asked.status, asked.copied_from) == ("PENDING", None)

@@ -292,3 +292,29 @@ def test_strict_replay_applies_to_a_fork_whose_input_changes_its_path(
     diverged = fork(tester, first.run_id, from_seq=2, input={"express": True})
     assert diverged.status is RunStatus.FAILED
     assert "diverged from its history at step #0" in (diverged.error or "")
+
+
+def test_a_fork_from_an_approval_asks_again_unless_its_decision_is_reused(
+    tester: DurableTester, model: FakeModel, shop: Shop, runtime: Runtime
+) -> None:
+    first = original(tester, model)
+    asked = fork(tester, first.run_id, from_seq=PAY)
+    assert_run(asked).waiting()
+    assert shop.by(asked.run_id) == [], "an approval authorises one execution in one run"
+    (pending,) = runtime.store.list_approvals(run_id=asked.run_id)
+    assert pending.copied_from is None
+
+    reused = fork(tester, first.run_id, from_seq=PAY, reuse_approval=True)
+    assert_run(reused).completed().output({"receipt": [1, 20]})
+    assert shop.by(reused.run_id) == [("pay", [1, 20]), ("notify", [1, 20])]
+    (carried,) = runtime.store.list_approvals(status=None, run_id=reused.run_id)
+    assert (carried.status, carried.decided_by, carried.copied_from) == (
+        ApprovalStatus.APPROVED,
+        "alice",
+        first.run_id,
+    )
+    # What the decision was about must not have changed: an edit asks again, reuse or not.
+    edited = fork(
+        tester, first.run_id, from_seq=PAY, reuse_approval=True, tool_result=(RESERVE, 99)
+    )
+    assert_run(edited).waiting()
