@@ -205,6 +205,41 @@ MUTANTS = (
         (T + "test_publish.py::test_queued_runs_are_served_oldest_first",),
         "the lean publisher pushes to the other end: queued runs served newest first",
     ),
+    Mutant(
+        "stop-claims-without-compensation",
+        "runtime/driver.py",
+        "                task.begin_stop(reason)",
+        "                return task.finish(RunStatus.FAILED, error=reason)",
+        (T + "test_early_stops.py::test_claims_without_progress_run_the_compensations_once",),
+        "issue 23 defect 4: a run that kills its worker ends FAILED, its steps never undone",
+    ),
+    Mutant(
+        "stop-divergence-without-compensation",
+        "runtime/durable/execution.py",
+        "            except NonDeterministicReplay as e:\n                self.stop(",
+        "            except NonDeterministicReplay as e:\n                return self.task.finish(",
+        (T + "test_early_stops.py::test_a_replay_that_diverges_runs_the_compensations_once",),
+        "issue 23 defect 4: a replay divergence ends the run without its compensations",
+    ),
+    Mutant(
+        "stop-unknown-agent-without-compensation",
+        "runtime/driver.py",
+        "return unwind_recorded(task, RunStatus.FAILED, task.stopping or str(e))",
+        "return task.finish(RunStatus.FAILED, error=str(e))",
+        (
+            T + "test_early_stops.py::test_an_unknown_agent_runs_the_compensations_its_rows"
+            "_name_once",
+        ),
+        "an agent no longer deployed ends its runs without undoing their completed steps",
+    ),
+    Mutant(
+        "pipeline-policy-not-read",
+        "runtime/pipeline.py",
+        "        return self.after_crash is AfterCrash.RUN_AGAIN",
+        "        return False",
+        (T + "test_step_kinds.py",),
+        "the executor ignores a kind's rule: an interrupted steps.llm body stops for a person",
+    ),
 )
 
 
