@@ -276,3 +276,52 @@ def test_a_slow_chunked_body_is_a_408_and_a_token_in_a_url_is_not_logged(
     assert "/api/runs?access_token=[redacted]&token=[redacted]" in log, log[-2000:]
     assert TOKEN not in log
     assert "secret-in-url" not in log
+
+
+# -- event streams cannot take the connections other routes need (issue 28.4) --------------
+
+
+def test_one_tokens_event_streams_leave_healthz_and_submit_answering(
+    database_url: str, redis_url: str, settings: Settings, tmp_path: Path
+) -> None:
+    entry = f"ci:read+submit:{hash_token(TOKEN)}"
+    with _web(
+        database_url,
+        redis_url,
+        settings,
+        tmp_path,
+        DAR_API_TOKENS=entry,
+        WEB_CONNECTIONS="40",
+        DAR_EVENTS_HEARTBEAT_SECONDS="1",
+    ) as (port, _):
+        auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("POST", "/api/runs", body=json.dumps({"input": "q"}), headers=auth)
+        run_id = json.loads(conn.getresponse().read())["id"]
+        conn.close()
+        streams: list[socket.socket] = []
+        statuses: list[bytes] = []
+        try:
+            for _ in range(40):  # as many as the server takes connections
+                s = socket.create_connection(("127.0.0.1", port), timeout=10)
+                s.sendall(
+                    f"GET /api/runs/{run_id}/events HTTP/1.1\r\nHost: x\r\n"
+                    f"Authorization: Bearer {TOKEN}\r\n\r\n".encode()
+                )
+                statuses.append(s.recv(64)[:12])
+                streams.append(s)
+            held = statuses.count(b"HTTP/1.1 200")
+            assert held == 8, statuses  # DAR_EVENTS_STREAMS_PER_TOKEN
+            assert statuses.count(b"HTTP/1.1 429") == 32
+            time.sleep(KEEPALIVE + 1)  # the refused connections' keep-alive lapses
+            for _ in range(3):
+                started = time.monotonic()
+                assert _get(port, "/healthz", timeout=5)[0] == 200
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("POST", "/api/runs", body=json.dumps({"input": "q"}), headers=auth)
+                assert conn.getresponse().status == 201
+                conn.close()
+                assert time.monotonic() - started < 3
+        finally:
+            for s in streams:
+                s.close()
