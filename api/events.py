@@ -106,6 +106,13 @@ def durable_event(row: RowMapping) -> tuple[str, dict[str, Any]]:
                 "result": row["run_result"],
             }
         return "run.status", {"status": str(status)}
+    if kind == "step.finished" and row["step_kind"] == StepKind.MESSAGE:
+        # A message posted to the run, delivered at a step boundary (its MESSAGE step).
+        return "message.received", {
+            "seq": row["step_seq"],
+            "key": row["step_key"],
+            "content": jsontext.loads(row["response"]),
+        }
     if kind in ("step.started", "step.finished"):
         data: dict[str, Any] = {
             "seq": row["step_seq"],

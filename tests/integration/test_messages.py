@@ -14,6 +14,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 
 import api
+from api.events import durable_event
 from db.records import Dispatch, RunStatus, StepKind
 from runtime.bootstrap import Runtime
 from runtime.driver import Outcome
@@ -117,6 +118,9 @@ def test_a_succeeded_run_continues_as_the_next_turn(
     assert [k for k, _ in kinds(rt, run.id)] == ["MODEL", "MESSAGE", "MODEL"]
     assert [m["role"] for m in llm.requests[1].messages] == ["user", "assistant", "user"]
     assert done.messages_pending == 0
+    events = [durable_event(row) for row in rt.store.run_events_after(run.id, 0)]
+    received = [data for name, data in events if name == "message.received"]
+    assert received == [{"seq": 2, "key": "message:0", "content": "and then?"}]
     talk = client.get(f"/api/runs/{run.id}/conversation").get_json()["entries"]
     assert {"type": "message", "content": "and then?"}.items() <= talk[2].items()
     timeline = client.get(f"/api/runs/{run.id}/timeline").get_json()

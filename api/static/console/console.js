@@ -599,6 +599,34 @@ function resolutionForm(run, steps, onDone) {
   return wrap;
 }
 
+function renderFamily(run) {
+  const children = run.children || [];
+  $("#family-panel").hidden = !run.parentRunId && children.length === 0;
+  const parent = clear($("#family-parent"));
+  if (run.parentRunId) parent.append("Started by run ", runLink(run.parentRunId), ".");
+  const list = clear($("#family-children"));
+  for (const c of children) {
+    list.append(h("li", {}, runLink(c.id), ` ${c.agent} `, badge(c.status),
+      ` ${c.tokensUsed} tokens, ${usd(c.costUsd)}`));
+  }
+}
+
+function setupMessages(id, refresh) {
+  $("#message-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const form = event.target;
+    try {
+      const sent = await api("POST", `/api/runs/${encodeURIComponent(id)}/messages`,
+        { text: form.elements.text.value });
+      form.elements.text.value = "";
+      flash(`Message ${sent.messageId} sent: delivered at the next step boundary.`);
+      await refresh();
+    } catch (e) {
+      flash(e.message, true);
+    }
+  });
+}
+
 function runPage() {
   const id = body.dataset.runId;
   const path = `/api/runs/${encodeURIComponent(id)}`;
@@ -612,6 +640,9 @@ function runPage() {
     if (forkPanel) forkPanel.update(run, steps);
     renderTimeline(run, steps, forkPanel ? forkPanel.open : null);
     renderConversation(conversation);
+    renderFamily(run);
+    $("#message-panel").hidden = !me.can.submit
+      || ["FAILED", "CANCELLED", "TIMED_OUT"].includes(run.status);
     const approvalPanel = $("#approval-panel");
     if (run.status === "WAITING") {
       const pending = await api("GET", `/api/approvals?runId=${encodeURIComponent(id)}`);
@@ -702,6 +733,7 @@ function runPage() {
     await load();
     poll();
   };
+  if (me.can.submit) setupMessages(id, refresh);
   load().then(poll, (e) => { if (!(e instanceof ApiError)) flash(e.message, true); poll(); });
 }
 

@@ -1,0 +1,102 @@
+"""End to end, real processes (API, two workers, beat, the demo model): a message posted to a
+run whose worker is then SIGKILLed mid-step is delivered once, by the survivor, at the next
+step boundary; after the run succeeds, a message continues the same conversation."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from api.devstack import DevStack
+from api.embedded import free_port
+from db.engine import make_engine
+from db.records import RunStatus, StepKind
+from db.store import RunStore
+from runtime.config import Settings
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def stack(
+    database_url: str, redis_url: str, settings: Settings, tmp_path: Path
+) -> Iterator[DevStack]:
+    log_path = tmp_path / "stack.log"
+    with log_path.open("wb") as log:
+        s = DevStack(
+            data_dir=tmp_path,
+            port=free_port(),
+            workers=2,
+            concurrency=4,
+            env={
+                **os.environ,
+                "DATABASE_URL": database_url,
+                "REDIS_URL": redis_url,
+                "DAR_QUEUE": settings.queue,
+                "DAR_LEASE_SECONDS": "3",
+                "DAR_HEARTBEAT_SECONDS": "1",
+                "DAR_REAPER_INTERVAL_SECONDS": "0.5",
+                "DAR_DEMO_LATENCY_MS": "2500",
+                "ANTHROPIC_API_KEY": "",
+            },
+            output=log,
+        )
+        try:
+            s.start(timeout=90)
+            yield s
+        finally:
+            s.stop()
+            print(log_path.read_text(errors="replace")[-15000:])
+
+
+def wait_terminal(store: RunStore, run_id: uuid.UUID, seconds: float) -> RunStatus:
+    deadline = time.monotonic() + seconds
+    while True:
+        status = store.get_run(run_id).status
+        if status.terminal:
+            return status
+        assert time.monotonic() < deadline, f"run still {status}"
+        time.sleep(0.2)
+
+
+def test_sigkill_with_a_message_pending_delivers_it_once(stack: DevStack) -> None:
+    engine = make_engine(stack.database_url, pool_size=2)
+    store = RunStore(engine)
+    try:
+        status, accepted = stack.request(
+            "POST", "/api/runs", {"input": "Which acme tickets are overdue?", "tokenBudget": 50000}
+        )
+        assert status == 201, accepted
+        run_id = uuid.UUID(accepted["id"])
+        deadline = time.monotonic() + 60
+        while True:  # the first model call in flight: lease held, nothing recorded yet
+            assert time.monotonic() < deadline, "the run never started its model call"
+            run = store.get_run(run_id)
+            if run.locked_by and run.status is RunStatus.RUNNING:
+                break
+            time.sleep(0.05)
+        status, sent = stack.request(
+            "POST", f"/api/runs/{run_id}/messages", {"text": "Only Globex, please"}
+        )
+        assert status == 202, sent
+        stack.kill(run.locked_by)  # the message is pending; its run's worker dies mid-step
+        assert wait_terminal(store, run_id, 120) is RunStatus.SUCCEEDED
+        steps = store.steps(run_id)
+        messages = [s for s in steps if s.kind is StepKind.MESSAGE]
+        assert [m.response for m in messages] == ["Only Globex, please"], "delivered once"
+        assert store.get_run(run_id).messages_pending == 0
+
+        # The conversation goes on after it succeeded: the next turn of the same run.
+        status, sent = stack.request("POST", f"/api/runs/{run_id}/messages", {"text": "Thanks!"})
+        assert (status, sent["status"]) == (202, "QUEUED"), sent
+        assert wait_terminal(store, run_id, 120) is RunStatus.SUCCEEDED
+        kinds = [s.kind for s in store.steps(run_id)]
+        assert kinds.count(StepKind.MESSAGE) == 2
+        assert kinds[-1] is StepKind.MODEL, "the model answered the next turn"
+    finally:
+        engine.dispose()
