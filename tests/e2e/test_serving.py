@@ -7,6 +7,7 @@ import contextlib
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -18,7 +19,11 @@ import pytest
 
 from api.auth import hash_token
 from api.embedded import free_port
+from db.records import Dispatch, NewRun, RunStatus
+from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from tasks.celery_app import make_celery
+from tasks.dispatch import send_drive
 from tests.unit.test_procfile import _procfile
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -325,3 +330,67 @@ def test_one_tokens_event_streams_leave_healthz_and_submit_answering(
         finally:
             for s in streams:
                 s.close()
+
+
+# -- the worker's own log holds no data (issue 28.6) -----------------------------------------
+
+DATA = "SECRET-WORKER-DATA-5e0a"
+
+
+def test_the_procfile_workers_log_holds_no_data(
+    runtime: Runtime, settings: Settings, tmp_path: Path
+) -> None:
+    runs = []
+    for run_input in ({"kind": "x", "note": [DATA] * 2000}, {"kind": "y", "note": DATA}):
+        run, _ = runtime.store.create_run(
+            NewRun(
+                agent="log-probe",
+                input=run_input,
+                model="m",
+                max_steps=20,
+                token_budget=1000,
+                timeout_seconds=600,
+            )
+        )
+        runs.append(run)
+    log = (tmp_path / "worker.log").open("wb")
+    env = {
+        **os.environ,
+        "DATABASE_URL": settings.database_url or "",
+        "REDIS_URL": settings.redis_url or "",
+        "DAR_QUEUE": settings.queue,
+        "DAR_AGENT_MODULES": "tests.e2e.log_probe_agents",
+        "DAR_METRICS_PORT": "0",
+        "DAR_WORKER_CONCURRENCY": "2",
+        "ANTHROPIC_API_KEY": "",
+    }
+    env.pop("DAR_LOG_DATA", None)
+    proc = subprocess.Popen(
+        ["sh", "-c", _procfile()["worker"]],
+        env=env,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # the worker and its shell stop together
+    )
+    try:
+        app = make_celery(settings, register=False)
+        for run in runs:
+            send_drive(app, runtime.store, Dispatch(run.id, run.dispatch_token))
+        deadline = time.monotonic() + 90
+        while any(not runtime.store.get_run(r.id).status.terminal for r in runs):
+            assert proc.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()[-3000:]
+            time.sleep(0.3)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    assert {runtime.store.get_run(r.id).status for r in runs} == {RunStatus.FAILED}
+    out = (tmp_path / "worker.log").read_text()
+    assert "FAILED" in out, out[-2000:]
+    assert DATA not in out, [line[:300] for line in out.splitlines() if DATA in line][:3]
+    assert "sha256:" in out
