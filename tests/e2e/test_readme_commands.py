@@ -1,0 +1,104 @@
+"""The README's own command lines, run as printed from a fresh clone (``git clone`` of this
+checkout's commit into a temporary folder), with nothing on ``PYTHONPATH``: every
+``dar demo`` of an example agent, and ``dar token new``. The package comes from the
+environment, as the README's setup line installs it.
+
+The only variables set are documented ones that point the commands at this machine's
+services and keep them apart from other stacks: ``DATABASE_URL`` and ``REDIS_URL`` (the test
+services; the README: unset means embedded ones), ``DAR_QUEUE``, ``PORT`` and
+``DAR_METRICS_PORT`` (free ports), ``DAR_DEMO_LATENCY_MS`` (a faster demo model).
+
+The lines that need a running ``dar dev`` (curl, ``dar ps``, ``kill``) are exercised by
+``test_dar_dev.py``; ``pip``, ``docker`` and ``pytest`` lines are not run here."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from api.embedded import free_port
+from runtime.config import Settings
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = str(Path(sys.executable).parent)
+# What the README says each demo exits with ("The second exits 1 by design").
+EXPECTED_EXIT = {"order-refund": 1}
+
+
+def readme_commands() -> list[str]:
+    """Every command line of the README's bash and console blocks (continuations joined,
+    comments and prompts dropped)."""
+    text = (ROOT / "README.md").read_text()
+    lines: list[str] = []
+    for lang, body in re.findall(r"```(bash|console|sh)\n(.*?)```", text, re.S):
+        for raw in body.replace("\\\n", " ").splitlines():
+            line = raw.strip()
+            if lang == "console":
+                if not line.startswith("$ "):
+                    continue
+                line = line[2:]
+            if line and not line.startswith("#"):
+                lines.append(line)
+    return lines
+
+
+def _runnable(line: str) -> bool:
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError:  # a JSON body split over lines: a curl, never one of these
+        return False
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+        words = words[1:]
+    return words[:2] in (["dar", "demo"], ["dar", "token"])
+
+
+DEMOS = [line for line in readme_commands() if _runnable(line)]
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    where = tmp_path_factory.mktemp("readme") / "durable-agent-runtime"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(where)], check=True, timeout=120)
+    return where
+
+
+def test_the_readme_shows_the_example_agents() -> None:
+    shown = " ".join(DEMOS)
+    for module in ("orders_agent", "ticket_triage", "order_refund", "repo_helper"):
+        assert f"DAR_AGENT_MODULES=examples.{module} dar demo" in shown, module
+
+
+@pytest.mark.parametrize("line", DEMOS)
+def test_a_readme_command_line_works_as_printed(
+    line: str, clone: Path, database_url: str, redis_url: str, settings: Settings
+) -> None:
+    env = {
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "HOME": os.environ.get("HOME", str(clone)),
+        "TMPDIR": str(clone.parent),
+        "LANG": "C.UTF-8",
+        "DATABASE_URL": database_url,
+        "REDIS_URL": redis_url,
+        "DAR_QUEUE": settings.queue,
+        "PORT": str(free_port()),
+        "DAR_METRICS_PORT": "0",
+        "DAR_DEMO_LATENCY_MS": "100",
+    }
+    done = subprocess.run(
+        ["bash", "-c", line], cwd=clone, env=env, capture_output=True, text=True, timeout=300
+    )
+    out = done.stdout + done.stderr
+    agent = re.search(r"--agent (\S+)", line)
+    expected = EXPECTED_EXIT.get(agent.group(1), 0) if agent else 0
+    assert "No module named" not in out, out
+    assert done.returncode == expected, out
+    if agent:
+        assert "dar: submitted run" in out, out
