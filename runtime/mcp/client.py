@@ -26,6 +26,7 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, TextIO, TypeVar, cast
 
+from runtime import native
 from runtime.mcp.errors import McpError, McpInDoubt, McpRemoteError, McpUnavailable
 from runtime.mcp.servers import McpServer, ToolPolicy
 
@@ -97,8 +98,13 @@ class _StderrPump:
         self._server = server
         self._connection = connection
         self.tail: list[str] = []
-        self._thread = threading.Thread(target=self._pump, name=f"mcp-stderr-{server}", daemon=True)
-        self._thread.start()
+        if native.gevent_patched():
+            # Under gevent a thread is a greenlet, and this blocking read of a pipe would stop
+            # every greenlet of the worker (the MCP loop's included): read on a native thread.
+            native.submit(self._pump)
+        else:
+            thread = threading.Thread(target=self._pump, name=f"mcp-stderr-{server}", daemon=True)
+            thread.start()
 
     def close_writer(self) -> None:
         with contextlib.suppress(OSError):
