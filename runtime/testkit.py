@@ -168,6 +168,10 @@ class DurableTester:
                 break
             before = {s.step_key for s in self.runtime.store.steps(current.run_id)}
             result = driver.drive(current.run_id, current.token)
+            if result.outcome is Outcome.WAITING and _parked_on_a_wait(
+                self.runtime.store.get_run(current.run_id).wait_reason
+            ):
+                break  # steps.sleep / wait_for / child: returned parked, as it waits
             if result.outcome is Outcome.WAITING and result.dispatch is not None:
                 self.runtime.store.make_due_now(current.run_id)  # time flies in tests
             current = result.dispatch
@@ -180,6 +184,15 @@ class DurableTester:
         else:
             raise AssertionError(f"run {dispatch.run_id} did not settle in {self.max_tasks} tasks")
         return self.result(dispatch.run_id)
+
+
+_WAITS = ("sleeping until", "waiting for signal", "waiting for child run")
+
+
+def _parked_on_a_wait(reason: str | None) -> bool:
+    """The run waits for time to pass, a signal or a child run: driving it again now would
+    only park it again."""
+    return reason is not None and any(w in reason for w in _WAITS)
 
 
 # -- assertions ---------------------------------------------------------------------------------

@@ -242,3 +242,11 @@ def test_a_signal_for_a_finished_or_unknown_run_is_refused(
     assert client.post(f"/api/runs/{run_id}/signals/go").status_code == 409
     assert client.post(f"/api/runs/{uuid.uuid4()}/signals/go").status_code == 404
     assert client.post(f"/api/runs/{run_id}/signals/bad name").status_code in (400, 404)
+
+
+def test_the_test_kit_returns_a_waiting_run_parked(rt: Runtime) -> None:
+    from runtime.testkit import DurableTester
+
+    parked = DurableTester(rt).run(waiter, {})
+    assert parked.status is RunStatus.RUNNING
+    assert [s.status for s in parked.steps] == [StepStatus.PENDING]
