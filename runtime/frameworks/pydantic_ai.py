@@ -167,6 +167,7 @@ class StepBackend(CallableOperationBackend[Config]):
     def __init__(self, capability: DarDurability, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.capability = capability
+        self.safe_mcp_calls: set[str] = set()
 
     async def execute(
         self,
@@ -180,11 +181,29 @@ class StepBackend(CallableOperationBackend[Config]):
         bridge = current_bridge()
         if bridge is None:  # outside a run of this runtime: the agent behaves as without us
             return await body()
-        policy = UnitPolicy(idempotent=bool((config or {}).get("idempotent", False)))
+        idempotent = bool((config or {}).get("idempotent", False))
+        mcp_call = (
+            isinstance(operation_id, ToolsetCallToolId) and operation_id.toolset_kind == "mcp"
+        )
+        if mcp_call and name in self.safe_mcp_calls:  # annotated read-only or idempotent
+            idempotent = True
         billing = None
         if isinstance(operation_id, ModelRequestId):
             billing = Billing(self.capability.model_name(operation_id), prompt(cache_key), billed)
-        return await bridge.unit(name, body, policy, billing)
+        value = await bridge.unit(name, body, UnitPolicy(idempotent=idempotent), billing)
+        if isinstance(operation_id, ToolsetGetToolsId) and operation_id.toolset_kind == "mcp":
+            self._learn_annotations(operation_id.toolset_id, value)
+        return value
+
+    def _learn_annotations(self, toolset_id: str, listing: Any) -> None:
+        """From an MCP listing (recorded or fresh): which of its tools may be called again."""
+        if not isinstance(listing, dict):
+            return
+        for tool, definition in listing.items():
+            metadata = (definition or {}).get("metadata") or {}
+            hints = metadata.get("annotations") or {}
+            if hints.get("readOnlyHint") or hints.get("idempotentHint"):
+                self.safe_mcp_calls.add(f"mcp.{toolset_id}.{tool}".replace("/", "_"))
 
 
 class DarDurability(BaseDurabilityCapability[Any]):
