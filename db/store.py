@@ -1024,6 +1024,11 @@ class RunStore:
             self._schedule(conn, claim, delay_seconds, token, reason, True, 0)  # a wait: progress
         return Dispatch(claim.run_id, token, delay_seconds)
 
+    def cancel_children(self, run_id: uuid.UUID) -> None:
+        """Cancel a run's live children, down the tree (the run itself ended early)."""
+        with self.engine.begin() as conn:
+            _cancel_children(conn, run_id)
+
     def children(self, run_id: uuid.UUID) -> list[dict[str, Any]]:
         """A parent's child runs, oldest first: id, agent, status, tokens, cost."""
         with self._statement() as conn:

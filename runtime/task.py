@@ -20,7 +20,8 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from db.errors import LeaseLost, database_unavailable
-from db.records import Claim, Dispatch, NewStep, Run, RunStatus, Step, Usage
+from db.records import Claim, Dispatch, NewStep, Run, RunStatus, Step, StepStatus, Usage
+from db.records import StepKind as RowKind
 from db.store import RunStore
 from runtime.config import Settings
 from runtime.flow import FlowControl, Grant
@@ -414,6 +415,12 @@ class Task:
             run_span(str(run.id), run.agent, str(run.status), run.created_at, run.finished_at)
         detail = f" reason={error_text(error)}" if error else ""
         log.info("run=%s %s tokens=%d%s", self.rid, run.status, run.tokens_used, detail)
+        if (
+            run.status.terminal
+            and run.status is not RunStatus.SUCCEEDED
+            and any(s.kind is RowKind.CHILD and s.status is StepStatus.PENDING for s in self.steps)
+        ):  # a parent that ends early ends the child it waits for (and its children)
+            self.durably("-", lambda: self.store.cancel_children(run.id))
         wakes: tuple[Dispatch, ...] = ()
         if run.parent_run_id is not None and run.status.terminal:  # its parent waits for it
             parent = run.parent_run_id

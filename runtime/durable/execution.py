@@ -918,6 +918,10 @@ class Execution:
     """A parent waiting for its child is woken when the child ends; should that wake be
     lost, it looks again after this long."""
 
+    def _child_recheck(self) -> float:
+        """Until the fallback look, or the run's deadline if sooner (its guard ends it)."""
+        return min(self.CHILD_RECHECK_SECONDS, self._until_deadline())
+
     def child(
         self, agent: str, value: Any, token_budget: int | None, timeout_seconds: int | None
     ) -> Any:
@@ -955,14 +959,14 @@ class Execution:
                               response={"runId": str(child_id), "agent": agent})  # fmt: skip
             with self.engine_call():
                 first = task.store.start_child(
-                    task.claim, pending, new, child_id, self.CHILD_RECHECK_SECONDS
+                    task.claim, pending, new, child_id, self._child_recheck()
                 )
             log.info("run=%s seq=%d CHILD %s started run=%s", task.rid, seq, key, str(child_id)[:8])
             self.end(StepResult(Outcome.WAITING, wakes=(first,)))
         child_id = uuid.UUID(rec.response["runId"])
         with self.engine_call():
             parked = task.store.park_for_child(
-                task.claim, child_id, self.CHILD_RECHECK_SECONDS,
+                task.claim, child_id, self._child_recheck(),
                 f"{key} waiting for child run {str(child_id)[:8]}",
             )  # fmt: skip
         if parked is not None:

@@ -5,6 +5,7 @@ the parent; cancelling the parent cancels its children."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -222,3 +223,16 @@ def test_the_walkthroughs_family_asks_the_agent_loop_two_questions(
     kids = [rt.store.get_run(k.id) for k in children_of(rt, run.id)]
     assert [k.agent for k in kids] == ["acme-tickets", "acme-tickets"]
     assert done.tokens_used == sum(k.tokens_used for k in kids) == 30
+
+
+def test_a_parent_that_times_out_while_it_waits_cancels_its_child(rt: Runtime) -> None:
+    run, dispatch = rt.submit("two-children", {}, timeout_seconds=1)
+    rt.driver().drive(dispatch.run_id, dispatch.token)
+    [kid] = children_of(rt, run.id)
+    parked = rt.store.get_run(run.id)
+    assert (parked.run_at - parked.updated_at).total_seconds() <= 2.5, "not past its deadline"
+    time.sleep(2.5)  # past the deadline and the timer (the deadline, plus a second)
+    [due] = [d for d in rt.store.redispatch_due(redispatch_after=0) if d.run_id == run.id]
+    rt.driver().drive(due.run_id, due.token)
+    assert rt.store.get_run(run.id).status is RunStatus.TIMED_OUT
+    assert rt.store.get_run(kid.id).status is RunStatus.CANCELLED
