@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,7 +29,7 @@ from runtime.bootstrap import Runtime
 from runtime.frameworks import adapt, idempotency_key
 from runtime.frameworks.bridge import on_loop
 from tasks.celery_app import make_celery
-from tests.fakes.messages_api import FakeMessagesApi
+from tests.fakes.messages_api import FakeMessagesApi, slow, text
 from tests.mcp.support import COUNTING, Ledger
 from tests.support import drive_to_end
 
@@ -288,3 +290,31 @@ def test_the_example_agent_runs_offline(rt: Runtime, monkeypatch: pytest.MonkeyP
     done = rt.store.get_run(run.id)
     assert done.status is RunStatus.SUCCEEDED, done.error
     assert done.result == "Order status: waiting for stock."
+
+
+def test_a_cancel_aborts_the_frameworks_model_request_in_flight(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel
+) -> None:
+    rt.agents.register(PydanticAgent(model, name="slowpoke"))
+    fake.then(slow(text("slow " * 200), chunk=5, interval=0.3))  # a minute, if let run
+    run, dispatch = rt.submit("slowpoke", "Talk.")
+    worker = threading.Thread(target=lambda: drive_to_end(rt.driver(), dispatch), daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while fake.calls < 1:
+        assert time.monotonic() < deadline, "the model request never started"
+        time.sleep(0.05)
+    time.sleep(0.5)
+    asked = time.monotonic()
+    assert rt.store.cancel(run.id) is not None
+    live = rt.live
+    assert live is not None
+    live.request_cancel(run.id)
+    worker.join(timeout=15)
+    took = time.monotonic() - asked
+
+    assert not worker.is_alive()
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.CANCELLED, done.error
+    assert took < 10, f"the request was not aborted ({took:.1f}s)"
+    assert [s.step_key for s in rt.store.steps(run.id)] == ["agent:0"], "nothing recorded"
