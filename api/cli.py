@@ -634,9 +634,8 @@ def _send(args: argparse.Namespace) -> int:
     """``dar send RUN TEXT``: a message into an agent-loop run (or the next turn of a
     finished one)."""
     run_id = resolve_run_id(args.api, args.run_id)
-    body: dict[str, Any] = {"text": args.text, "policy": args.policy}
-    sent = api_call(args.api, "POST", f"/api/runs/{run_id}/messages", body)
-    print(f"dar: message {sent['messageId']} for run {run_id} ({sent['status']}): delivered at "
+    sent = _call(lambda: client(args.api).send_message(run_id, args.text, policy=args.policy))
+    print(f"dar: message {sent.message_id} for run {run_id} ({sent.status}): delivered at "
           "its next step boundary")  # fmt: skip
     return 0
 

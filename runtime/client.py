@@ -245,6 +245,17 @@ class Approval:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class MessageSent:
+    """A message accepted for a run: delivered at its next step boundary (``new``: False
+    when an ``Idempotency-Key`` returned an earlier one)."""
+
+    run_id: str
+    message_id: Any
+    new: bool
+    status: str
+
+
 _UNSET: Any = object()
 
 
@@ -452,6 +463,22 @@ class Client:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         d = self.request("POST", f"/api/runs/{run_id}/fork", body, headers=headers)
         return Accepted(d["id"], d["status"], created=self.last_status == 201)
+
+    def send_message(
+        self,
+        run_id: str,
+        text: Any,
+        *,
+        policy: str = "enqueue",
+        idempotency_key: str | None = None,
+    ) -> MessageSent:
+        """A message into an agent-loop run (``POST /api/runs/{id}/messages``): text, or a
+        list of content blocks; a finished run continues as its next turn."""
+        body: dict[str, Any] = {"text" if isinstance(text, str) else "content": text}
+        body["policy"] = policy
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        d = self.request("POST", f"/api/runs/{run_id}/messages", body, headers=headers)
+        return MessageSent(d["runId"], d["messageId"], bool(d["new"]), d["status"])
 
     def diff(self, a: str, b: str) -> dict[str, Any]:
         """Two runs compared step by step (the JSON of ``GET /api/runs/{a}/diff/{b}``)."""

