@@ -197,7 +197,12 @@ def in_flight(
     try:
         timeout = steps * latency_ms / 1000 * 10 + 120
         counts = env.wait_terminal(ids, timeout=timeout, poll=0.5)
-        beside_counts = env.wait_terminal(others, timeout=timeout, poll=0.5) if others else {}
+        beside_counts: dict[str, int] = {}
+        if others:
+            try:
+                beside_counts = env.wait_terminal(others, timeout=60, poll=0.5)
+            except TimeoutError as e:  # a run blocking its own worker may lose its lease
+                beside_counts = {"unfinished": len(others), "error": str(e)}  # type: ignore[dict-item]
     finally:
         stop.set()
         sampler.join()

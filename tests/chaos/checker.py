@@ -192,6 +192,7 @@ EFFECTS = "effects-exactly-once"
 COMPENSATION = "compensation-at-most-once-after-a-failure"
 APPROVALS = "approval-decided-once"
 BILLED = "billed-tokens-recorded"
+LOST_COVERED = "lost-calls-estimated"
 
 
 def check(ev: Evidence) -> list[Violation]:
@@ -229,6 +230,7 @@ def check(ev: Evidence) -> list[Violation]:
         out += _check_model_calls(ev, run, steps, calls)
         out += _check_fencing(ev, run, steps)
         out += _check_tokens(run, steps, calls)
+        out += _check_lost_covered(ev, run, steps, calls)
 
     for key, rows in comments_by_key.items():
         if key not in side_effect_keys:
@@ -633,20 +635,54 @@ def _check_tokens(run: Run, steps: list[Step], calls: list[ModelCall]) -> list[V
     out = _check_counters(run, steps)
     recorded = {s.request_id for s in steps if s.kind is StepKind.MODEL}
     unmatched = [c.usage_total for c in calls if c.status == 200 and c.request_id not in recorded]
-    if len(unmatched) <= 16:
-        ok = run.unrecorded_tokens in subset_sums(unmatched)
-    else:  # too many to enumerate: the bound alone
-        ok = 0 <= run.unrecorded_tokens <= sum(unmatched)
+    exact = exact_unrecorded(run)
+    # with too many calls to enumerate their sums: the bound alone
+    ok = exact in subset_sums(unmatched) if len(unmatched) <= 16 else 0 <= exact <= sum(unmatched)
     if not ok:
         out.append(
             Violation(
                 TOKENS,
                 run.id,
-                f"unrecorded_tokens={run.unrecorded_tokens} is not the total of any set of the "
+                f"unrecorded_tokens={run.unrecorded_tokens} (of which estimated "
+                f"{run.unrecorded_estimated_tokens}) is not the total of any set of the "
                 f"run's billed-but-unrecorded calls {unmatched}",
             )
         )
     return out
+
+
+def exact_unrecorded(run: Run) -> int:
+    """The part of the run's unrecorded tokens the API counted (the rest is estimates of
+    calls lost with their worker)."""
+    return run.unrecorded_tokens - run.unrecorded_estimated_tokens
+
+
+def lost_tokens(run: Run, steps: list[Step], calls: list[ModelCall]) -> int:
+    """Tokens the API billed for the run that neither a step row nor an exact unrecorded
+    count holds: the calls lost with their worker."""
+    billed = sum(c.usage_total for c in calls if c.status == 200)
+    return billed - sum(s.usage.total for s in steps) - exact_unrecorded(run)
+
+
+def _check_lost_covered(
+    ev: Evidence, run: Run, steps: list[Step], calls: list[ModelCall]
+) -> list[Violation]:
+    """Issue 26.3: every call lost with its worker is covered by the estimate its admission
+    wrote down, which the run's next admission counted (an upper bound: it may exceed the
+    call, never fall short of it). Not judged for a run that lived through a Redis restart
+    (the admission records are in Redis) or that ended before another model call."""
+    lost = lost_tokens(run, steps, calls)
+    if lost <= run.unrecorded_estimated_tokens:
+        return []
+    began, ended = run.created_at.timestamp(), (run.finished_at or run.updated_at).timestamp()
+    if any(f.kind == "restart_redis" and began <= f.at <= ended for f in ev.faults):
+        return []
+    if run.status is not RunStatus.SUCCEEDED:
+        return []  # a lost call may not have been followed by another admission of the run
+    return [
+        Violation(LOST_COVERED, run.id, f"{lost} billed tokens are lost, but only "
+                  f"{run.unrecorded_estimated_tokens} were counted as estimates")
+    ]  # fmt: skip
 
 
 # -- durable functions --------------------------------------------------------------------------
@@ -715,6 +751,7 @@ def check_durable(ev: Evidence, runs: list[Run]) -> list[Violation]:
         out += _durable_approval(ev, run, steps, approvals.get(run.id, []), mine)
         out += _check_counters(run, steps)
         out += _durable_billed(ev, run, steps, calls.get(run_tag(run) or "", []))
+        out += _check_lost_covered(ev, run, steps, calls.get(run_tag(run) or "", []))
     return out
 
 
@@ -1030,7 +1067,7 @@ def _durable_billed(
         )  # fmt: skip
     billed = sum(c.usage_total for c in answered)
     in_rows = sum(s.usage.total for s in steps)
-    missing = billed - in_rows - run.unrecorded_tokens
+    missing = billed - in_rows - exact_unrecorded(run)
     if missing not in bounded_subset_sums([c.usage_total for c in answered], allowed):
         out.append(
             Violation(BILLED, run.id, f"billed {billed} tokens in {len(answered)} calls; step "
@@ -1042,6 +1079,22 @@ def _durable_billed(
 
 
 # -- reporting ------------------------------------------------------------------------------
+
+
+def cost_line(ev: Evidence) -> str:
+    """What the API billed against what the runs hold: step rows, exact unrecorded counts,
+    and estimates of calls lost with their worker (issue 26.3)."""
+    billed = sum(c.usage_total for c in ev.calls if c.status == 200)
+    rows = sum(s.usage.total for v in ev.steps.values() for s in v)
+    exact = sum(exact_unrecorded(r) for r in ev.runs)
+    estimated = sum(r.unrecorded_estimated_tokens for r in ev.runs)
+    lost = billed - rows - exact
+    covered = "covered" if lost <= estimated else "NOT covered"
+    return (
+        f"cost: billed {billed} tokens; step rows {rows}, exact unrecorded {exact}; lost with "
+        f"their worker {lost}, estimated {estimated} ({covered}; the estimates exceed the lost "
+        f"calls by {estimated - lost}: max_tokens and a ~33% input margin per lost call)"
+    )
 
 
 def recovery_seconds(
@@ -1095,6 +1148,7 @@ def report(ev: Evidence, start: float) -> str:
         f"comments={len(ev.comments)} unrecorded_tokens="
         f"{sum(r.unrecorded_tokens for r in ev.runs)}"
     )
+    lines.append(cost_line(ev))
     durable = [r for r in ev.runs if r.agent == ev.durable.agent]
     if durable:
         ids = {r.id for r in durable}

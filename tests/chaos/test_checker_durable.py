@@ -375,8 +375,18 @@ def test_a_non_idempotent_step_in_doubt_may_park_the_run() -> None:
         assert check(parked_on(good_evidence(), key)) == [], key
 
 
-def test_a_call_cut_by_a_crash_may_be_neither_recorded_nor_unrecorded() -> None:
-    assert check(hit(extra_call(good_evidence(), OK), OK)) == []
+def test_a_call_lost_with_its_worker_must_be_covered_by_its_estimate() -> None:
+    """Issue 26.3: the call a crash cut (311 tokens) is counted by the run's next admission
+    as an estimate, an upper bound; without it the checker reports the loss."""
+    lost = hit(extra_call(good_evidence(), OK), OK)
+    assert {v.invariant for v in check(lost)} == {"lost-calls-estimated"}
+    for estimate in (311, 900):
+        covered = change_run(
+            lost, OK, unrecorded_tokens=estimate, unrecorded_estimated_tokens=estimate
+        )
+        assert check(covered) == [], estimate
+    short = change_run(lost, OK, unrecorded_tokens=300, unrecorded_estimated_tokens=300)
+    assert {v.invariant for v in check(short)} == {"lost-calls-estimated"}
 
 
 def test_a_fenced_out_call_counted_as_unrecorded_passes() -> None:
