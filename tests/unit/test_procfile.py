@@ -91,6 +91,9 @@ def test_the_worker_defaults_are_defined_once_and_shipped_everywhere() -> None:
         env.setenv("DAR_WORKER_POOL", "threads")
         env.setenv("DAR_WORKER_CONCURRENCY", "32")
         assert (DevStack(env={}).pool, DevStack(env={}).concurrency) == ("threads", 32)
+    bench = (ROOT / "bench" / "suite.py").read_text()
+    assert "concurrency=WORKER_CONCURRENCY" in bench
+    assert "pool=WORKER_POOL" in bench
     readme = (ROOT / "README.md").read_text()
     assert f"`DAR_WORKER_POOL` | `{WORKER_POOL}`" in readme
     assert f"`DAR_WORKER_CONCURRENCY` | `{WORKER_CONCURRENCY}`" in readme
