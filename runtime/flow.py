@@ -303,7 +303,8 @@ return {0, why, tostring(wait), '', lost}
 # KEYS: 1 bucket hash, 2 in-flight zset, 3 the runs' calls in flight. ARGV: 1-3 configured
 # limits, 4-6 refund (requests, input, output; negative takes more), 7 lease id, 8 the
 # caller's input estimate (0: not billed, learn nothing), 9 the input tokens the call used,
-# 10 the run ('' for none).
+# 10 the run ('' for none), 11 '1': keep the run's call record (answered: the checkpoint, not
+# the settle, erases it, see FlowControl.forget).
 _SETTLE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -331,7 +332,7 @@ end
 local charged = ''
 if ARGV[10] ~= '' then
   local cur = redis.call('HGET', KEYS[3], ARGV[10])
-  if cur and string.sub(cur, 1, #ARGV[7] + 1) == ARGV[7] .. ':' then
+  if ARGV[11] ~= '1' and cur and string.sub(cur, 1, #ARGV[7] + 1) == ARGV[7] .. ':' then
     redis.call('HDEL', KEYS[3], ARGV[10])
   end
   charged = redis.call('HGET', KEYS[3], 'charged:' .. ARGV[7]) or ''
@@ -358,6 +359,16 @@ for i = 1, #ARGV, 3 do
 end
 redis.call('HSET', KEYS[1], 'ts', now)
 redis.call('EXPIRE', KEYS[1], 3600)
+return 1
+"""
+
+# KEYS: 1 the runs' calls in flight. ARGV: 1 run, 2 lease: erase the run's record if it is
+# still this lease's.
+_FORGET = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur and string.sub(cur, 1, #ARGV[2] + 1) == ARGV[2] .. ':' then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+end
 return 1
 """
 
@@ -433,6 +444,7 @@ class FlowControl:
         self._admit = client.register_script(_ADMIT)
         self._settle = client.register_script(_SETTLE)
         self._learn = client.register_script(_LEARN)
+        self._forget = client.register_script(_FORGET)
         self._fail_open = FailOpenAlarm(
             metrics,
             "flow.fail_open",
@@ -533,6 +545,7 @@ class FlowControl:
         *,
         headers: Iterable[tuple[str, str]] = (),
         billed: bool = True,
+        keep_record: bool = False,
     ) -> Usage | None:
         """The call is over: free its concurrency slot and give back what it did not use
         (``billed`` false: the API refused it, so give back all tokens but not the request).
@@ -558,6 +571,7 @@ class FlowControl:
                     grant.estimated_input if billed else 0,
                     used_in,
                     grant.run,
+                    "1" if keep_record else "0",
                 ],
             )
             charged = _estimate(raw, with_lease=False)
@@ -567,6 +581,16 @@ class FlowControl:
         except _redis_error() as e:
             self._fail_open("settle", e)
         return charged
+
+    def forget(self, grant: Grant) -> None:
+        """The answered call of ``grant`` is recorded (its checkpoint, or the run's
+        unrecorded tokens): erase its record, so no later admission counts it as lost."""
+        if not grant.run:
+            return
+        try:
+            self._forget(keys=[self._keys(grant.limit)[5]], args=[grant.run, grant.lease])
+        except _redis_error() as e:
+            self._fail_open("forget", e)
 
     def in_flight(self, model: str) -> int:
         """Calls holding admission now (expired slots excluded)."""

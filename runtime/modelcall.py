@@ -154,11 +154,13 @@ def settle(
             replace_estimate(task, charged, Usage(), grant.limit.match)
         return
     u = response.usage
+    task.answered = grant  # its record stays until the answer is recorded (record_billed)
     task.charged_estimate = flow.settle(
         grant,
         u.input_tokens + u.cache_creation_input_tokens,  # cache reads do not count
         u.output_tokens,
         headers=response.rate_limits,
+        keep_record=True,
     )
 
 
@@ -274,6 +276,12 @@ def live_scope(task: Task, key: str | None) -> Iterator[None]:
             yield
 
 
+def _forget(task: Task) -> None:
+    grant, task.answered = task.answered, None
+    if grant is not None and task.services.flow is not None:
+        task.services.flow.forget(grant)
+
+
 def record_billed(
     task: Task,
     answer: Answer,
@@ -308,7 +316,9 @@ def record_billed(
                 )
             else:  # the run's next admission counted this call as lost: correct it
                 replace_estimate(task, charged, answer.response.usage, answer.model)
+            _forget(task)
         raise
+    _forget(task)  # recorded: no later admission may count it as lost
     u, r = task.spent, answer.response.usage
     task.spent = Usage(
         u.input_tokens + r.input_tokens,

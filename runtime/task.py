@@ -112,6 +112,9 @@ class Task:
     """Flow-control admission held by the model call about to be made (settled after it)."""
     stop_reason: str | None = None
     """Why the engine stops this run early, marked by this task (:meth:`begin_stop`)."""
+    answered: Grant | None = None
+    """The admission of the answered model call not yet recorded: its record in flow
+    control (the estimate a crash would leave) is erased once the answer is recorded."""
     charged_estimate: Usage | None = None
     """This task's model call, fenced out mid-call, was already counted as lost (an
     estimate) by the run's next admission: what it really used replaces the estimate."""

@@ -234,3 +234,34 @@ def test_a_worker_fenced_out_mid_call_replaces_the_estimate_with_the_real_usage(
     assert flow.settle(a_grant, 250, 9) == estimate  # A: already counted as lost
     assert flow.settle(b_grant, 90, 5) is None
     assert flow.admit(MODEL, 100, 64, waiter=str(run.id), run=str(run.id)).lost is None  # type: ignore[union-attr]
+
+
+def test_a_worker_dying_between_the_answer_and_its_checkpoint_leaves_its_estimate(
+    runtime: Runtime, llm: ScriptedLlm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer arrived and its admission was settled, but the worker died before the
+    checkpoint: the call record stays until the answer is recorded, so the next admission
+    counts the call (the window a kill -9 after the response hits)."""
+    import runtime.modelcall as modelcall_module
+    from tests.support import SimulatedCrash, expire_lease
+
+    register_agent(runtime.agents)
+    llm.then_text("lost", 20, 2).then_text("done", 20, 2)
+    run, dispatch = submit(runtime.store, model=MODEL)
+
+    def crash(name: str) -> None:
+        if name == "after_model_response":
+            raise SimulatedCrash
+
+    with monkeypatch.context() as m:
+        m.setattr(modelcall_module, "crash_point", crash)
+        with pytest.raises(SimulatedCrash):
+            runtime.driver(worker="worker-A").drive(dispatch.run_id, dispatch.token)
+    expire_lease(runtime.engine, run.id)
+    (again,) = runtime.store.redispatch_due(redispatch_after=3600)
+    drive_to_end(runtime.driver(worker="worker-B"), again)
+    done = runtime.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.unrecorded_estimated_tokens > 0
+    assert done.unrecorded_tokens == done.unrecorded_estimated_tokens >= 22  # covers the lost
+    assert done.tokens_used == 22
