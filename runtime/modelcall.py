@@ -117,9 +117,10 @@ def admit(task: Task, request: LlmRequest, body: dict[str, Any]) -> Wait | None:
         run=str(run.id),
     )
     if decision is not None and decision.lost is not None:
-        # The run's previous call was admitted and never settled: its worker died in it.
-        # The API billed it; count its estimate, then come back at once, so the guard sees
-        # it before this call is made (a budget is never crossed by a call that was lost).
+        # The run's previous call was admitted and never recorded: its worker died in it.
+        # The API billed it; count its estimate. When that crosses a budget, come back at
+        # once so the guard ends the run before this call is made (a budget is never crossed
+        # because a call was lost); else go on with this call, in this same claim.
         lost = decision.lost
         cost = task.services.pricing.cost(request.model, lost)
         task.store.record_unrecorded_usage(task.run_id, lost, cost, estimated_tokens=lost.total)
@@ -129,10 +130,16 @@ def admit(task: Task, request: LlmRequest, body: dict[str, Any]) -> Wait | None:
             lost.total,
             extra={"run_id": str(task.run_id), "event": "llm.lost_call", "action": "estimated"},
         )
-        if not isinstance(decision, Refusal):
-            task.admission = decision
-            settle(task, None)
-        return Wait(0.0, "a model call lost with its worker was counted; checking the budget")
+        spent = run.tokens_used + run.unrecorded_tokens + task.spent.total + lost.total
+        cost_now = run.cost_usd + run.unrecorded_cost_usd + task.spent_cost + cost
+        over = spent >= run.token_budget or (
+            run.cost_budget_usd is not None and cost_now >= run.cost_budget_usd
+        )
+        if over:
+            if not isinstance(decision, Refusal):
+                task.admission = decision
+                settle(task, None)
+            return Wait(0.0, "a model call lost with its worker was counted; checking the budget")
     if isinstance(decision, Refusal):
         return Wait(decision.delay_seconds, decision.reason)
     task.admission = decision
