@@ -228,7 +228,7 @@ def check(ev: Evidence) -> list[Violation]:
         out += _check_tools(run, steps)
         out += _check_side_effects(ev, run, steps, comments_by_key, side_effect_keys)
         out += _check_model_calls(ev, run, steps, calls)
-        out += _check_fencing(ev, run, steps, calls)
+        out += _check_fencing(ev, run, steps)
         out += _check_tokens(run, steps, calls)
         out += _check_lost_covered(ev, run, steps, calls)
 
@@ -532,9 +532,7 @@ def _check_model_calls(
     return out
 
 
-def _check_fencing(
-    ev: Evidence, run: Run, steps: list[Step], calls: list[ModelCall]
-) -> list[Violation]:
+def _check_fencing(ev: Evidence, run: Run, steps: list[Step]) -> list[Violation]:
     """One claim, one step: each step is written under a newer lease epoch than the step
     before it and no newer than the run's; by a known worker; in commit order."""
     out = []
@@ -574,18 +572,13 @@ def _check_fencing(
     losses = ev.lease_losses.get(run.id, 0) if not faults else 0
     if run.status.terminal:
         wasted = run.lease_epoch - len(steps) - 1
-        # A call lost with its worker costs the claim that counts its estimate: that claim
-        # records it and comes straight back, so the guard sees it before the next call
-        # (issue 26.3). Each such call is a billed answer no step row holds.
-        estimated = lost_calls(steps, calls) if run.unrecorded_estimated_tokens else 0
-        if wasted > len(faults) + losses + estimated:
+        if wasted > len(faults) + losses:
             out.append(
                 Violation(
                     CLAIMS,
                     run.id,
                     f"{run.lease_epoch} claims for {len(steps)} steps and its end: {wasted} "
                     f"claim(s) produced nothing, but only {len(faults)} fault(s) hit the run "
-                    f"and {estimated} lost call(s) were counted by estimate "
                     f"({', '.join(f'{f.kind}@{f.target}' for f in faults) or 'none'}); a "
                     "duplicated or stale message claimed it, a second chain of messages ran, "
                     "or a fault went unattributed; step epochs: "
@@ -656,12 +649,6 @@ def _check_tokens(run: Run, steps: list[Step], calls: list[ModelCall]) -> list[V
             )
         )
     return out
-
-
-def lost_calls(steps: list[Step], calls: list[ModelCall]) -> int:
-    """How many calls the API answered for the run that no model step row holds."""
-    recorded = {s.request_id for s in steps if s.kind is StepKind.MODEL}
-    return sum(1 for c in calls if c.status == 200 and c.request_id not in recorded)
 
 
 def exact_unrecorded(run: Run) -> int:

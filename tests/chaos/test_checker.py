@@ -310,27 +310,6 @@ def test_a_repeat_paid_for_by_a_fault_and_its_unrecorded_tokens_pass() -> None:
     assert check(ev) == []
 
 
-def test_a_call_counted_by_estimate_may_cost_one_claim_more() -> None:
-    """Issue 26.3: the claim after a worker died mid-call counts the lost call's estimate and
-    comes straight back so the guard sees it: one claim more than the fault's own, and only
-    one per lost call."""
-    ev = repeat_turn_2(good_evidence())
-    lost = ev.calls[-1].usage_total
-    fault = Fault("kill_worker", "worker-A", 0.0, repeat_runs=frozenset({RUN_ID}))
-
-    def with_claims(claims: int) -> Evidence:
-        run = make_run(
-            lease_epoch=claims,
-            unrecorded_tokens=lost * 2,
-            unrecorded_estimated_tokens=lost * 2,
-        )
-        return dataclasses.replace(ev, runs=[run], faults=[fault])
-
-    # three steps and the end: 4 claims; the fault's wasted claim and the estimate's
-    assert check(with_claims(6)) == []
-    assert checker.CLAIMS in {v.invariant for v in check(with_claims(7))}
-
-
 def test_a_non_idempotent_tool_may_park_the_run() -> None:
     ev = replace_step(
         dataclasses.replace(good_evidence(), runs=[make_run(status=RunStatus.NEEDS_ATTENTION)]),
