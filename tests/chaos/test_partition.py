@@ -299,10 +299,17 @@ def test_a_partitioned_worker_is_fenced_loses_no_token_and_recovers(
             problems.append(f"run {tag} ended {run.status}: {run.error}")
         recorded = sum(s.usage.total for s in steps)
         unrecorded_total += run.unrecorded_tokens
-        if billed.get(tag, 0) != recorded + run.unrecorded_tokens:
+        # unrecorded tokens are exact counts (the API's usage) plus estimates of calls lost
+        # with their worker (issue 26.3, an upper bound): what the rows and the exact counts
+        # do not hold must be covered by the estimates, and the exact counts never exceed
+        # what was billed
+        exact = run.unrecorded_tokens - run.unrecorded_estimated_tokens
+        lost = billed.get(tag, 0) - recorded - exact
+        if lost < 0 or lost > run.unrecorded_estimated_tokens:
             problems.append(
                 f"run {tag}: billed {billed.get(tag, 0)}, on step rows {recorded}, "
-                f"unrecorded {run.unrecorded_tokens}"
+                f"unrecorded {run.unrecorded_tokens} (estimated "
+                f"{run.unrecorded_estimated_tokens})"
             )
         tools = [s for s in steps if s.kind is StepKind.TOOL]
         if len(tools) != 1 or comments[tag] != 1:
