@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
@@ -48,6 +49,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run every tier (e2e, chaos, fuzz, browser, slow) as CI does; "
         "plain `pytest` runs unit and integration only",
     )
+
+
+# `pytest --all` spreads the test files over this many processes (pytest-xdist, `--dist
+# loadfile`: a file's tests share one process, so a module's stack starts once). The slow
+# tiers mostly wait (leases, kills, timers), so 4 processes on two cores take the full suite
+# from ~20 minutes to ~8. `-n 0` runs it in one process; `-n N` picks another count.
+ALL_WORKERS = 4
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    if (
+        config.getoption("--all")
+        and getattr(config.option, "numprocesses", "absent") is None  # xdist, no -n given
+        and not hasattr(config, "workerinput")  # not inside an xdist worker
+        and not config.getoption("collectonly")
+    ):
+        config.option.numprocesses = ALL_WORKERS
+        config.option.dist = "loadfile"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -90,7 +110,7 @@ def pg_admin_url() -> Iterator[str]:
 def redis_url() -> Iterator[str]:
     url = os.environ.get("TEST_REDIS_URL") or os.environ.get("REDIS_URL")
     if url:
-        yield url
+        yield _own_redis_db(url)
         return
     server = EmbeddedRedis()
     server.start()
@@ -98,6 +118,18 @@ def redis_url() -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
+
+
+def _own_redis_db(url: str) -> str:
+    """Under pytest-xdist (``-n``), each worker process takes its own Redis database, as it
+    takes its own PostgreSQL one: flow control's learned limits and the concurrency keys live
+    in Redis, and one test's rate-limited fake must not throttle another's runs."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return url
+    parts = urlsplit(url)
+    base = int(parts.path.strip("/") or 0)
+    return urlunsplit(parts._replace(path=f"/{(base + 1 + int(worker[2:])) % 16}"))
 
 
 def _admin_engine(url: str):  # type: ignore[no-untyped-def]

@@ -106,7 +106,7 @@ def console(
                 "DAR_HEARTBEAT_SECONDS": "1",
                 "DAR_REAPER_INTERVAL_SECONDS": "0.5",
                 "DAR_DEMO_LATENCY_MS": "300",
-                "DAR_PRICES": json.dumps({"dar-demo": {"input": 3, "output": 15}}),
+                "DAR_PRICES": json.dumps({"demo": {"input": 3, "output": 15}}),
                 "DAR_AGENT_MODULES": "examples.ticket_triage,tests.e2e.console_agents",
                 "DAR_API_TOKENS": tokens,
                 "DAR_CONSOLE_CRASH_FLAG": str(tmp / "crashed-once"),

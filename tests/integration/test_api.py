@@ -38,6 +38,9 @@ QUESTION = "Which acme tickets are overdue?"
 
 # -- fixtures and helpers ------------------------------------------------------------------
 
+# fixed, not uuid4() at collection: test ids must be equal in every pytest-xdist worker
+UNKNOWN_RUN = "5b0e3c1e-0000-4000-8000-00000000dead"
+
 
 @pytest.fixture
 def celery(settings: Settings) -> Iterator[Celery]:
@@ -493,10 +496,10 @@ def test_get_a_run(client: FlaskClient) -> None:
 @pytest.mark.parametrize(
     "path",
     [
-        f"/api/runs/{uuid.uuid4()}",
+        f"/api/runs/{UNKNOWN_RUN}",
         "/api/runs/not-a-uuid",
         "/api/runs/123",
-        f"/api/runs/{uuid.uuid4()}/timeline",
+        f"/api/runs/{UNKNOWN_RUN}/timeline",
         "/api/runs/not-a-uuid/timeline",
     ],
 )
@@ -663,7 +666,7 @@ def test_cancel_a_finished_run_is_409(
     assert "CANCELLED" in error["message"]
 
 
-@pytest.mark.parametrize("run_id", [str(uuid.uuid4()), "not-a-uuid"])
+@pytest.mark.parametrize("run_id", [UNKNOWN_RUN, "not-a-uuid"])
 def test_cancel_an_unknown_run_is_404(client: FlaskClient, run_id: str) -> None:
     assert_error(client.post(f"/api/runs/{run_id}/cancel"), 404, code="not_found")
 
