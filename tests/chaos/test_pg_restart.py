@@ -7,8 +7,10 @@ API on loopback. Each round submits :data:`RUNS` runs of the acme agent (one or 
 calls each, the second after a read-only ``list_tickets``). Every first-turn call is held at
 the fake until the database is down; then PostgreSQL is stopped (``-m fast``, or
 ``-m immediate``, a crash), the held calls are answered during the outage, and PostgreSQL
-comes back after :data:`DOWN_SECONDS`, well inside the lease (the default,
-``DAR_LEASE_SECONDS`` unset). Every run must succeed with no repeated model call (calls the
+comes back after :data:`DOWN_SECONDS`, well inside the lease (:data:`LEASE_SECONDS`, set
+explicitly: on a loaded machine a 3 s outage measured 6.7 s from stop to start, plus
+PgBouncer's reconnect, and outlasted the default 8 s lease, which is the crash path and not
+what this test is about). Every run must succeed with no repeated model call (calls the
 fake answered for the run minus model steps recorded) and with every billed token on its
 step rows.
 
@@ -41,7 +43,6 @@ from api.embedded import free_port
 from db.engine import make_engine
 from db.records import RunStatus, StepKind, Usage
 from db.store import RunStore
-from runtime.config import Settings
 from tests.chaos.harness import ChaosStack, WorkerSpec
 from tests.fakes.messages_api import FakeMessagesApi, Reply, text, tool_uses
 
@@ -58,7 +59,9 @@ ANSWER_AFTER_SECONDS = 1.0
 DOWN_SECONDS = 3.0
 HOLD_LIMIT_SECONDS = 60.0
 """A held call is answered anyway after this long (a test that fails does not hang)."""
-LEASE_SECONDS = Settings.from_env({}).lease_seconds
+LEASE_SECONDS = 20.0
+"""The workers' lease: well above the outage even on a loaded machine. A longer outage is
+the crash path (the runs move, a lost answer is covered by its estimate), tested elsewhere."""
 TAG_RE = re.compile(r"\[pg (\w+)\]")
 
 
@@ -127,6 +130,7 @@ def pg(request: pytest.FixtureRequest) -> Iterator[Pg]:
                 "DAR_QUEUE": "dar-pg-restart",
                 "DAR_MODEL_TIMEOUT_SECONDS": str(HOLD_LIMIT_SECONDS + 30),
                 "DAR_LOG_LEVEL": "INFO",
+                "DAR_LEASE_SECONDS": str(LEASE_SECONDS),
                 "PYTHONFAULTHANDLER": "1",
                 "ANTHROPIC_API_KEY": "test",
                 "ANTHROPIC_BASE_URL": fake.url,
@@ -234,6 +238,10 @@ def test_an_answer_that_arrived_during_a_postgres_restart_is_not_thrown_away(
     answered_in_outage = sum(1 for _, status, _ in _calls(pg.fake, prefix) if status == 200)
     pg.stack.pg.start_server()
     up_at = time.monotonic()
+    assert up_at - down_at < LEASE_SECONDS - 5, (
+        f"the outage lasted {up_at - down_at:.1f}s: not well inside the {LEASE_SECONDS:.0f}s "
+        "lease, so this round tests the crash path instead"
+    )
 
     def ended() -> bool:
         return all(pg.store.get_run(run_id).status.terminal for run_id in runs.values())
