@@ -949,8 +949,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_id", help=run_help)
     p.add_argument("text", help="the message")
     p.add_argument(
-        "--policy", default="enqueue", choices=("enqueue", "reject"),
-        help="enqueue: delivered at the next step boundary; reject: refused while the run "
+        "--policy", default="enqueue", choices=("enqueue", "interrupt", "reject"),
+        help="enqueue: delivered at the next step boundary; interrupt: the model call in "
+        "flight is aborted and made again with the message; reject: refused while the run "
         "is inside a step",
     )  # fmt: skip
 

@@ -1,5 +1,7 @@
 """``POST /api/runs/{id}/messages``: talk to a running agent-loop run, or continue a finished
-one. The message is kept and delivered at the run's next step boundary as a user turn."""
+one. The message is kept and delivered at the run's next step boundary as a user turn; with
+``policy: "interrupt"`` the model call in flight is aborted first (the worker then delivers
+the message as its step and makes the call again, with it)."""
 
 from __future__ import annotations
 
@@ -36,14 +38,6 @@ def post_message(run_id: str) -> tuple[Response, int]:
             f"/api/runs/{run.id}/signals/{{name}}), not messages",
             code="not_an_agent_loop",
         )
-    if policy == "interrupt":
-        raise ApiError(
-            422,
-            "policy 'interrupt' is not supported yet: send with 'enqueue' (delivered at the "
-            "next step boundary) or cancel the run",
-            code="unsupported_policy",
-            field="policy",
-        )
     if policy == "reject" and run.locked_by is not None and not run.status.terminal:
         raise ApiError(
             409,
@@ -64,6 +58,11 @@ def post_message(run_id: str) -> tuple[Response, int]:
         raise ApiError(404, str(e), code="not_found") from None
     except InvalidTransition as e:
         raise ApiError(409, str(e), code="run_finished") from None
+    live = s.runtime.live
+    if policy == "interrupt" and created and live is not None and not reopened:
+        # After the commit: the model call in flight is aborted and made again with the
+        # message (a tool in flight is not: the message follows its result, as enqueued).
+        live.request_interrupt(run.id)
     dispatch = reopened or (s.runtime.store.wake(run.id) if created else None)
     if dispatch is not None:  # after the commit: a finished or parked run goes now
         send_drive(s.celery, s.runtime.store, dispatch)

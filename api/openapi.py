@@ -537,14 +537,14 @@ def openapi_document(
                                     "policy": {"enum": list(MESSAGE_POLICIES)},
                                 },
                             },
-                            "Kept; delivered at the next step boundary",
+                            "Kept; delivered at the next step boundary (interrupt: the model "
+                            "call in flight is aborted and made again with it)",
                         ),
                         "404": _error("No such run"),
                         "409": _error(
                             "The run ended otherwise than SUCCEEDED, is not an agent-loop run, "
                             "or (policy reject) is inside a step"
                         ),
-                        "422": _error("policy interrupt is not supported yet"),
                     },
                 }
             },

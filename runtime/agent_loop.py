@@ -16,6 +16,7 @@ from typing import Any
 from db.records import NewStep, RunStatus, StepKind, StepStatus
 from runtime import effects, mcpcall, modelcall, pipeline
 from runtime.agents import Agent
+from runtime.faults import crash_point
 from runtime.llm.base import LlmError, LlmRequest
 from runtime.logctx import set_step
 from runtime.mcp.client import CallResult
@@ -128,11 +129,27 @@ def _deliver_message(task: Task, conversation: Conversation) -> StepResult | Non
         return NewStep(seq, key, kind, StepStatus.DONE, response=content, attempt=1, latency_ms=0)
 
     task.ensure_lease()
+    crash_point("before_message_delivery")
     dispatch = task.store.deliver_message(task.claim, row)
     if dispatch is None:
         return None
+    if task.services.live is not None:  # an interrupt flag for it has nothing left to stop
+        task.services.live.clear_interrupt(task.run_id)
     log.info("run=%s seq=%d MESSAGE %s delivered", task.rid, seq, key)
     return StepResult(Outcome.CONTINUE, dispatch=dispatch)
+
+
+def _interrupted(task: Task, conversation: Conversation, key: str) -> StepResult:
+    """The model call ``key`` was aborted by a message posted with ``policy: "interrupt"``
+    (its billed tokens are on the run, its live attempt retracted): the message is this
+    task's step, and ``key`` is made again after it, with it. A crash before the message's
+    record loses nothing: the message is still pending, and the next task delivers it at
+    the step boundary before any model call."""
+    delivered = _deliver_message(task, conversation)
+    if delivered is not None:
+        return delivered
+    # Nothing pending: delivered at a boundary meanwhile (a stale flag). Make the call again.
+    return task.schedule(0.0, f"{key}: interrupted; calling the model again")
 
 
 # -- model step -----------------------------------------------------------------------------
@@ -173,6 +190,8 @@ def _model_step(
         return task.finish(RunStatus.FAILED, error=modelcall.failure(outcome.error))
     if isinstance(outcome, modelcall.Stopped):
         return task.finish(outcome.status, error=outcome.reason)
+    if isinstance(outcome, modelcall.Interrupted):
+        return _interrupted(task, conversation, key)
     if isinstance(outcome, modelcall.Later):
         return task.schedule(
             outcome.delay_seconds,

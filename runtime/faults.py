@@ -13,7 +13,9 @@ Points, in the order a step passes them:
 - ``after_tool_start``: the tool step is recorded STARTED (an idempotent one: not yet, see
   ``runtime.effects`` rule 1), the tool has not run;
 - ``after_tool_effect``: the tool ran (its side effect happened), not yet recorded;
-- ``after_checkpoint``: the step is committed, the next message not yet sent.
+- ``after_checkpoint``: the step is committed, the next message not yet sent;
+- ``before_message_delivery``: a message posted to an agent-loop run is about to be
+  recorded as its step (at a step boundary, or after it interrupted a model call).
 """
 
 from __future__ import annotations
@@ -34,16 +36,17 @@ POINTS = (
     "after_tool_effect",
     "after_checkpoint",
 )
+MESSAGE_POINTS = ("before_message_delivery",)
+"""Reached only by runs that are sent messages (not in the chaos campaign's plan)."""
 
 
 def parse(spec: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, prob = part.partition("=")
-        if name not in POINTS:
-            raise ValueError(
-                f"DAR_FAULTS: unknown crash point {name!r}; known: {', '.join(POINTS)}"
-            )
+        if name not in POINTS + MESSAGE_POINTS:
+            known = ", ".join(POINTS + MESSAGE_POINTS)
+            raise ValueError(f"DAR_FAULTS: unknown crash point {name!r}; known: {known}")
         out[name] = float(prob or "1")
     return out
 

@@ -9,7 +9,9 @@ fails or slows a model call for long (after an error it is left alone for a few 
 Keys, per run: ``dar:live:<run>`` a stream capped near ``DAR_LIVE_MAXLEN`` entries of
 ``text.delta`` / ``text.retract`` (fields ``type, key, attempt, base, text``);
 ``dar:live-attempts:<run>`` the attempt counter per step key; ``dar:cancel:<run>`` set by
-``POST /cancel``. All expire a day after their last write.
+``POST /cancel``; ``dar:interrupt:<run>`` set by a message posted with ``policy:
+"interrupt"`` (it aborts the agent loop's model call in flight only, never a tool, and is
+consumed by the worker that acts on it). All expire a day after their last write.
 
 A delta's ``base`` is the run's last durable event number when its attempt began: clients
 order it after that event and before the next one.
@@ -44,6 +46,10 @@ def attempts_key(run_id: uuid.UUID) -> str:
 
 def cancel_key(run_id: uuid.UUID) -> str:
     return f"dar:cancel:{run_id}"
+
+
+def interrupt_key(run_id: uuid.UUID) -> str:
+    return f"dar:interrupt:{run_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +87,13 @@ def _entry(rid: Any, fields: Any) -> LiveEntry | None:
 @dataclass
 class _Watched:
     cancelled: threading.Event = field(default_factory=threading.Event)
+    """Set when the work in flight must stop: the run was cancelled, or interrupted."""
     aborts: list[Callable[[], None]] = field(default_factory=list)
+    interruptible: bool = False
+    """A message posted with ``policy: "interrupt"`` stops it too (the agent loop's model
+    call; never a tool, whose effect may be half done)."""
+    interrupted: threading.Event = field(default_factory=threading.Event)
+    """Set (before ``cancelled``) when it stops for an interrupting message."""
 
 
 class LiveChannel:
@@ -167,6 +179,32 @@ class LiveChannel:
             return False
         return True
 
+    def request_interrupt(self, run_id: uuid.UUID) -> bool:
+        """Raise the run's interrupt flag: its agent-loop model call in flight, if any, is
+        aborted and the step re-run with the messages posted (the database's pending
+        messages stay the truth). ``False`` when Redis could not be told."""
+        try:
+            self.redis.set(interrupt_key(run_id), b"1", ex=TTL_SECONDS)
+        except redis.RedisError as e:
+            log.warning("interrupt flag for run %s not set in Redis: %s", run_id, e)
+            return False
+        return True
+
+    def clear_interrupt(self, run_id: uuid.UUID) -> None:
+        """Drop the run's interrupt flag (its messages were delivered at a step boundary):
+        best effort, a stale flag costs at most one aborted call that is made again."""
+        if not self._available():
+            return
+        try:
+            self.redis.delete(interrupt_key(run_id))
+        except redis.RedisError as e:
+            self._failed("DEL", e)
+
+    def retract(self, run_id: uuid.UUID, key: str, attempt: int, base: int) -> None:
+        """Retract an attempt of step ``key`` now (it was cut): clients drop its text."""
+        fields: Any = {"type": "text.retract", "key": key, "attempt": attempt, "base": base}
+        self.publish(run_id, {**fields, "text": ""})
+
     # -- reading (the API) --------------------------------------------------------------
 
     def entries(self, run_id: uuid.UUID, after: str = "0-0", count: int = 1000) -> list[LiveEntry]:
@@ -188,9 +226,10 @@ class LiveChannel:
     # -- cancel watching (workers) ------------------------------------------------------
 
     @contextmanager
-    def watch(self, run_id: uuid.UUID) -> Iterator[_Watched]:
-        """Watch ``run_id``'s cancel flag while the block runs."""
-        watched = _Watched()
+    def watch(self, run_id: uuid.UUID, *, interruptible: bool = False) -> Iterator[_Watched]:
+        """Watch ``run_id``'s cancel flag (and, when ``interruptible``, its interrupt flag)
+        while the block runs."""
+        watched = _Watched(interruptible=interruptible)
         with self._lock:
             self._watched.setdefault(run_id, []).append(watched)
             if self._watcher is None:
@@ -217,21 +256,29 @@ class LiveChannel:
                 if self._closed:
                     return
                 runs = list(self._watched)
+            keys = [cancel_key(r) for r in runs] + [interrupt_key(r) for r in runs]
             try:
-                flags = self.redis.mget([cancel_key(r) for r in runs])
+                flags = self.redis.mget(keys)
             except Exception:  # Redis down, or the client closed under us (close())
                 if self._closed:
                     return
-                flags = [None] * len(runs)
+                flags = [None] * len(keys)
                 time.sleep(1.0)
-            for run_id, flag in zip(runs, flags, strict=True):
-                if flag is None:
+            for i, run_id in enumerate(runs):
+                cancel, interrupt = flags[i], flags[len(runs) + i]
+                if cancel is None and interrupt is None:
                     continue
                 with self._lock:
                     watched = list(self._watched.get(run_id, []))
+                if cancel is None:  # interrupted: only what may be interrupted
+                    watched = [w for w in watched if w.interruptible]
+                    if watched and not self._consume_interrupt(run_id):
+                        continue  # another worker's (or a stale) flag, gone meanwhile
                 for w in watched:
                     if w.cancelled.is_set():
                         continue
+                    if cancel is None:
+                        w.interrupted.set()
                     w.cancelled.set()
                     for abort in list(w.aborts):
                         try:
@@ -239,6 +286,13 @@ class LiveChannel:
                         except Exception:
                             log.exception("aborting a cancelled model call failed")
             time.sleep(self.cancel_poll_seconds)
+
+    def _consume_interrupt(self, run_id: uuid.UUID) -> bool:
+        """Take the run's interrupt flag: one interrupt aborts one model call."""
+        try:
+            return self.redis.delete(interrupt_key(run_id)) == 1
+        except redis.RedisError:
+            return False
 
     def close(self) -> None:
         with self._lock:
@@ -265,10 +319,19 @@ class RedisLiveCall:
         self._base = 0
         self._watched = watched
         self.cancelled = watched.cancelled
+        self.interrupted = watched.interrupted
+        self.attempt = 0
+        """The number of the attempt in flight (0: none, or Redis was unavailable)."""
 
     def begin_attempt(self) -> int:
         self._base = self._base_of()
-        return self.channel.next_attempt(self.run_id, self.key, self._base)
+        self.attempt = self.channel.next_attempt(self.run_id, self.key, self._base)
+        return self.attempt
+
+    def retract(self) -> None:
+        """Retract the attempt in flight on the live stream (it was cut)."""
+        if self.attempt:
+            self.channel.retract(self.run_id, self.key, self.attempt, self._base)
 
     def delta(self, attempt: int, text: str) -> None:
         self.channel.publish(

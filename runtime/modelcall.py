@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from db.errors import LeaseLost, database_unavailable
 from db.records import Dispatch, NewStep, RunStatus, Step, StepKind, StepStatus, Usage
@@ -30,10 +30,13 @@ from runtime.flow import Refusal
 from runtime.keys import tenant_key
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.billing import Meter, metering
-from runtime.llm.live import ModelCallCancelled, live_call
+from runtime.llm.live import ModelCallCancelled, ModelCallInterrupted, live_call
 from runtime.llm.retry import RetryLater, prior_attempts, reset_prior_attempts
 from runtime.prompthash import prompt_hash as prompt_hash
 from runtime.task import Earlier, Task
+
+if TYPE_CHECKING:
+    from runtime.live import RedisLiveCall
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -193,6 +196,7 @@ def send(
     *,
     key: str | None = None,
     make: Callable[[], LlmResponse] | None = None,
+    interruptible: bool = False,
 ) -> Answer:
     """Call the model (the client's retries inside, capped across timers). Raises the
     client's :class:`~runtime.llm.base.LlmError` (or ``RetryLater``) unchanged. Settles the
@@ -203,19 +207,40 @@ def send(
 
     With the step's ``key`` and a live channel, a streaming client's text goes to the run's
     live stream and a cancel aborts the call: :class:`ModelCallCancelled` is raised after
-    the usage the stream reported is recorded on the run."""
+    the usage the stream reported is recorded on the run. With ``interruptible`` (the agent
+    loop's model call), a message posted with ``policy: "interrupt"`` aborts it the same way:
+    :class:`ModelCallInterrupted` is raised, its usage recorded, its attempt retracted on the
+    live stream."""
     body = body if body is not None else request.to_json()
     crash_point("before_model_call")
     started = time.monotonic()
     token = prior_attempts(task.claim.run.model_attempts)
     response: LlmResponse | None = None
     refusal: tuple[tuple[str, str], ...] = ()
+    live: RedisLiveCall | None = None
     try:
-        with live_scope(task, key), metering(_lost_attempts(task)):
+        with (
+            live_scope(task, key, interruptible=interruptible) as live,
+            metering(_lost_attempts(task)),
+        ):
             response = make() if make is not None else task.services.llm.send(request)
     except ModelCallCancelled as e:
         cost = task.services.pricing.cost(request.model, e.usage)
-        task.store.record_unrecorded_usage(task.run_id, e.usage, cost)
+        task.store.record_unrecorded_usage(
+            task.run_id, e.usage, cost, estimated_tokens=e.estimated_tokens
+        )
+        if live is not None and live.interrupted.is_set():
+            live.retract()  # clients drop the cut attempt's text now
+            task.observe("MODEL", "interrupted", started)
+            log.info(
+                "run=%s MODEL %s interrupted by a message: %d tokens billed, counted",
+                task.rid,
+                key,
+                e.usage.total,
+            )
+            raise ModelCallInterrupted(
+                str(e), usage=e.usage, request_id=e.request_id, estimated_tokens=e.estimated_tokens
+            ) from e
         task.observe("MODEL", "cancelled", started)
         raise
     except LlmError as e:
@@ -265,22 +290,25 @@ def _lost_attempts(task: Task) -> Meter:
 
 
 @contextlib.contextmanager
-def live_scope(task: Task, key: str | None) -> Iterator[None]:
+def live_scope(
+    task: Task, key: str | None, *, interruptible: bool = False
+) -> Iterator[RedisLiveCall | None]:
     """While a model call of step ``key`` is in flight: its live call (text deltas out, a
-    cancel in), read with ``current_live_call()``; nothing without a live channel."""
+    cancel, or with ``interruptible`` an interrupt, in), read with ``current_live_call()``;
+    nothing (``None``) without a live channel."""
     channel = task.services.live
     if channel is None or key is None:
-        yield
+        yield None
         return
     from runtime.live import RedisLiveCall  # imports redis: only where a channel exists
 
     store, run_id = task.store, task.run_id
-    with channel.watch(run_id) as watched:
+    with channel.watch(run_id, interruptible=interruptible) as watched:
         call = RedisLiveCall(
             channel, run_id, key, lambda: store.run_event_seq(run_id) or 0, watched
         )
         with live_call(call):
-            yield
+            yield call
 
 
 def _forget(task: Task) -> None:
@@ -383,7 +411,15 @@ class Failed:
     error: Exception
 
 
-Outcome = Recorded | Later | Stopped | Failed
+@dataclass(frozen=True)
+class Interrupted:
+    """A message posted with ``policy: "interrupt"`` aborted the call (its billed tokens are
+    recorded on the run): deliver the message, then make the step again."""
+
+    usage: Usage
+
+
+Outcome = Recorded | Later | Stopped | Failed | Interrupted
 
 
 def call(
@@ -430,9 +466,11 @@ def call(
     if wait is not None:  # flow control: a durable timer, holding nothing
         return Later(wait.delay_seconds, wait.reason, task.claim.run.model_attempts, True)
     try:
-        answer = send(task, request, body, key=key, make=make)
+        answer = send(task, request, body, key=key, make=make, interruptible=policy.interruptible)
     except RetryLater as e:
         return _later(task, key, e)
+    except ModelCallInterrupted as e:
+        return Interrupted(e.usage)
     except ModelCallCancelled:
         return Stopped(RunStatus.CANCELLED, "cancelled by request (model call aborted)")
     except Exception as e:  # the client's LlmError, or whatever the call itself raised

@@ -113,6 +113,9 @@ class Policy:
     """The README row's last cell."""
     child: bool = False
     """Recorded inside the step that is running (the task goes on), not as the task's step."""
+    interruptible: bool = False
+    """A message posted with ``policy: "interrupt"`` aborts it in flight (its billed tokens
+    recorded, its live attempt retracted); the message is delivered and the step made again."""
 
     @property
     def guarded_as_model(self) -> bool:
@@ -156,7 +159,9 @@ KINDS: dict[StepKind, Policy] = {
         bills=True,
         notes="at most one repeated, paid call per crash (the window between the response "
         "and its record); the attempts of a rate-limited call are capped across timers "
-        "(`DAR_RETRY_MAX_ATTEMPTS`)",
+        '(`DAR_RETRY_MAX_ATTEMPTS`); a message posted with `policy: "interrupt"` aborts '
+        "it (its billed tokens counted) and it is made again after the message",
+        interruptible=True,
     ),
     StepKind.LLM_CALL: Policy(
         name="`steps.llm` model call",

@@ -602,6 +602,7 @@ class Execution:
                 delay_seconds=outcome.delay_seconds,
                 model_attempts=outcome.model_attempts,
             )
+        assert not isinstance(outcome, modelcall.Interrupted)  # its kind is not interruptible
         if outcome.answer is not None:
             self.model_diverged = True
         return outcome.response
@@ -657,6 +658,7 @@ class Execution:
         if isinstance(outcome, modelcall.Stopped):
             with self.engine_call():
                 self.stop(outcome.status, outcome.reason)
+        assert not isinstance(outcome, modelcall.Interrupted)  # its kind is not interruptible
         text = f"{type_name(outcome.error)}: {outcome.error}"
         row = NewStep(
             seq,

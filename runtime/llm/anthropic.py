@@ -289,10 +289,12 @@ class AnthropicClient:
             ) from e
         if live is not None and live.cancelled.is_set() and not assembler.done:
             _abort(raw)
+            usage, estimated = assembler.cut_usage()
             raise ModelCallCancelled(
                 "run cancelled: the model call was aborted mid-stream",
-                usage=assembler.usage(),
+                usage=usage,
                 request_id=request_id,
+                estimated_tokens=estimated,
             )
         if assembler.error is not None:
             status, error_type, message = assembler.error

@@ -45,11 +45,26 @@ class LiveCall(Protocol):
 class ModelCallCancelled(LlmError):
     """The run was cancelled while its model call was in flight; the call was aborted.
 
-    ``usage`` is what the stream had reported as billed when it was cut."""
+    ``usage`` is what was billed when it was cut: what the stream had reported, plus, for the
+    output tokens it reports only at its end, ``estimated_tokens`` estimated from the content
+    received."""
 
-    def __init__(self, message: str, *, usage: Usage, request_id: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        usage: Usage,
+        request_id: str | None = None,
+        estimated_tokens: int = 0,
+    ) -> None:
         super().__init__(message, status=-1, request_id=request_id, retryable=False)
         self.usage = usage
+        self.estimated_tokens = estimated_tokens
+
+
+class ModelCallInterrupted(ModelCallCancelled):
+    """A message posted with ``policy: "interrupt"`` aborted the call: the step is made again
+    with the message. ``usage`` is what the cut stream had reported as billed."""
 
 
 _current: contextvars.ContextVar[LiveCall | None] = contextvars.ContextVar(
