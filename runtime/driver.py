@@ -269,16 +269,21 @@ class Driver:
             except BaseException as e:
                 # The database refused a value of this step (not a blip: the same value is
                 # refused every time). Left RUNNING, the run would be claimed, and its step
-                # run and refused, again and again; it stops here, saying why.
+                # run and refused, again and again; it stops here, saying why. A durable
+                # function stops as on every early end: its completed steps' compensations
+                # first, one per task (a refusal while they run ends it at once).
                 refused = _refused_value(e)
                 if refused is None:
                     raise
                 what = f"{type(refused.orig).__name__}: {str(refused.orig).splitlines()[0]}"
                 log.error("run=%s the database refused a value of its step: %s", task.rid, what)
-                return task.finish(
-                    RunStatus.FAILED,
-                    error=f"the database refused to store a value of this step ({what})",
-                )
+                reason = f"the database refused to store a value of this step ({what})"
+                if isinstance(agent, DurableAgent) and task.stopping is None:
+                    task.begin_stop(reason)
+                    self.store.step_logs.forget(run.id)  # this task's copy missed the refusal
+                    task.steps = self.store.steps(run.id)
+                    return Execution(task, agent).run()
+                return task.finish(RunStatus.FAILED, error=task.stopping or reason)
 
     @staticmethod
     def _resume_seq(steps: list[Step]) -> int:

@@ -233,6 +233,96 @@ MUTANTS = (
         "an agent no longer deployed ends its runs without undoing their completed steps",
     ),
     Mutant(
+        "stop-refused-value-without-compensation",
+        "runtime/driver.py",
+        "                if isinstance(agent, DurableAgent) and task.stopping is None:\n",
+        "                if False:\n",
+        (T + "test_early_stops.py::test_a_value_the_database_refuses_runs_the_compensations_once",),
+        "a step value jsonb refuses (NaN) ends the run without undoing its completed steps",
+    ),
+    Mutant(
+        "key-is-the-bare-step-key",
+        "runtime/tools.py",
+        '    return f"{run_id}/{step_key}"',
+        "    return step_key",
+        ("tests/integration/test_idempotency_keys.py",),
+        "issue 23 defect 2: every run of a function (and every fork) hands down the same key",
+    ),
+    Mutant(
+        "mcp-meta-key-is-the-bare-step-key",
+        "runtime/mcpcall.py",
+        "                key=ctx.idempotency_key,\n",
+        "                key=ctx.key,\n",
+        (
+            T + "test_mcp_agent.py::test_mcp_tools_are_offered_next_to_python_tools_and_called"
+            "_as_tool_steps",
+        ),
+        "issue 23 defect 2: the MCP _meta idempotency key is the bare tool_use id",
+    ),
+    Mutant(
+        "stop-output-encoded-at-the-end",
+        "runtime/durable/execution.py",
+        "                result = encode(output)\n",
+        "                result = output\n",
+        (
+            T + "test_early_stops.py::test_an_output_that_cannot_be_recorded_runs_the"
+            "_compensations_once",
+        ),
+        "issue 23 defect 4: an output that cannot be encoded ends the run without compensating",
+    ),
+    Mutant(
+        "jsontext-nul-passes-through",
+        "db/jsontext.py",
+        'not wrapper and "\\\\u0000" not in text and ',
+        "not wrapper and ",
+        (
+            "tests/unit/test_jsontext.py::test_nul_without_a_surrogate_is_escaped_too",
+            T + "test_awkward_text.py::test_nul_without_a_surrogate_is_recorded",
+        ),
+        "issue 23 defect 5: a value holding NUL but no surrogate goes to jsonb unescaped",
+    ),
+    Mutant(
+        "jsontext-response-read-back-wrapped",
+        "db/store.py",
+        'response=jsontext.loads(row["response"]),',
+        'response=row["response"],',
+        (
+            T + "test_awkward_text.py::test_a_model_answer_and_a_tool_output_with_nul_and"
+            "_surrogates_round_trip",
+        ),
+        "issue 23 defect 5: a step's escaped answer read back as its wrapper, not its value",
+    ),
+    Mutant(
+        "refused-value-leaves-the-run-running",
+        "runtime/driver.py",
+        "                refused = _refused_value(e)\n",
+        "                refused = None\n",
+        (
+            T + "test_awkward_text.py::test_a_value_the_database_refuses_ends_the_run_instead"
+            "_of_leaving_it_running",
+        ),
+        "issue 23 defect 5: a value jsonb refuses leaves the run RUNNING, claimed again forever",
+    ),
+    Mutant(
+        "time-limit-meter-looked-up-too-late",
+        "runtime/llm/retry.py",
+        "_bill_when_done(request.model, current_meter())",
+        "_bill_when_done(request.model, None)",
+        (
+            T + "test_lost_attempts.py::test_an_attempt_abandoned_at_its_time_limit_is_reported"
+            "_when_it_completes",
+        ),
+        "issue 23 defect 8: an abandoned attempt's usage looked for in the pool thread: lost",
+    ),
+    Mutant(
+        "cut-stream-not-billed",
+        "runtime/llm/anthropic.py",
+        '            bill_lost(assembler.usage(), request.model, "stream cut mid-way")\n',
+        "",
+        (T + "test_lost_attempts.py::test_a_cut_stream_reports_what_message_start_billed",),
+        "issue 23 defect 8: a stream cut mid-way loses the input tokens message_start reported",
+    ),
+    Mutant(
         "pipeline-policy-not-read",
         "runtime/pipeline.py",
         "        return self.after_crash is AfterCrash.RUN_AGAIN",

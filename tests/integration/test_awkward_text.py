@@ -80,6 +80,20 @@ def test_a_durable_steps_value_round_trips_and_replays(runtime: Runtime) -> None
     assert runtime.store.steps(done.run_id)[0].response == value
 
 
+@pytest.mark.parametrize("value", ["nul alone:\x00", "nul beside non-ASCII: é\x00"])
+def test_nul_without_a_surrogate_is_recorded(runtime: Runtime, value: str) -> None:
+    """No surrogate to make the value stand out: the NUL alone must still be escaped."""
+
+    @durable_agent("nul-alone")
+    def fn(_: object, steps: Steps) -> str:
+        return steps.run("say", lambda: value, type=str)
+
+    done = DurableTester(runtime).run(fn, {})
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.result == value
+    assert runtime.store.steps(done.run_id)[0].response == value
+
+
 def test_a_value_the_database_refuses_ends_the_run_instead_of_leaving_it_running(
     runtime: Runtime,
 ) -> None:

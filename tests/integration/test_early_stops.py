@@ -159,3 +159,19 @@ def test_the_guard_runs_the_compensations_once(runtime: Runtime) -> None:
     runtime.store.cancel(run_id)
     assert drive_through_crashes(runtime, first) is RunStatus.CANCELLED
     _ends_compensated_once(runtime, run_id, status=RunStatus.CANCELLED)
+
+
+def test_a_value_the_database_refuses_runs_the_compensations_once(runtime: Runtime) -> None:
+    """A step's value ``jsonb`` refuses (a ``NaN``) is refused every time: the run ends
+    there, and like every other early end it undoes its completed steps first."""
+    RELEASED.clear()
+
+    @durable_agent("stop-refused")
+    def fn(_: object, steps: Steps) -> float:
+        steps.run("reserve", reserve, type=str, compensate=release)
+        return steps.run("ratio", lambda: float("nan"), type=float)
+
+    run_id, dispatch = _start(runtime, fn)
+    assert drive_through_crashes(runtime, dispatch) is RunStatus.FAILED
+    error = _ends_compensated_once(runtime, run_id, status=RunStatus.FAILED)
+    assert "refused" in error

@@ -62,3 +62,12 @@ def test_text_for_people_shows_nul_and_surrogates_visibly() -> None:
     assert jsontext.text("a\x00b\ud800") == "a\\u0000b\\ud800"
     assert jsontext.text("fine") == "fine"
     assert jsontext.text(None) is None
+
+
+@pytest.mark.parametrize("value", ["a\x00b", {"k\x00": "plain"}, ["é\x00", "😀"], "\ue000\x00"])
+def test_nul_without_a_surrogate_is_escaped_too(value: Any) -> None:
+    """NUL alone (in an ASCII text, or beside other non-ASCII characters): ``json.dumps``
+    writes it as ``\\u0000``, which ``jsonb`` refuses just the same."""
+    text = jsontext.dumps(value)
+    assert "\\u0000" not in text.replace("\\\\", "")
+    assert jsontext.loads(_parsed(text)) == value
