@@ -1,12 +1,65 @@
-"""The acme demo's tickets table: seeding and the query its tool runs."""
+"""The acme demo's tables, their setup, and the queries its tools run.
+
+The demo's tables are not part of the runtime's schema: no migration creates them, so a
+production database never holds them. The demo sets them up itself (``dar dev`` seeds them at
+start; the demo agent's tools create them on first use wherever that agent runs), and
+migration 0021 drops the ones earlier releases created where they hold nothing of the demo's.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Connection,
+    Engine,
+    ForeignKey,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.dialects.postgresql import TIMESTAMP
 
 from db.queries import QUERIES as Q
+
+TZ = TIMESTAMP(timezone=True)
+
+# Tables of the demo alone: a metadata of their own, apart from db.schema's.
+demo_metadata = MetaData()
+
+# The acme demo's tickets: a real table the demo agent's tool reads.
+acme_ticket = Table(
+    "acme_ticket",
+    demo_metadata,
+    Column("id", Integer, primary_key=True),
+    Column("title", Text, nullable=False),
+    Column("status", Text, nullable=False),
+    Column("priority", Text, nullable=False),
+    Column("assignee", Text),
+    Column("customer", Text, nullable=False),
+    Column("due_at", TZ, nullable=False),
+    Column("created_at", TZ, nullable=False, server_default=text("now()")),
+)
+
+# The acme demo's comments: a tool with a real side effect, idempotent by the tool_use id.
+acme_comment = Table(
+    "acme_comment",
+    demo_metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("ticket_id", Integer, ForeignKey("acme_ticket.id"), nullable=False),
+    Column("body", Text, nullable=False),
+    Column("idempotency_key", Text, nullable=False, unique=True),
+    Column("created_at", TZ, nullable=False, server_default=text("now()")),
+)
+
+DEMO_TABLES = tuple(demo_metadata.tables)
+
+# An arbitrary 64-bit advisory lock key: "dar demo setup" (processes setting up at once wait).
+_SETUP_LOCK_KEY = 0x64_61_72_5F_64_65_6D
 
 # (id, title, status, priority, assignee, customer, due in days: negative is overdue)
 SEED_TICKETS: tuple[tuple[int, str, str, str, str | None, str, int], ...] = (
@@ -24,15 +77,31 @@ SEED_TICKETS: tuple[tuple[int, str, str, str, str | None, str, int], ...] = (
 class TicketStore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._ready = False
+
+    def setup(self) -> bool:
+        """Create the demo's tables where they are missing and seed the tickets into a table
+        created now. Once per store; returns whether it created them."""
+        if self._ready:
+            return False
+        with self.engine.begin() as conn:
+            conn.execute(Q["demo_setup_lock"], {"k": _SETUP_LOCK_KEY})
+            created = conn.execute(Q["acme_tables_exist"]).scalar_one() is not True
+            if created:
+                demo_metadata.create_all(conn, checkfirst=True)
+                _insert_seed(conn)
+        self._ready = True
+        return created
 
     def seed(self) -> None:
-        keys = ("id", "title", "status", "priority", "assignee", "customer", "due_in_days")
+        """Set the demo's tables up and put the seed tickets back (those deleted)."""
+        self.setup()
         with self.engine.begin() as conn:
-            rows = [dict(zip(keys, t, strict=True)) for t in SEED_TICKETS]
-            conn.execute(Q["seed_acme_tickets"], rows)
+            _insert_seed(conn)
 
     def add_comment(self, ticket_id: int, body: str, *, idempotency_key: str) -> tuple[int, bool]:
         """Add a comment once per key. Returns ``(comment id, created now)``."""
+        self.setup()
         with self.engine.begin() as conn:
             if conn.execute(Q["acme_ticket_exists"], {"ticket_id": ticket_id}).first() is None:
                 raise LookupError(f"no acme ticket with id {ticket_id}")
@@ -48,6 +117,7 @@ class TicketStore:
             return int(existing), False
 
     def count_comments(self, ticket_id: int | None = None) -> int:
+        self.setup()
         with self.engine.connect() as conn:
             return int(
                 conn.execute(Q["count_acme_comments"], {"ticket_id": ticket_id}).scalar_one()
@@ -69,6 +139,13 @@ class TicketStore:
             "overdue": overdue,
             "limit": limit,
         }
+        self.setup()
         with self.engine.connect() as conn:
             rows = conn.execute(Q["list_acme_tickets"], params).mappings().all()
         return [{**r, "due_at": r["due_at"].isoformat()} for r in rows]
+
+
+def _insert_seed(conn: Connection) -> None:
+    keys = ("id", "title", "status", "priority", "assignee", "customer", "due_in_days")
+    rows = [dict(zip(keys, t, strict=True)) for t in SEED_TICKETS]
+    conn.execute(Q["seed_acme_tickets"], rows)

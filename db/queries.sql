@@ -776,6 +776,12 @@ FROM (
 -- current_migration --
 SELECT version_num FROM dar_alembic_version;
 
+-- demo_setup_lock --
+SELECT pg_advisory_xact_lock(:k);
+
+-- acme_tables_exist --
+SELECT to_regclass('acme_ticket') IS NOT NULL AND to_regclass('acme_comment') IS NOT NULL;
+
 -- seed_acme_tickets --
 INSERT INTO acme_ticket (id, title, status, priority, assignee, customer, due_at)
 VALUES (:id, :title, :status, :priority, :assignee, :customer,

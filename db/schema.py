@@ -429,28 +429,3 @@ Index(
     schedule_tick.c.tick_at,
     postgresql_where=text("status = 'QUEUED'"),
 )
-
-# The acme demo's tickets: a real table the demo agent's tool reads.
-acme_ticket = Table(
-    "acme_ticket",
-    metadata,
-    Column("id", Integer, primary_key=True),
-    Column("title", Text, nullable=False),
-    Column("status", Text, nullable=False),
-    Column("priority", Text, nullable=False),
-    Column("assignee", Text),
-    Column("customer", Text, nullable=False),
-    Column("due_at", TZ, nullable=False),
-    Column("created_at", TZ, nullable=False, server_default=text("now()")),
-)
-
-# The acme demo's comments: a tool with a real side effect, idempotent by the tool_use id.
-acme_comment = Table(
-    "acme_comment",
-    metadata,
-    Column("id", BigInteger, primary_key=True, autoincrement=True),
-    Column("ticket_id", Integer, ForeignKey("acme_ticket.id"), nullable=False),
-    Column("body", Text, nullable=False),
-    Column("idempotency_key", Text, nullable=False, unique=True),
-    Column("created_at", TZ, nullable=False, server_default=text("now()")),
-)

@@ -23,6 +23,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
 from api.embedded import EmbeddedPostgres, EmbeddedRedis
+from db.demo import TicketStore, demo_metadata
 from db.engine import make_engine, normalize_url
 from db.migrate import upgrade
 from db.schema import metadata
@@ -146,6 +147,7 @@ def test_db(pg_admin_url: str) -> Iterator[str]:
     url = make_url(pg_admin_url).set(database=TEST_DB).render_as_string(hide_password=False)
     engine = make_engine(url, pool_size=1)
     upgrade(engine)
+    TicketStore(engine).setup()  # the demo's own tables, apart from the migrations
     engine.dispose()
     try:
         yield url
@@ -168,7 +170,8 @@ def _truncator(test_db: str) -> Iterator[Engine]:
 def database_url(test_db: str, _truncator: Engine) -> str:
     """The session's migrated database, emptied for this test: every table truncated (far
     faster than a database per test, and just as isolated for tests that run one at a time)."""
-    tables = ", ".join(f'"{t.name}"' for t in reversed(metadata.sorted_tables))
+    every = [*demo_metadata.sorted_tables, *metadata.sorted_tables]
+    tables = ", ".join(f'"{t.name}"' for t in reversed(every))
     with _truncator.begin() as conn:
         conn.execute(text("SET lock_timeout = '10s'"))
         conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
