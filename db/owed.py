@@ -8,7 +8,9 @@ lease is gone and the database still does not answer, the usage is owed here, an
 thread writes it as the run's unrecorded tokens as soon as the database answers again
 (every second at first, then every 5 s). A write conditioned on the step row (``unless`` a
 row of that key and lease epoch exists: the checkpoint may have committed before its
-connection dropped) is never counted twice.
+connection dropped) is never counted twice. A write's ``then`` runs once it is written (the
+engine erases the call's lost-call record then, and takes back an estimate counted
+meanwhile: the exact count replaces the estimate, never both).
 
 What is owed lives in memory: a process killed while it owes loses it (logged when owed,
 and counted in ``pending``).
@@ -26,6 +28,7 @@ from db.errors import database_unavailable
 log = logging.getLogger(__name__)
 
 Write = Callable[[Mapping[str, Any]], None]
+Then = Callable[[], None]
 
 
 class OwedUsage:
@@ -34,7 +37,7 @@ class OwedUsage:
         self._first = first_retry
         self._max = max_retry
         self._lock = threading.Lock()
-        self._owed: list[Mapping[str, Any]] = []
+        self._owed: list[tuple[Mapping[str, Any], Then | None]] = []
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
 
@@ -43,16 +46,19 @@ class OwedUsage:
         with self._lock:
             return len(self._owed)
 
-    def write_or_owe(self, params: Mapping[str, Any]) -> bool:
-        """Write now; with the database away keep it and return ``False``."""
+    def write_or_owe(self, params: Mapping[str, Any], then: Then | None = None) -> bool:
+        """Write now; with the database away keep it and return ``False``. ``then`` runs
+        once the write is done (now, or when the database answers)."""
         try:
             self._write(params)
-            return True
         except Exception as e:
             if not database_unavailable(e):
                 raise
+        else:
+            _after(params, then)
+            return True
         with self._lock:
-            self._owed.append(params)
+            self._owed.append((params, then))
             n = len(self._owed)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._settle, name="dar-owed", daemon=True)
@@ -79,7 +85,8 @@ class OwedUsage:
             with self._lock:
                 batch = list(self._owed)
             done = 0
-            for params in batch:
+            for entry in batch:
+                params, then = entry
                 try:
                     self._write(params)
                 except Exception as e:
@@ -91,8 +98,10 @@ class OwedUsage:
                         type(e).__name__,
                         extra={"run_id": str(params["id"]), "event": "usage.owed_dropped"},
                     )
+                else:
+                    _after(params, then)
                 with self._lock:
-                    self._owed.remove(params)
+                    self._owed.remove(entry)
                 done += 1
             if done:
                 log.info(
@@ -105,3 +114,20 @@ class OwedUsage:
                     self._thread = None
                     return
             delay = min(delay * 2, self._max)
+
+
+def _after(params: Mapping[str, Any], then: Then | None) -> None:
+    """Run a written record's ``then``; what it raises is logged, not raised: the record
+    itself is written."""
+    if then is None:
+        return
+    try:
+        then()
+    except Exception as e:
+        log.error(
+            "run=%s after the usage record: %s",
+            str(params["id"])[:8],
+            type(e).__name__,
+            exc_info=True,
+            extra={"run_id": str(params["id"]), "event": "usage.then_failed"},
+        )

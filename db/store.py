@@ -667,13 +667,14 @@ class RunStore:
         *,
         unless_step: tuple[str, int] | None = None,
         estimated_tokens: int = 0,
+        then: Callable[[], None] | None = None,
     ) -> bool:
         """Count a billed model call whose checkpoint was refused against the run; with
         ``unless_step`` (key, epoch) only when no such step row was written. With the
         database away the count is kept in this process and written when it answers again
         (:class:`db.owed.OwedUsage`): returns ``False`` then. ``estimated_tokens`` of it are
         an estimate (a call lost with its worker; negative when the API's count replaces
-        an estimate)."""
+        an estimate). ``then`` runs once it is written, now or later."""
         key, epoch = unless_step if unless_step is not None else (None, None)
         params = {
             "id": run_id,
@@ -683,7 +684,7 @@ class RunStore:
             "epoch": epoch,
             "estimated_tokens": estimated_tokens,
         }
-        return self.owed.write_or_owe(params)
+        return self.owed.write_or_owe(params, then)
 
     def _write_unrecorded(self, params: Mapping[str, Any]) -> None:
         with self._statement() as conn:

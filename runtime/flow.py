@@ -162,6 +162,10 @@ class Grant:
     lost: Usage | None = None
     """The estimate of this run's previous call, admitted and never settled: lost with its
     worker (see :meth:`FlowControl.admit`)."""
+    lost_step: tuple[str, int] | None = None
+    """That call's step (key, lease epoch), when its admission named it: a step row of that
+    key and epoch means the call was recorded after all (its worker died between the
+    checkpoint and erasing the record), and the estimate must not be counted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +176,8 @@ class Refusal:
     model: str
     lost: Usage | None = None
     """As :attr:`Grant.lost`."""
+    lost_step: tuple[str, int] | None = None
+    """As :attr:`Grant.lost_step`."""
 
     @property
     def reason(self) -> str:
@@ -184,7 +190,8 @@ class Refusal:
 # concurrent, 5-6 cost (input, output), 7 lease id, 8 lease ttl s, 9 waiter id, 10 waiter
 # priority, 11 waiter grace s, 12 the waiter's concurrency key ('' for none), 13 the spacing
 # in ms between one key's waiters, 14 the run ('' for none), 15 the call's estimate
-# ('input:output' tokens). KEYS 6: the runs' calls in flight (hash run -> 'lease:in:out').
+# ('input:output' tokens, then ':epoch:step key' when the caller names its step). KEYS 6: the
+# runs' calls in flight (hash run -> 'lease:' .. ARGV 15).
 #
 # A new waiter's score is -priority * 1e13 + its arrival in ms. A keyed waiter arrives, in
 # this order, no earlier than its key's virtual clock, which each waiter of the key pushes
@@ -363,13 +370,16 @@ return 1
 """
 
 # KEYS: 1 the runs' calls in flight. ARGV: 1 run, 2 lease: erase the run's record if it is
-# still this lease's.
+# still this lease's; return (and drop) the estimate a later admission counted as lost, if
+# one took the record first.
 _FORGET = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if cur and string.sub(cur, 1, #ARGV[2] + 1) == ARGV[2] .. ':' then
   redis.call('HDEL', KEYS[1], ARGV[1])
 end
-return 1
+local charged = redis.call('HGET', KEYS[1], 'charged:' .. ARGV[2]) or ''
+if charged ~= '' then redis.call('HDEL', KEYS[1], 'charged:' .. ARGV[2]) end
+return charged
 """
 
 _HEADER_DIMS = {
@@ -478,6 +488,7 @@ class FlowControl:
         priority: int = 0,
         key: str | None = None,
         run: str = "",
+        step: tuple[str, int] | None = None,
     ) -> Grant | Refusal | None:
         """A :class:`Grant` to hold until :meth:`settle`, a :class:`Refusal` (come back
         after its delay), or ``None``: Redis is unreachable (fail open). A model with no
@@ -488,7 +499,9 @@ class FlowControl:
         With ``run``, a granted call is written down (its lease and estimate: ``input_tokens``
         in, ``max_tokens`` out) until :meth:`settle`; the next admission of that run finds a
         record never settled (its worker died in the call) and returns it once as ``lost``:
-        the API billed that call, and nobody recorded it."""
+        the API billed that call, and nobody recorded it. ``step`` (key, lease epoch) names
+        the call's step in the record, returned as ``lost_step``: the next admission can tell
+        a call recorded after all (a step row of that key and epoch) from one lost."""
         limit = self.limit(model)
         lease = uuid.uuid4().hex
         # one key's waiters are spaced by about one request's share of the limit
@@ -511,7 +524,8 @@ class FlowControl:
                     key or "",
                     spacing,
                     run,
-                    f"{input_tokens}:{max_tokens}",
+                    f"{input_tokens}:{max_tokens}"
+                    + (f":{step[1]}:{step[0]}" if step is not None else ""),
                 ],
             )
         except _redis_error() as e:
@@ -531,11 +545,18 @@ class FlowControl:
                 estimated_input=input_tokens,
                 run=run,
                 lost=_estimate(lost, with_lease=True),
+                lost_step=_step(lost),
             )
         dim = why.decode() if isinstance(why, bytes) else str(why)
         if self.metrics is not None:
             self.metrics.flow_refused.labels(model, dim).inc()
-        return Refusal(dim or "requests", float(wait), model, _estimate(lost, with_lease=True))
+        return Refusal(
+            dim or "requests",
+            float(wait),
+            model,
+            _estimate(lost, with_lease=True),
+            _step(lost),
+        )
 
     def settle(
         self,
@@ -582,15 +603,19 @@ class FlowControl:
             self._fail_open("settle", e)
         return charged
 
-    def forget(self, grant: Grant) -> None:
+    def forget(self, grant: Grant) -> Usage | None:
         """The answered call of ``grant`` is recorded (its checkpoint, or the run's
-        unrecorded tokens): erase its record, so no later admission counts it as lost."""
+        unrecorded tokens): erase its record, so no later admission counts it as lost.
+        Returns the estimate a later admission took from the record and counted as lost
+        before this (the caller's exact count must replace it), else ``None``."""
         if not grant.run:
-            return
+            return None
         try:
-            self._forget(keys=[self._keys(grant.limit)[5]], args=[grant.run, grant.lease])
+            raw = self._forget(keys=[self._keys(grant.limit)[5]], args=[grant.run, grant.lease])
         except _redis_error() as e:
             self._fail_open("forget", e)
+            return None
+        return _estimate(raw, with_lease=False)
 
     def in_flight(self, model: str) -> int:
         """Calls holding admission now (expired slots excluded)."""
@@ -605,14 +630,33 @@ class FlowControl:
         return None if raw is None else float(raw)
 
 
-def _estimate(raw: object, *, with_lease: bool) -> Usage | None:
-    """``[lease:]input:output`` as written by the admit script, or ``None``."""
+def _fields(raw: object, *, with_lease: bool) -> list[str]:
+    """``[lease:]input:output[:epoch:step key]`` as written by the admit script (a step key
+    may hold colons itself: it comes last)."""
     text = raw.decode() if isinstance(raw, bytes) else str(raw or "")
-    parts = text.split(":")[1:] if with_lease else text.split(":")
-    if len(parts) != 2:
+    if with_lease:
+        text = text.partition(":")[2]
+    return text.split(":", 3) if text else []
+
+
+def _estimate(raw: object, *, with_lease: bool) -> Usage | None:
+    """The estimate (input and output tokens) of a call record, or ``None``."""
+    parts = _fields(raw, with_lease=with_lease)
+    if len(parts) not in (2, 4):
         return None
     try:
         return Usage(input_tokens=int(parts[0]), output_tokens=int(parts[1]))
+    except ValueError:
+        return None
+
+
+def _step(raw: object) -> tuple[str, int] | None:
+    """The step (key, lease epoch) a call record names, or ``None``."""
+    parts = _fields(raw, with_lease=True)
+    if len(parts) != 4:
+        return None
+    try:
+        return parts[3], int(parts[2])
     except ValueError:
         return None
 

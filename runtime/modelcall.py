@@ -101,11 +101,11 @@ class Wait:
     """For the run's ``wait_reason``: ``rate limit: input tokens/min for claude-...``."""
 
 
-def admit(task: Task, request: LlmRequest, body: dict[str, Any]) -> Wait | None:
+def admit(task: Task, request: LlmRequest, body: dict[str, Any], key: str) -> Wait | None:
     """Ask flow control (limits learned from the API's headers, DAR_MODEL_LIMITS) to admit
-    this call with its estimated input tokens and its ``max_tokens``. ``None``: go ahead
-    (the admission is held on the task and settled by :func:`send`); a :class:`Wait`: end
-    the task on a durable timer instead."""
+    this call of step ``key`` with its estimated input tokens and its ``max_tokens``.
+    ``None``: go ahead (the admission is held on the task and settled by :func:`send`); a
+    :class:`Wait`: end the task on a durable timer instead."""
     flow = task.services.flow
     if flow is None:
         return None
@@ -118,8 +118,18 @@ def admit(task: Task, request: LlmRequest, body: dict[str, Any]) -> Wait | None:
         priority=run.priority,
         key=tenant_key(run.tenant, run.concurrency_key) if run.concurrency_key else None,
         run=str(run.id),
+        step=(key, task.claim.epoch),
     )
-    if decision is not None and decision.lost is not None:
+    if decision is not None and decision.lost is not None and recorded(task, decision.lost_step):
+        # its worker died between the checkpoint and erasing the record: its row counts it
+        log.info(
+            "run=%s the previous model call was recorded (step %s): its record outlived its "
+            "worker, nothing more counted",
+            task.rid,
+            decision.lost_step[0] if decision.lost_step else "?",
+            extra={"run_id": str(task.run_id), "event": "llm.lost_call", "action": "recorded"},
+        )
+    elif decision is not None and decision.lost is not None:
         # The run's previous call was admitted and never recorded: its worker died in it.
         # The API billed it; count its estimate. When that crosses a budget, come back at
         # once so the guard ends the run before this call is made (a budget is never crossed
@@ -147,6 +157,15 @@ def admit(task: Task, request: LlmRequest, body: dict[str, Any]) -> Wait | None:
         return Wait(decision.delay_seconds, decision.reason)
     task.admission = decision
     return None
+
+
+def recorded(task: Task, step: tuple[str, int] | None) -> bool:
+    """Whether the step (key, lease epoch) of a call found unsettled has its row in the run's
+    step log, written under that epoch: the call was recorded after all."""
+    if step is None:
+        return False
+    found = task.log.get(step[0])
+    return found is not None and found.origin is None and found.lease_epoch == step[1]
 
 
 def settle(
@@ -179,14 +198,20 @@ def replace_estimate(task: Task, estimate: Usage, actual: Usage, model: str) -> 
     unrecorded tokens (``actual`` itself is counted by whoever recorded it elsewhere: pass
     ``Usage()`` then)."""
     pricing = task.services.pricing
-    delta = Usage(
+    cost = pricing.cost(model, actual) - pricing.cost(model, estimate)
+    task.store.record_unrecorded_usage(
+        task.run_id, _minus(actual, estimate), cost, estimated_tokens=-estimate.total
+    )
+
+
+def _minus(actual: Usage, estimate: Usage) -> Usage:
+    """``actual`` in place of ``estimate`` (an estimate holds no cache tokens)."""
+    return Usage(
         actual.input_tokens - estimate.input_tokens,
         actual.output_tokens - estimate.output_tokens,
         actual.cache_creation_input_tokens,
         actual.cache_read_input_tokens,
     )
-    cost = pricing.cost(model, actual) - pricing.cost(model, estimate)
-    task.store.record_unrecorded_usage(task.run_id, delta, cost, estimated_tokens=-estimate.total)
 
 
 def send(
@@ -312,9 +337,58 @@ def live_scope(
 
 
 def _forget(task: Task) -> None:
+    """The answered call's row is written: erase its record. An admission that took the
+    record first came after this row (it holds the run, so the row was written before its
+    claim) and so counted nothing (:func:`recorded`): what ``forget`` returns is not ours to
+    take back."""
     grant, task.answered = task.answered, None
     if grant is not None and task.services.flow is not None:
         task.services.flow.forget(grant)
+
+
+def _count_unrecorded(task: Task, answer: Answer, row: NewStep) -> None:
+    """The answered call's row was refused (the run was taken over) or never written (the
+    database away past the lease): count the call as the run's unrecorded tokens, now or when
+    the database answers (:class:`db.owed.OwedUsage`), unless a try did commit its row.
+
+    The exact count replaces an estimate of the call, never both. The run's next admission
+    counts the estimate when it finds the call's record before the record is erased, and
+    the record is erased only once the exact count is written (a worker killed while it owes
+    the count leaves the record, so the estimate still covers the call). An estimate known
+    counted at the settle is taken back in this write; one counted later, by the erase that
+    follows it. Both only where the count is (``unless_step``): a row of this step means the
+    admission saw it and counted nothing."""
+    charged, task.charged_estimate = task.charged_estimate, None
+    grant, task.answered = task.answered, None
+    store, pricing, flow = task.store, task.services.pricing, task.services.flow
+    # an estimate is priced as the admission that counted it priced it: the request's model
+    run_id, model, unless = task.run_id, answer.request.model, (row.step_key, task.claim.epoch)
+    usage, cost, estimated = answer.response.usage, answer.cost, 0
+    if charged is not None:
+        usage, cost = _minus(usage, charged), cost - pricing.cost(model, charged)
+        estimated = -charged.total
+
+    def erase_record() -> None:
+        late = flow.forget(grant) if flow is not None and grant is not None else None
+        if late is None:
+            return
+        log.info(
+            "run=%s the call's estimate (%d tokens) was counted as lost meanwhile: taken back",
+            str(run_id)[:8],
+            late.total,
+            extra={"run_id": str(run_id), "event": "llm.lost_call", "action": "replaced"},
+        )
+        store.record_unrecorded_usage(
+            run_id,
+            _minus(Usage(), late),
+            -pricing.cost(model, late),
+            unless_step=unless,
+            estimated_tokens=-late.total,
+        )
+
+    store.record_unrecorded_usage(
+        run_id, usage, cost, unless_step=unless, estimated_tokens=estimated, then=erase_record
+    )
 
 
 def record_billed(
@@ -339,19 +413,8 @@ def record_billed(
     except BaseException as e:
         if isinstance(e, LeaseLost) or database_unavailable(e):
             # Taken over, or the lease is gone with the database still away: the call was
-            # billed whoever holds the run now. Counted as unrecorded (now, or when the
-            # database answers: db/owed.py), unless a try did commit its row.
-            charged, task.charged_estimate = task.charged_estimate, None
-            if charged is None:
-                task.store.record_unrecorded_usage(
-                    task.run_id,
-                    answer.response.usage,
-                    answer.cost,
-                    unless_step=(row.step_key, task.claim.epoch),
-                )
-            else:  # the run's next admission counted this call as lost: correct it
-                replace_estimate(task, charged, answer.response.usage, answer.model)
-            _forget(task)
+            # billed whoever holds the run now.
+            _count_unrecorded(task, answer, row)
         raise
     _forget(task)  # recorded: no later admission may count it as lost
     u, r = task.spent, answer.response.usage
@@ -462,7 +525,7 @@ def call(
     refusal = strict_budget_refusal(task, request, body)
     if refusal:
         return Stopped(RunStatus.FAILED, refusal)
-    wait = admit(task, request, body)
+    wait = admit(task, request, body, key)
     if wait is not None:  # flow control: a durable timer, holding nothing
         return Later(wait.delay_seconds, wait.reason, task.claim.run.model_attempts, True)
     try:

@@ -4,21 +4,30 @@ real PostgreSQL (tests/netproxy.py)."""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from decimal import Decimal
 
 import pytest
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 
 from db.engine import make_engine
-from db.records import NewStep, StepKind, StepStatus, Usage
+from db.errors import database_unavailable
+from db.records import NewStep, RunStatus, StepKind, StepStatus, Usage
 from db.store import RunStore
 from runtime.bootstrap import Runtime
+from runtime.config import Settings
+from runtime.flow import FlowControl
+from runtime.llm.base import LlmRequest, LlmResponse
+from runtime.llm.scripted import ScriptedLlm
 from tests.netproxy import TcpProxy
-from tests.support import submit
+from tests.support import SimulatedCrash, drive_to_end, expire_lease, register_agent, submit
 
 USAGE = Usage(1234, 56)
+MODEL = "claude-test-model"
 
 
 @pytest.fixture
@@ -95,3 +104,116 @@ def test_usage_whose_checkpoint_did_commit_is_not_counted_twice(
         run.id, USAGE, Decimal("0.01"), unless_step=("model:1", claim.epoch + 1)
     )
     assert runtime.store.get_run(run.id).unrecorded_tokens == USAGE.total
+
+
+# -- the exact count replaces the estimate of a call lost with its worker, never both -------
+
+
+class CutOffWithTheAnswer:
+    """Worker P's model: P's answer arrives as P loses PostgreSQL (its connection through
+    ``proxy`` is refused); while P tries its checkpoint again, its lease lapses and worker B
+    takes the run over (``taken_over``, on a thread of its own)."""
+
+    def __init__(self, proxy: TcpProxy, taken_over: Callable[[], None]) -> None:
+        self.proxy = proxy
+        self.taken_over = taken_over
+        self.thread: threading.Thread | None = None
+        self.failed: list[BaseException] = []
+
+    def send(self, request: LlmRequest) -> LlmResponse:
+        self.proxy.cut(reject=True)
+        self.thread = threading.Thread(target=self._take_over, daemon=True)
+        self.thread.start()
+        content: list[dict[str, object]] = [{"type": "text", "text": "too late"}]
+        return LlmResponse(content, "end_turn", LATE, request.model)
+
+    def _take_over(self) -> None:
+        time.sleep(0.5)  # P's answer is settled and P is trying its checkpoint again
+        try:
+            self.taken_over()
+        except BaseException as e:
+            self.failed.append(e)
+
+
+LATE = Usage(300, 7)
+
+
+def test_usage_owed_while_the_database_was_away_replaces_the_estimate_counted_meanwhile(
+    runtime: Runtime, llm: ScriptedLlm, settings: Settings, database_url: str
+) -> None:
+    """A partition: worker P's answer arrives while PostgreSQL is away from P; while P tries
+    its checkpoint again the run's next admission (worker B, after P's lease) counts P's
+    call as lost (an estimate); when P's usage, owed in its process, is written, the
+    estimate is taken back: the exact count replaces it, never both."""
+    register_agent(runtime.agents)
+    llm.then_text("done", 20, 2)
+    run, dispatch = submit(runtime.store, model=MODEL)
+    url = make_url(database_url)
+    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
+    estimated: list[int] = []
+
+    def taken_over() -> None:
+        expire_lease(runtime.engine, run.id)
+        (again,) = runtime.store.redispatch_due(redispatch_after=3600)
+        drive_to_end(runtime.driver(worker="worker-B"), again)
+        estimated.append(runtime.store.get_run(run.id).unrecorded_estimated_tokens)
+
+    p_settings = replace(
+        settings,
+        database_url=url.set(host="127.0.0.1", port=proxy.port).render_as_string(
+            hide_password=False
+        ),
+        lease_seconds=3.0,  # how long P tries its checkpoint before it owes the usage
+        worker_name="worker-P",
+    )
+    model = CutOffWithTheAnswer(proxy, taken_over)
+    p = Runtime.build(p_settings, llm=model, pool_size=1)
+    try:
+        register_agent(p.agents)
+        with pytest.raises(OperationalError) as raised:
+            p.driver(worker="worker-P").drive(dispatch.run_id, dispatch.token)
+        assert database_unavailable(raised.value), raised.value
+        assert model.thread is not None
+        model.thread.join(10)
+        assert not model.failed, model.failed
+        assert estimated, "B did not drive the run"
+        assert estimated[0] > 0, "B's admission counted P's call as lost"
+        assert p.store.owed.pending == 1
+        proxy.heal()
+        _settled(p.store)
+    finally:
+        p.close()
+        proxy.close()
+    done = runtime.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.tokens_used == 22  # B's answer, on its row
+    assert (done.unrecorded_tokens, done.unrecorded_estimated_tokens) == (LATE.total, 0)
+
+
+def test_a_call_recorded_by_a_worker_killed_before_it_erased_the_record_is_not_estimated(
+    runtime: Runtime, llm: ScriptedLlm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker A's answer is on its step row, and A dies before erasing the call's record
+    in flow control: the run's next admission finds the record, and the row of that step and
+    lease epoch says the call was recorded: no estimate beside the exact count."""
+    register_agent(runtime.agents)
+    llm.then_response(
+        LlmResponse([{"type": "text", "text": "go on"}], "pause_turn", Usage(20, 2), MODEL)
+    ).then_text("done", 20, 2)
+    run, dispatch = submit(runtime.store, model=MODEL)
+
+    def killed(self: FlowControl, grant: object) -> None:
+        raise SimulatedCrash
+
+    with monkeypatch.context() as m:
+        m.setattr(FlowControl, "forget", killed)
+        with pytest.raises(SimulatedCrash):
+            runtime.driver(worker="worker-A").drive(dispatch.run_id, dispatch.token)
+    assert [s.step_key for s in runtime.store.steps(run.id)] == ["model:1"]
+    expire_lease(runtime.engine, run.id)
+    (again,) = runtime.store.redispatch_due(redispatch_after=1)
+    drive_to_end(runtime.driver(worker="worker-B"), again)
+    done = runtime.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.tokens_used == 44
+    assert (done.unrecorded_tokens, done.unrecorded_estimated_tokens) == (0, 0)
