@@ -238,7 +238,17 @@ def timeline(run_id: str) -> Response:
     """The steps in order, with the audit trail's entries (kind ``AUDIT``) placed by time."""
     store = state().runtime.store
     run = load_run(parse_run_id(run_id))
-    return jsonify(timeline_json(store.steps(run.id), store.audit_events(run.id)))
+    children: dict[str, str] = {}
+    # A fork's copied child steps point at the children its original started.
+    for parent in (run.forked_from_run, run.id):
+        if parent is None:
+            continue
+        prefix = f"child:{parent}/"
+        for c in store.children(parent):
+            key = c.get("idempotency_key") or ""
+            if key.startswith(prefix):
+                children[key.removeprefix(prefix)] = str(c["id"])
+    return jsonify(timeline_json(store.steps(run.id), store.audit_events(run.id), children))
 
 
 @bp.get("/runs/<run_id>/conversation")

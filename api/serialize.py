@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from db.records import Approval, AuditEvent, Run, Schedule, ScheduleTick, Stats, Step
+from db.records import (
+    Approval,
+    AuditEvent,
+    Run,
+    Schedule,
+    ScheduleTick,
+    Stats,
+    Step,
+    StepKind,
+)
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -193,16 +203,25 @@ def _audit_entry(e: AuditEvent) -> dict[str, Any]:
     }
 
 
-def timeline_json(steps: list[Step], events: list[AuditEvent]) -> list[dict[str, Any]]:
+def timeline_json(
+    steps: list[Step],
+    events: list[AuditEvent],
+    children: Mapping[str, str] | None = None,
+) -> list[dict[str, Any]]:
     """Steps in seq order; each audit event goes before the first step that started after
     it. The submit is not repeated here: the run's ``createdAt`` and ``submittedBy`` say it
-    (``GET /api/runs/{id}``'s ``audit`` has it)."""
+    (``GET /api/runs/{id}``'s ``audit`` has it). ``children``: the child run each step key
+    started (``steps.child``, a sub-agent), shown as the step's ``childRunId``."""
     out: list[dict[str, Any]] = []
     pending = sorted((e for e in events if e.action != "submit"), key=lambda e: (e.at, e.id))
+    children = children or {}
     for step in steps:
         while pending and pending[0].at < step.started_at:
             out.append(_audit_entry(pending.pop(0)))
-        out.append(step_json(step))
+        entry = step_json(step)
+        if step.kind is StepKind.CHILD:
+            entry["childRunId"] = children.get(step.step_key)
+        out.append(entry)
     out.extend(_audit_entry(e) for e in pending)
     return out
 

@@ -983,7 +983,7 @@ SELECT id FROM run
 WHERE parent_run_id = :id AND status NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT');
 
 -- list_children --
-SELECT id, agent, status, tokens_used, cost_usd, created_at, finished_at FROM run
+SELECT id, agent, status, tokens_used, cost_usd, created_at, finished_at, idempotency_key FROM run
 WHERE parent_run_id = :id ORDER BY created_at, id;
 
 -- message_arrived --

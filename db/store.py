@@ -1042,19 +1042,36 @@ class RunStore:
         park the parent (a timer of ``recheck`` seconds, woken sooner when the child ends),
         in one transaction: the child exists exactly when its step does. Returns the
         child's first drive_run message. Fenced."""
+        reason = f"{step.step_key} waiting for child run {str(child_id)[:8]}"
+        return self.start_children(claim, [(step, child, child_id)], recheck, reason)[0]
+
+    def start_children(
+        self,
+        claim: Claim,
+        started: list[tuple[NewStep, NewRun, uuid.UUID]],
+        recheck: float,
+        reason: str,
+    ) -> list[Dispatch]:
+        """Insert each child run with its parent's ``PENDING`` step, and park the parent (a
+        timer of ``recheck`` seconds, woken sooner when a child ends), in one transaction:
+        a child exists exactly when its step does. Returns the children's first drive_run
+        messages. Fenced."""
         token = uuid.uuid4()
+        created: list[Dispatch] = []
         try:
             with self.engine.begin() as conn:
-                row = conn.execute(Q["create_run"], _new_run_params(child, child_id)).mappings()
-                created = row.one()
-                written = [self._record(conn, claim, step)]
-                self._hand_over(conn, claim, token, recheck, f"{step.step_key} waiting for "
-                                f"child run {str(child_id)[:8]}", True, 0)  # fmt: skip
+                written = []
+                for step, child, child_id in started:
+                    params = _new_run_params(child, child_id)
+                    row = conn.execute(Q["create_run"], params).mappings().one()
+                    created.append(Dispatch(row["id"], row["dispatch_token"]))
+                    written.append(self._record(conn, claim, step))
+                self._hand_over(conn, claim, token, recheck, reason, True, 0)
         except LeaseLost:
             self.step_logs.forget(claim.run_id)
             raise
         self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
-        return Dispatch(created["id"], created["dispatch_token"])
+        return created
 
     def resolve(
         self,

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runtime.agents import Agent, AgentRegistry
+    from runtime.agents import Agent, AgentRegistry, Subagent
     from runtime.driver import Driver, Outcome, StepResult
     from runtime.mcp import McpServer, ToolPolicy
     from runtime.tools import Tool, ToolContext, tool
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 _HOME = {
     "Agent": "runtime.agents",
     "AgentRegistry": "runtime.agents",
+    "Subagent": "runtime.agents",
     "Driver": "runtime.driver",
     "Outcome": "runtime.driver",
     "StepResult": "runtime.driver",
@@ -36,6 +37,7 @@ __all__ = [
     "McpServer",
     "Outcome",
     "StepResult",
+    "Subagent",
     "Tool",
     "ToolContext",
     "ToolPolicy",

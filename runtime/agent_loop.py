@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
-from db.records import NewStep, RunStatus, StepKind, StepStatus
+from db.records import NewRun, NewStep, RunStatus, StepKind, StepStatus
 from runtime import effects, mcpcall, modelcall, pipeline
 from runtime.agents import Agent
 from runtime.faults import crash_point
@@ -44,7 +46,10 @@ def run_agent(task: Task, agent: Agent) -> StepResult:
     if stop is not None:
         return task.finish(stop.status, error=stop.reason)
     if conversation.pending:
-        use = conversation.pending[0]
+        handed = _subagents(task, agent, conversation.pending)
+        if handed is not None:
+            return handed
+        use = next(u for u in conversation.pending if u["name"] not in agent.subagents_by_name)
         with step_span(
             f"execute_tool {use['name']}",
             {
@@ -150,6 +155,167 @@ def _interrupted(task: Task, conversation: Conversation, key: str) -> StepResult
         return delivered
     # Nothing pending: delivered at a boundary meanwhile (a stale flag). Make the call again.
     return task.schedule(0.0, f"{key}: interrupted; calling the model again")
+
+
+# -- sub-agents: child runs the model asked for -----------------------------------------------
+
+CHILD_RECHECK_SECONDS = 30.0
+"""A parent waiting for its children is woken when one ends; should that wake be lost, it
+looks again after this long (or at its deadline, if sooner: its guard ends it)."""
+
+
+def _subagents(task: Task, agent: Agent, pending: list[dict[str, Any]]) -> StepResult | None:
+    """The step for the sub-agents the last turn called, if it is theirs: start those not
+    started yet (all in one step), else, once the turn's other tools are done, wait for the
+    children and record the first that ended. ``None``: a plain tool of the turn goes first."""
+    calls = [u for u in pending if u["name"] in agent.subagents_by_name]
+    if not calls:
+        return None
+    fresh = [u for u in calls if task.look_up(tool_step_key(u["id"])).row is None]
+    if fresh:
+        return _start_subagents(task, agent, fresh)
+    if len(calls) < len(pending):
+        return None  # the turn's other tools run while the children work
+    return _collect_subagent(task, calls)
+
+
+def _recheck(task: Task) -> float:
+    until_deadline = (task.claim.run.deadline_at - task.claim.db_now).total_seconds()
+    return max(0.0, min(CHILD_RECHECK_SECONDS, until_deadline))
+
+
+def _subagent_error(seq: int, use: dict[str, Any], text: str) -> NewStep:
+    kind = pipeline.KINDS[pipeline.StepKind.SUBAGENT].row
+    return NewStep(
+        seq,
+        tool_step_key(use["id"]),
+        kind,
+        StepStatus.ERROR,
+        response=text,
+        error=text,
+        attempt=1,
+        latency_ms=0,
+        tool_name=use["name"],
+        tool_use_id=use["id"],
+    )
+
+
+def _start_subagents(task: Task, agent: Agent, fresh: list[dict[str, Any]]) -> StepResult:
+    """Start a child run for each sub-agent call, with its ``PENDING`` row, in one
+    transaction (a crash never starts one twice: the child's id and idempotency key come
+    from the parent and the step key). Children started together split what the parent
+    has left of its token budget, so together they cannot spend more than it."""
+    parent = task.claim.run
+    kind = pipeline.KINDS[pipeline.StepKind.SUBAGENT].row
+    seq = task.next_seq
+    refused: list[NewStep] = []
+    for i, use in enumerate(fresh):
+        work = (use.get("input") or {}).get("task")
+        if not isinstance(work, str) or not work.strip():
+            text = f"error: sub-agent {use['name']!r} needs a non-empty string 'task'"
+            refused.append(_subagent_error(seq + i, use, text))
+    if refused:  # the model learns its mistake; the valid calls start in the next step
+        return task.checkpoint(refused)
+    left = parent.token_budget - parent.tokens_used - parent.unrecorded_tokens - task.spent.total
+    share = left // len(fresh)
+    if share <= 0:
+        text = "error: no token budget left for a sub-agent"
+        return task.checkpoint([_subagent_error(seq + i, u, text) for i, u in enumerate(fresh)])
+    seconds_left = int((parent.deadline_at - task.claim.db_now).total_seconds())
+    started: list[tuple[NewStep, NewRun, uuid.UUID]] = []
+    for i, use in enumerate(fresh):
+        sub = agent.subagents_by_name[use["name"]]
+        key = tool_step_key(use["id"])
+        child_id = uuid.uuid5(parent.id, key)
+        new = NewRun(
+            agent=sub.agent,
+            input=use["input"]["task"],
+            model=parent.model,
+            max_steps=task.settings.default_max_steps,
+            token_budget=min(sub.token_budget or share, share),
+            timeout_seconds=max(1, min(sub.timeout_seconds or seconds_left, seconds_left)),
+            submitted_by=parent.submitted_by,
+            tenant=parent.tenant,
+            idempotency_key=f"child:{parent.id}/{key}",
+            parent_run_id=parent.id,
+        )
+        row = NewStep(
+            seq + i,
+            key,
+            kind,
+            StepStatus.PENDING,
+            response={"runId": str(child_id), "agent": sub.agent},
+            attempt=1,
+            tool_name=use["name"],
+            tool_use_id=use["id"],
+        )
+        started.append((row, new, child_id))
+    names = ", ".join(f"{r.tool_name}={str(c)[:8]}" for r, _, c in started)
+    task.ensure_lease()
+    first = task.store.start_children(
+        task.claim, started, _recheck(task), f"waiting for sub-agents {names}"
+    )
+    log.info("run=%s seq=%d SUBAGENT started %s", task.rid, seq, names)
+    return StepResult(Outcome.WAITING, wakes=tuple(first))
+
+
+def _took_ms(since: datetime, until: datetime | None) -> int:
+    return max(0, int((until - since).total_seconds() * 1000)) if until is not None else 0
+
+
+def _collect_subagent(task: Task, calls: list[dict[str, Any]]) -> StepResult:
+    """Record the result of the first child that ended as its tool's result; park (holding
+    nothing) while none has."""
+    kind = pipeline.KINDS[pipeline.StepKind.SUBAGENT].row
+    for _ in range(2):  # a child that ends while the parent parks is read at once
+        waiting: list[uuid.UUID] = []
+        for use in calls:
+            found = task.look_up(tool_step_key(use["id"])).row
+            assert found is not None
+            child_id = uuid.UUID(found.response["runId"])
+            child = task.store.get_run(child_id)
+            if not child.status.terminal:
+                waiting.append(child_id)
+                continue
+            cost = child.cost_usd + child.unrecorded_cost_usd
+            limit = task.settings.max_tool_output_chars
+            if child.status is RunStatus.SUCCEEDED:
+                status, text = StepStatus.DONE, render_output(child.result, limit)
+            else:
+                status = StepStatus.ERROR
+                why = child.error or "no error recorded"
+                text = f"error: sub-agent {use['name']!r} (run {child_id}) ended {child.status}"
+                text = render_output(f"{text}: {why}", limit)
+            row = NewStep(
+                found.seq,
+                found.step_key,
+                kind,
+                status,
+                response=text,
+                error=text if status is StepStatus.ERROR else None,
+                attempt=1,
+                usage=child.usage,
+                cost_usd=cost,
+                latency_ms=_took_ms(found.started_at, child.finished_at),
+                tool_name=use["name"],
+                tool_use_id=use["id"],
+            )
+            log.info(
+                "run=%s seq=%d SUBAGENT %s run=%s %s",
+                task.rid,
+                found.seq,
+                use["name"],
+                str(child_id)[:8],
+                child.status,
+            )
+            return task.checkpoint([row])
+        names = ", ".join(str(c)[:8] for c in waiting)
+        parked = task.store.park_for_child(
+            task.claim, waiting[0], _recheck(task), f"waiting for sub-agent runs {names}"
+        )
+        if parked is not None:
+            return StepResult(Outcome.WAITING)
+    return task.schedule(0.0, "a sub-agent ended: reading its result")
 
 
 # -- model step -----------------------------------------------------------------------------

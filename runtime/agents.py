@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -19,6 +20,56 @@ class AgentConfigError(DarError):
     """An agent is misconfigured."""
 
 
+_TOOL_NAME = re.compile(r"[^a-zA-Z0-9_-]")
+
+
+@dataclass(frozen=True)
+class Subagent:
+    """Another registered agent the model may hand a task to, offered as a tool
+    (``Agent(..., subagents=(Subagent("researcher", description=...),))``; a bare name does
+    too). A call starts the agent as a child run of its own (``parentRunId``) with the text
+    the model wrote (``task``) as its input; the run waits for it holding nothing and the
+    model gets the child's result (or its error) as the tool's result."""
+
+    agent: str
+    """The registered agent that runs as the child (an agent loop or a durable function)."""
+    description: str = ""
+    """What the model is told the sub-agent does (a default names the agent)."""
+    name: str | None = None
+    """The tool's name as the model sees it (default: the agent's name, with characters a
+    tool name may not hold replaced by ``_``)."""
+    token_budget: int | None = None
+    """At most this many tokens for one child (never more than its share of what the parent
+    has left: children started together split it)."""
+    timeout_seconds: int | None = None
+    """At most this long for one child (never past the parent's deadline)."""
+
+    @property
+    def tool_name(self) -> str:
+        return self.name or _TOOL_NAME.sub("_", self.agent)[:64]
+
+    def definition(self) -> dict[str, Any]:
+        description = self.description or (
+            f"Hand a task to the sub-agent {self.agent!r}: it works on it on its own and "
+            "answers with its result."
+        )
+        return {
+            "name": self.tool_name,
+            "description": description,
+            "input_schema": {
+                "type": "object",
+                "properties": {
+                    "task": {
+                        "type": "string",
+                        "description": "What the sub-agent should do, with everything it "
+                        "needs to know: it sees nothing else of this conversation.",
+                    }
+                },
+                "required": ["task"],
+            },
+        }
+
+
 @dataclass(frozen=True)
 class Agent:
     name: str
@@ -33,7 +84,10 @@ class Agent:
     """MCP servers whose tools the model is offered next to ``tools`` (as ``<server>__<tool>``),
     or names of servers configured in ``DAR_MCP_SERVERS`` / registered with
     :meth:`AgentRegistry.register_mcp_server`."""
+    subagents: tuple[Subagent | str, ...] = ()
+    """Agents the model may hand tasks to, as tools (:class:`Subagent`, or an agent's name)."""
     tools_by_name: dict[str, Tool] = field(init=False, repr=False, compare=False)
+    subagents_by_name: dict[str, Subagent] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         by_name: dict[str, Tool] = {}
@@ -44,6 +98,16 @@ class Agent:
                 raise AgentConfigError(f"agent {self.name!r} declares tool {t.name!r} twice")
             by_name[t.name] = t
         object.__setattr__(self, "tools_by_name", by_name)
+        subs: dict[str, Subagent] = {}
+        for entry in self.subagents:
+            sub = Subagent(entry) if isinstance(entry, str) else entry
+            if sub.tool_name in by_name or sub.tool_name in subs:
+                raise AgentConfigError(
+                    f"agent {self.name!r} offers two tools named {sub.tool_name!r} (a sub-agent "
+                    "and a tool, or two sub-agents): give the sub-agent a name= of its own"
+                )
+            subs[sub.tool_name] = sub
+        object.__setattr__(self, "subagents_by_name", subs)
         seen: set[str] = set()
         for server in self.mcp_servers:
             name = server if isinstance(server, str) else server.name
@@ -57,7 +121,8 @@ class Agent:
         return {s.name: s for s in self.mcp_servers if isinstance(s, McpServer)}
 
     def tool_definitions(self) -> list[dict[str, Any]]:
-        return [t.definition() for t in self.tools_by_name.values()]
+        own = [t.definition() for t in self.tools_by_name.values()]
+        return own + [s.definition() for s in self.subagents_by_name.values()]
 
     @property
     def tool_references(self) -> list[str]:
@@ -155,6 +220,13 @@ class AgentRegistry:
         for name, agent in list(self._agents.items()):
             if not isinstance(agent, Agent):
                 continue
+            for sub in agent.subagents_by_name.values():
+                if sub.agent not in self._agents:
+                    known = ", ".join(sorted(self._agents)) or "none"
+                    raise AgentConfigError(
+                        f"agent {name!r} offers sub-agent {sub.agent!r}, which is not "
+                        f"registered (registered agents: {known})"
+                    )
             refs = agent.tool_references
             if not refs:
                 continue

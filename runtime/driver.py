@@ -188,7 +188,7 @@ class Driver:
             self._release(got, continuing=False, send=False)
             raise
         wakes = self._release(got, continuing=result.outcome is Outcome.CONTINUE)
-        return replace(result, wakes=wakes) if wakes else result
+        return replace(result, wakes=result.wakes + wakes) if wakes else result
 
     def _release(self, slot: Slot, *, continuing: bool, send: bool = True) -> tuple[Dispatch, ...]:
         """Give a key slot back; the run it wakes, as a message to send (``send`` false: for

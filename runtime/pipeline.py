@@ -68,6 +68,8 @@ class StepKind(enum.StrEnum):
     """``steps.child(agent, input)``: another agent as its own run, waited for."""
     MESSAGE = "MESSAGE"
     """A message posted to an agent-loop run (``POST /api/runs/{id}/messages``)."""
+    SUBAGENT = "SUBAGENT"
+    """A sub-agent the agent loop's model called as a tool: a child run, waited for."""
 
 
 class Before(enum.StrEnum):
@@ -366,6 +368,21 @@ KINDS: dict[StepKind, Policy] = {
         "transaction that records the step, never lost, never twice; a run about to end "
         "`SUCCEEDED` with one pending goes on; a `SUCCEEDED` run that gets one is queued "
         "again",
+    ),
+    StepKind.SUBAGENT: Policy(
+        name="sub-agent (agent loop)",
+        key="`tool:<tool_use id>`",
+        row=RowKind.CHILD,
+        before=Before.CHECKPOINT,
+        after_crash=AfterCrash.NOTHING,
+        replays_as="the child's result (or its error), as a tool_result block",
+        compensable=False,
+        bills=False,
+        notes="as `steps.child`: every sub-agent the model called in one turn is started in "
+        "one transaction with its `PENDING` row (a crash never starts one twice; they run "
+        "side by side, each with its share of the parent's remaining budget); the parent "
+        "runs the turn's other tools, then waits parked and records each child's result as "
+        "it ends",
     ),
 }
 

@@ -89,6 +89,8 @@ class _Fold:
             self._message(step)
             return
         if step.kind is not StepKind.MODEL:
+            if step.kind is StepKind.CHILD and step.status is StepStatus.PENDING:
+                return  # a sub-agent still working: its tool_use stays pending
             if step.status is not StepStatus.STARTED:
                 self.pending.pop(step.tool_use_id or "", None)
                 self.results.append(tool_result_block(step))

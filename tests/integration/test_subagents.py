@@ -1,0 +1,300 @@
+"""Sub-agents as tools of the agent loop, on real PostgreSQL through the real SDK and the fake
+Messages API: the model calls a sub-agent, which starts a child run (``parentRunId``); the
+parent waits parked (no lease) and gets the child's result or error as the tool's result;
+the calls of one turn start together and run side by side; a parent crash never starts the
+same child twice; cancelling the parent cancels its children; the children's cost counts
+against the parent's budget, and the tree's total stays within it but for the steps that
+were in flight."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+from sqlalchemy import text as sql
+
+import api
+from db.records import Dispatch, RunStatus, StepKind, StepStatus
+from db.store import RunStore
+from runtime.agents import Agent, AgentConfigError, AgentRegistry, Subagent
+from runtime.bootstrap import Runtime
+from runtime.config import Settings
+from runtime.driver import Outcome
+from runtime.tools import tool
+from tests.fakes.messages_api import FakeMessagesApi, Reply, error, message, text, tool_uses
+from tests.support import expire_lease, submit
+
+MODEL = "claude-test-model"
+STEP_TOKENS = 300  # every model call of these tests: 250 in, 50 out
+
+
+@tool(idempotent=True)
+def dig(topic: str) -> str:
+    """Dig further into a topic."""
+    return f"more about {topic}"
+
+
+def usage() -> dict[str, int]:
+    return {"input_tokens": 250, "output_tokens": 50}
+
+
+def responder(body: dict[str, Any]) -> Reply:
+    """Each agent by its system prompt: the lead hands two tasks to researchers, then sums up;
+    a researcher answers (or, as ``digger``, keeps calling a tool until stopped)."""
+    system = body["system"][0]["text"] if body.get("system") else ""
+    last = body["messages"][-1]
+    results = [b for b in last["content"] if isinstance(b, dict) and b.get("type") == "tool_result"]
+    if system == "lead":
+        if results:
+            summary = " | ".join(str(r["content"]) for r in results)
+            return text(f"summary: {summary}", usage=usage())
+        calls = [
+            ("toolu_a", "researcher", {"task": "acme"}),
+            ("toolu_b", "researcher", {"task": "globex"}),
+        ]
+        return message(
+            [{"type": "tool_use", "id": i, "name": n, "input": a} for i, n, a in calls],
+            "tool_use",
+            usage=usage(),
+        )
+    if system == "failing":
+        return error(400, "the fake refuses this sub-agent")
+    if system == "digger":
+        n = len(body["messages"])
+        return tool_uses([(f"toolu_d{n}", "dig", {"topic": "x"})], usage=usage())
+    task = body["messages"][0]["content"]
+    return text(f"{task}: 2 overdue", usage=usage())
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeMessagesApi]:
+    with FakeMessagesApi(default_responder=responder) as api_:
+        yield api_
+
+
+def build(settings: Settings, fake: FakeMessagesApi, child_prompt: str = "researcher") -> Runtime:
+    s = replace(
+        settings,
+        anthropic_api_key="test-key",
+        anthropic_base_url=fake.url,
+        model_timeout_seconds=10,
+        started_row_after_seconds=0,
+    )
+    rt = Runtime.build(s, pool_size=5)
+    rt.agents.register(Agent("lead", "lead", max_tokens=100, subagents=(Subagent("researcher"),)))
+    rt.agents.register(Agent("researcher", child_prompt, max_tokens=100, tools=(dig,)))
+    rt.agents.finalize()
+    return rt
+
+
+@pytest.fixture
+def rt(settings: Settings, fake: FakeMessagesApi) -> Iterator[Runtime]:
+    runtime = build(settings, fake)
+    try:
+        yield runtime
+    finally:
+        runtime.close()
+
+
+@pytest.fixture
+def client(rt: Runtime) -> FlaskClient:
+    app: Flask = api.create_app(runtime=rt)
+    app.config["TESTING"] = True
+    return app.test_client()
+
+
+def drive_tree(rt: Runtime, first: Dispatch, *, limit: int = 300) -> list[uuid.UUID]:
+    """Drive every run the messages reach, one step at a time, round robin (children's
+    steps interleave: they run side by side), as workers would. Returns the runs driven,
+    in order."""
+    driver = rt.driver()
+    queue = [first]
+    order: list[uuid.UUID] = []
+    for _ in range(limit):
+        if not queue:
+            return order
+        d = queue.pop(0)
+        result = driver.drive(d.run_id, d.token)
+        order.append(d.run_id)
+        if result.dispatch is not None and result.outcome is not Outcome.WAITING:
+            queue.append(result.dispatch)
+        queue += result.wakes
+    raise AssertionError("the tree did not settle")
+
+
+def children(rt: Runtime, run_id: uuid.UUID) -> list[Any]:
+    with rt.engine.connect() as conn:
+        return list(
+            conn.execute(
+                sql(
+                    "SELECT id, status, agent, input, token_budget, tokens_used, "
+                    "unrecorded_tokens FROM run WHERE parent_run_id = :id "
+                    "ORDER BY created_at, input::text"
+                ),
+                {"id": run_id},
+            )
+        )
+
+
+def test_sub_agents_run_as_children_side_by_side_and_answer_the_tool(
+    rt: Runtime, client: FlaskClient, fake: FakeMessagesApi
+) -> None:
+    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
+    order = drive_tree(rt, dispatch)
+    done = rt.store.get_run(run.id)
+    assert (done.status, done.result) == (
+        RunStatus.SUCCEEDED,
+        "summary: acme: 2 overdue | globex: 2 overdue",
+    )
+    kids = children(rt, run.id)
+    assert [(k.agent, json.loads(json.dumps(k.input)), k.status) for k in kids] == [
+        ("researcher", "acme", "SUCCEEDED"),
+        ("researcher", "globex", "SUCCEEDED"),
+    ]
+    # Started together, in one step, each with half of what the lead had left.
+    assert [k.token_budget for k in kids] == [(run.token_budget - STEP_TOKENS) // 2] * 2
+    first_child_step = min(order.index(k.id) for k in kids)
+    assert order[first_child_step + 1] in {k.id for k in kids}, "they ran side by side"
+    steps = rt.store.steps(run.id)
+    assert [(s.kind, s.step_key, s.status) for s in steps] == [
+        (StepKind.MODEL, "model:1", StepStatus.DONE),
+        (StepKind.CHILD, "tool:toolu_a", StepStatus.DONE),
+        (StepKind.CHILD, "tool:toolu_b", StepStatus.DONE),
+        (StepKind.MODEL, "model:2", StepStatus.DONE),
+    ]
+    # The children's tokens count against the lead: its own two calls and theirs.
+    assert done.tokens_used == 4 * STEP_TOKENS
+    assert sum(k.tokens_used for k in kids) == 2 * STEP_TOKENS
+    assert fake.calls == 4
+    shown = client.get(f"/api/runs/{run.id}").get_json()
+    assert {c["id"] for c in shown["children"]} == {str(k.id) for k in kids}
+    child = client.get(f"/api/runs/{kids[0].id}").get_json()
+    assert child["parentRunId"] == str(run.id)
+    timeline = client.get(f"/api/runs/{run.id}/timeline").get_json()
+    linked = {t["toolUseId"]: t.get("childRunId") for t in timeline if t["kind"] == "CHILD"}
+    assert linked == {"toolu_a": str(kids[0].id), "toolu_b": str(kids[1].id)}
+
+
+class Crash(BaseException):
+    """The worker dies (nothing in the engine catches a BaseException)."""
+
+
+def test_a_parent_crash_after_starting_its_children_never_starts_them_twice(
+    rt: Runtime, fake: FakeMessagesApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
+    original = RunStore.start_children
+
+    def commits_then_dies(self: RunStore, *args: Any, **kwargs: Any) -> Any:
+        original(self, *args, **kwargs)  # committed: the children exist with their rows
+        raise Crash()
+
+    monkeypatch.setattr(RunStore, "start_children", commits_then_dies)
+    driver = rt.driver()
+    first = driver.drive(run.id, dispatch.token)
+    assert first.outcome is Outcome.CONTINUE
+    assert first.dispatch is not None
+    with pytest.raises(Crash):  # the children's first messages are never sent
+        driver.drive(run.id, first.dispatch.token)
+    monkeypatch.undo()
+    assert len(children(rt, run.id)) == 2
+    # The parent's record is committed: it waits parked (no lease). The reaper finds the
+    # children's lost first messages; each child that ends wakes the parent.
+    parked = rt.store.get_run(run.id)
+    assert parked.locked_by is None
+    assert parked.wait_reason is not None
+    assert "waiting for sub-agents" in parked.wait_reason
+    expire_lease(rt.engine, run.id)
+    due = rt.store.redispatch_due(redispatch_after=0)
+    assert {d.run_id for d in due} == {k.id for k in children(rt, run.id)}
+    for d in due:
+        drive_tree(rt, d)
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert len(children(rt, run.id)) == 2, "never started twice"
+    child_calls = [b for b in fake.bodies() if b["system"][0]["text"] == "researcher"]
+    assert len(child_calls) == 2
+
+
+def test_cancelling_the_parent_cancels_its_children(rt: Runtime, client: FlaskClient) -> None:
+    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
+    driver = rt.driver()
+    first = driver.drive(run.id, dispatch.token)
+    assert first.dispatch is not None
+    started = driver.drive(run.id, first.dispatch.token)
+    assert started.outcome is Outcome.WAITING
+    assert len(started.wakes) == 2
+    parked = rt.store.get_run(run.id)
+    assert parked.locked_by is None, "the parent waits holding no lease"
+    assert client.post(f"/api/runs/{run.id}/cancel").status_code == 202
+    assert rt.store.get_run(run.id).status is RunStatus.CANCELLED
+    assert [k.status for k in children(rt, run.id)] == ["CANCELLED", "CANCELLED"]
+    for wake in started.wakes:  # their first messages arrive late: nothing runs
+        driver.drive(wake.run_id, wake.token)
+    assert [k.tokens_used for k in children(rt, run.id)] == [0, 0]
+
+
+def test_a_failed_child_is_the_tools_error(settings: Settings, fake: FakeMessagesApi) -> None:
+    rt = build(settings, fake, child_prompt="failing")
+    try:
+        run, dispatch = submit(rt.store, "go", agent="lead")
+        drive_tree(rt, dispatch)
+        done = rt.store.get_run(run.id)
+        assert done.status is RunStatus.SUCCEEDED, done.error
+        rows = [s for s in rt.store.steps(run.id) if s.kind is StepKind.CHILD]
+        assert [r.status for r in rows] == [StepStatus.ERROR, StepStatus.ERROR]
+        assert "ended FAILED" in rows[0].response
+        assert done.result.startswith("summary: error: sub-agent 'researcher'")
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_the_trees_total_stays_within_the_budget_but_for_the_steps_in_flight(
+    settings: Settings, fake: FakeMessagesApi, strict: bool
+) -> None:
+    """A lead and two children that would call tools for ever, running side by side under
+    one budget: the children split what the lead has left; each stops at its share with at
+    most its last step over, so the tree's total passes the budget by at most one step of
+    each run that was working (the two children: the lead waits), and with
+    DAR_STRICT_BUDGET not at all."""
+    rt = build(replace(settings, strict_budget=strict), fake, child_prompt="digger")
+    budget = 2000
+    try:
+        run, dispatch = submit(rt.store, "go", agent="lead", token_budget=budget, max_steps=200)
+        drive_tree(rt, dispatch, limit=1000)
+        done = rt.store.get_run(run.id)
+        kids = children(rt, run.id)
+        assert [k.status for k in kids] == ["FAILED", "FAILED"]
+        own = sum(s.usage.total for s in rt.store.steps(run.id) if s.kind is StepKind.MODEL)
+        tree = own + done.unrecorded_tokens
+        tree += sum(k.tokens_used + k.unrecorded_tokens for k in kids)
+        billed = fake.billed_tokens
+        print(f"strict={strict}: budget {budget}, tree {tree}, billed {billed}")
+        assert tree == billed, "every billed token is counted in the tree"
+        assert done.tokens_used == tree, "the lead counts its children's tokens"
+        assert done.status is RunStatus.FAILED
+        assert "budget" in (done.error or "")
+        if strict:
+            assert tree <= budget
+        else:
+            assert tree <= budget + 2 * STEP_TOKENS
+            assert tree > budget, "the test reached the bound it checks"
+    finally:
+        rt.close()
+
+
+def test_a_sub_agent_must_be_registered_and_its_tool_name_free() -> None:
+    registry = AgentRegistry()
+    registry.register(Agent("lead", "lead", subagents=("nobody",)))
+    with pytest.raises(AgentConfigError, match="sub-agent 'nobody', which is not registered"):
+        registry.finalize()
+    with pytest.raises(AgentConfigError, match="two tools named 'dig'"):
+        Agent("lead", "lead", tools=(dig,), subagents=(Subagent("x", name="dig"),))
+    assert Subagent("team/writer").tool_name == "team_writer"
