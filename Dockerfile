@@ -6,6 +6,7 @@ COPY db ./db
 COPY runtime ./runtime
 COPY tasks ./tasks
 COPY api ./api
+COPY cli ./cli
 RUN pip install . && useradd --create-home dar
 USER dar
 EXPOSE 8080 5555

@@ -1,7 +1,7 @@
-"""The REST API: a Flask app factory with its blueprints, and the ``dar`` command.
+"""The REST API: a Flask app factory with its blueprints (the ``dar`` command is :mod:`cli`).
 
 ``create_app`` lives in :mod:`api.app` and is imported on first use, so that ``dar`` (which
-is :mod:`api.cli`) answers without loading Flask, Celery or SQLAlchemy.
+is :mod:`cli.main`) answers without loading Flask, Celery or SQLAlchemy.
 """
 
 from __future__ import annotations

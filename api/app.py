@@ -24,10 +24,10 @@ from api.schemas import check_text
 from api.serving import BufferBudget, BufferChunked
 from api.state import ApiState
 from runtime.agents import Agent
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
-from runtime.logctx import pop_context, push_context
-from runtime.metrics import FleetCollector
+from runtime.engine.bootstrap import Runtime
+from runtime.observe.logctx import pop_context, push_context
+from runtime.observe.metrics import FleetCollector
 from tasks.celery_app import make_celery
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from db.store import RunStore
-from runtime.live import LiveChannel, stream_key
+from runtime.observe.live_channel import LiveChannel, stream_key
 
 log = logging.getLogger(__name__)
 

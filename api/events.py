@@ -5,9 +5,10 @@ Two sources, one order:
 - durable events (``run.status``, ``step.started``, ``step.finished``, ``approval.requested``,
   ``approval.decided``, ``run.finished``) are rows of ``run_event`` in PostgreSQL, numbered
   per run in commit order (migration 0010). Their id is ``<run tag>.<n>``;
-- live events (``text.delta``, ``text.retract``) ride a Redis stream (:mod:`runtime.live`).
-  Their id is ``<run tag>.<base>.<redis id>``, ``base`` being the last durable event when the
-  model attempt began, so a delta sorts after that event and before the next.
+- live events (``text.delta``, ``text.retract``) ride a Redis stream
+  (:mod:`runtime.observe.live_channel`). Their id is ``<run tag>.<base>.<redis id>``, ``base``
+  being the last durable event when the model attempt began, so a delta sorts after that event and
+  before the next.
 
 Ids compare as ``(n or base, redis ms, redis seq)``; a client resuming after an id gets every
 event above it, in that order, from PostgreSQL and from what Redis still holds: no gap, no
@@ -42,7 +43,7 @@ from db import jsontext
 from db.records import RunStatus, StepKind
 from db.store import RunStore
 from runtime.config import Settings
-from runtime.live import LiveChannel, LiveEntry
+from runtime.observe.live_channel import LiveChannel, LiveEntry
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from api.validation import idempotency_key, json_body, request_hash, whole
 from db.errors import IdempotencyConflict, InvalidTransition, QuotaExceeded, RunNotFound
 from db.records import ApprovalStatus, Dispatch, Run, Step, StepKind
 from runtime.agents import Agent
-from runtime.fork import ForkRefused, ForkRequest, fork_run
+from runtime.engine.fork import ForkRefused, ForkRequest, fork_run
 from tasks.dispatch import send_drive
 
 bp = Blueprint("forks", __name__)

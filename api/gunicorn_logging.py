@@ -13,7 +13,7 @@ from typing import Any
 
 from gunicorn.glogging import Logger as GunicornLogger  # type: ignore[import-untyped]
 
-from runtime.logctx import make_handler
+from runtime.observe.logctx import make_handler
 
 _SECRET_PARAM = re.compile(
     r"(?i)([?&;](?:[^=&;]*(?:token|key|secret|password|passwd|auth|bearer|session)[^=&;]*)=)"

@@ -29,7 +29,7 @@ from api.schemas import (
 from db.records import ApprovalStatus, RunStatus, StepKind, StepOrigin, StepStatus
 from db.schema import AUDIT_ACTIONS
 from runtime.config import Settings
-from runtime.schedules import CATCH_UPS, OVERLAPS
+from runtime.engine.schedules import CATCH_UPS, OVERLAPS
 
 JsonObj = dict[str, Any]
 

@@ -16,7 +16,7 @@ from api.state import state
 from api.validation import json_body, parse_submission
 from db.records import NewSchedule, Schedule
 from runtime.agents import Agent
-from runtime.schedules import ScheduleError, parse_cron
+from runtime.engine.schedules import ScheduleError, parse_cron
 
 bp = Blueprint("schedules", __name__)
 

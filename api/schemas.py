@@ -16,9 +16,9 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError
 
 from api.errors import ApiError, invalid
+from runtime.admission.concurrency_keys import MAX_KEY_CHARS, PRIORITY_RANGE
 from runtime.config import Settings
-from runtime.keys import MAX_KEY_CHARS, PRIORITY_RANGE
-from runtime.schedules import CATCH_UPS, MAX_CRON_CHARS, OVERLAPS
+from runtime.engine.schedules import CATCH_UPS, MAX_CRON_CHARS, OVERLAPS
 
 JsonObj = dict[str, Any]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from celery import Celery
 from flask import current_app
 
-from runtime.bootstrap import Runtime
+from runtime.engine.bootstrap import Runtime
 
 
 @dataclass(frozen=True)

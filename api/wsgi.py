@@ -7,8 +7,8 @@ import sys
 from api import create_app
 from api.serving import BodyDeadline
 from db.errors import DarError
-from runtime.logctx import configure_logging, set_process_worker
-from runtime.tracing import configure_from_env
+from runtime.observe.logctx import configure_logging, set_process_worker
+from runtime.observe.tracing import configure_from_env
 
 try:
     configure_logging(

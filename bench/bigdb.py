@@ -384,8 +384,8 @@ def _claim_checkpoint(store: RunStore, n: int) -> list[float]:
 
 def bench(samples: int) -> int:
     import api
-    from runtime.bootstrap import Runtime
     from runtime.config import Settings
+    from runtime.engine.bootstrap import Runtime
     from tasks.celery_app import make_celery
 
     url = db_url()

@@ -19,18 +19,18 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Engine, event
 
-import runtime.effects as effects_mod
-import runtime.modelcall as modelcall_mod
+import runtime.pipeline.effects as effects_mod
+import runtime.pipeline.modelcall as modelcall_mod
 from bench.env import RESULTS, BenchEnv
 from bench.models import BenchModel, spec
 from db.engine import PING_AFTER_IDLE_SECONDS
 from db.records import Dispatch
 from db.store import RunStore
-from runtime.bootstrap import load_agents
-from runtime.driver import Driver
-from runtime.heartbeat import Heartbeat
-from runtime.logctx import CONSOLE_FORMAT, ContextFilter
-from runtime.replay import ReplayCache
+from runtime.engine.bootstrap import load_agents
+from runtime.engine.driver import Driver
+from runtime.observe.logctx import CONSOLE_FORMAT, ContextFilter
+from runtime.pipeline.heartbeat import Heartbeat
+from runtime.pipeline.replay import ReplayCache
 
 T = TypeVar("T")
 

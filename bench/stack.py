@@ -1,4 +1,4 @@
-"""Worker fleets for the benchmarks: the runtime's own (through api.devstack.DevStack, the
+"""Worker fleets for the benchmarks: the runtime's own (through cli.devstack.DevStack, the
 class `dar dev` and the end-to-end tests use) and the bare-hop baseline's."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import IO, Any
 
 from celery import Celery
 
-from api.devstack import WORKER_NAMES, DevStack
 from bench.env import HOP_QUEUE, QUEUE, RESULTS, ROOT, BenchEnv
 from bench.hop import make_hop_app
+from cli.devstack import WORKER_NAMES, DevStack
 from tasks.celery_app import make_celery
 
 

@@ -24,8 +24,8 @@ import time
 import uuid
 from pathlib import Path
 
-from api.embedded import free_port
 from bench.env import ROOT, prepare
+from cli.embedded import free_port
 
 RUNS = 10
 

@@ -3,7 +3,7 @@ until it can.
 
 A model call answered while PostgreSQL is unreachable (a partition, a failover, a restart
 longer than the lease) must still be counted against its run: the money was spent. Its
-checkpoint is retried while the lease lasts (``runtime.modelcall.record_billed``); when the
+checkpoint is retried while the lease lasts (``runtime.pipeline.modelcall.record_billed``); when the
 lease is gone and the database still does not answer, the usage is owed here, and a daemon
 thread writes it as the run's unrecorded tokens as soon as the database answers again
 (every second at first, then every 5 s). A write conditioned on the step row (``unless`` a

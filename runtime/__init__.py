@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from runtime.agents import Agent, AgentRegistry, Subagent
-    from runtime.driver import Driver, Outcome, StepResult
+    from runtime.engine.driver import Driver, Outcome, StepResult
     from runtime.mcp import McpServer, ToolPolicy
     from runtime.tools import Tool, ToolContext, tool
 
@@ -20,9 +20,9 @@ _HOME = {
     "Agent": "runtime.agents",
     "AgentRegistry": "runtime.agents",
     "Subagent": "runtime.agents",
-    "Driver": "runtime.driver",
-    "Outcome": "runtime.driver",
-    "StepResult": "runtime.driver",
+    "Driver": "runtime.engine.driver",
+    "Outcome": "runtime.engine.driver",
+    "StepResult": "runtime.engine.driver",
     "McpServer": "runtime.mcp",
     "ToolPolicy": "runtime.mcp",
     "Tool": "runtime.tools",

@@ -136,7 +136,8 @@ class Settings:
     """DAR_KEY_CONCURRENCY: at most this many runs of one concurrencyKey inside a step at
     once (0: no limit)."""
     key_concurrency_overrides_json: str | None = None
-    """DAR_KEY_CONCURRENCY_OVERRIDES: per-key limits, JSON {"key": n} (runtime.keys)."""
+    """DAR_KEY_CONCURRENCY_OVERRIDES: per-key limits, JSON {"key": n}
+    (runtime.admission.concurrency_keys)."""
     key_recheck_seconds: float = 30.0
     """DAR_KEY_RECHECK_SECONDS: a run waiting for its key's slot is woken when one frees; if
     that wake is lost (its waker was killed) it asks again after this long."""

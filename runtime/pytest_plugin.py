@@ -1,20 +1,7 @@
-"""Pytest fixtures for the durable-function test kit: ``pytest_plugins =
-["runtime.pytest_plugin"]``. Needs a ``runtime`` fixture of your own (a ``Runtime`` on a test
-database); provides ``fake_model`` and ``durable`` (a :class:`DurableTester`)."""
+"""The pytest plugin's old path (``pytest_plugins = ["runtime.pytest_plugin"]``), kept: the
+fixtures live in :mod:`runtime.testing.pytest_plugin`."""
 
-from __future__ import annotations
+from runtime.testing.pytest_plugin import durable as durable
+from runtime.testing.pytest_plugin import fake_model as fake_model
 
-import pytest
-
-from runtime.bootstrap import Runtime
-from runtime.testkit import DurableTester, FakeModel
-
-
-@pytest.fixture
-def fake_model() -> FakeModel:
-    return FakeModel()
-
-
-@pytest.fixture
-def durable(runtime: Runtime, fake_model: FakeModel) -> DurableTester:
-    return DurableTester(runtime, fake_model)
+__all__ = ["durable", "fake_model"]

@@ -166,7 +166,7 @@ class ToolInputError(ValueError):
 class OutcomeUnknown(Exception):
     """The call was sent and its answer never came (the far side died, or did not answer in
     time): its effect may or may not have happened. A tool raises it to say so; the step is
-    then in doubt exactly as if its worker had crashed there (:mod:`runtime.effects`)."""
+    then in doubt exactly as if its worker had crashed there (:mod:`runtime.pipeline.effects`)."""
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The beat's schedule loop: a thread in each beat process that starts the runs of due
-schedule ticks (:func:`runtime.schedules.tick_schedules`).
+schedule ticks (:func:`runtime.engine.schedules.tick_schedules`).
 
 Celery beat's own schedule (the reaper, retention) lives in one process; schedules do not
 depend on it: every beat claims ticks in PostgreSQL, a unique row per tick, so two beats (or
@@ -16,7 +16,7 @@ from celery import Celery
 from db.engine import make_engine
 from db.store import RunStore
 from runtime.config import Settings
-from runtime.schedules import tick_schedules
+from runtime.engine.schedules import tick_schedules
 from tasks.dispatch import send_drive
 
 log = logging.getLogger(__name__)

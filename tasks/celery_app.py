@@ -17,10 +17,9 @@ from __future__ import annotations
 from celery import Celery
 
 from runtime.config import Settings
-
-DRIVE_RUN = "dar.drive_run"
-REAP = "dar.reap"
-RETENTION = "dar.retention"
+from tasks.names import DRIVE_RUN as DRIVE_RUN
+from tasks.names import REAP as REAP
+from tasks.names import RETENTION as RETENTION
 
 
 def make_celery(settings: Settings, *, register: bool = True) -> Celery:

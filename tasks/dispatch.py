@@ -8,7 +8,7 @@ from celery import Celery
 
 from db.records import Dispatch
 from db.store import RunStore
-from tasks.celery_app import DRIVE_RUN
+from tasks.names import DRIVE_RUN
 from tasks.publish import publisher
 
 log = logging.getLogger(__name__)

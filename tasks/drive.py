@@ -14,13 +14,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 from db.errors import LeaseLost
 from db.records import ApprovalStatus, Dispatch, NewAudit, StepStatus
 from db.store import RunStore
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
-from runtime.driver import Driver
-from runtime.heartbeat import Heartbeat
-from runtime.metrics import Metrics
-from tasks.celery_app import DRIVE_RUN, REAP, RETENTION
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Driver
+from runtime.observe.metrics import Metrics
+from runtime.pipeline.heartbeat import Heartbeat
 from tasks.dispatch import send_drive
+from tasks.names import DRIVE_RUN, REAP, RETENTION
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from typing import Any
 from celery import Celery, signals
 
 from db.errors import DarError
-from runtime.logctx import configure_logging, set_process_worker
-from runtime.preflight import check_startup
-from runtime.tracing import configure_from_env
+from runtime.engine.preflight import check_startup
+from runtime.observe.logctx import configure_logging, set_process_worker
+from runtime.observe.tracing import configure_from_env
 from tasks.drive import stop_worker_state, worker_state
 
 

@@ -22,13 +22,13 @@ import redis
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
-from api.embedded import EmbeddedPostgres, EmbeddedRedis
+from cli.embedded import EmbeddedPostgres, EmbeddedRedis
 from db.demo import TicketStore, demo_metadata
 from db.engine import make_engine, normalize_url
 from db.migrate import upgrade
 from db.schema import metadata
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from tests.pgbouncer import PgBouncer
 

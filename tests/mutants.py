@@ -80,7 +80,7 @@ MUTANTS = (
     ),
     Mutant(
         "checkpoint-retry-keeps-the-log-copy",
-        "runtime/task.py",
+        "runtime/pipeline/checkpoint.py",
         "                        self.store.step_logs.forget(self.run_id)  # it missed the lost"
         " write\n",
         "",
@@ -92,7 +92,7 @@ MUTANTS = (
     ),
     Mutant(
         "checkpoint-retry-by-key-alone",
-        "runtime/task.py",
+        "runtime/pipeline/checkpoint.py",
         "            or found.lease_epoch != self.claim.epoch\n",
         "",
         (
@@ -103,7 +103,7 @@ MUTANTS = (
     ),
     Mutant(
         "checkpoint-retry-takes-a-copied-row",
-        "runtime/task.py",
+        "runtime/pipeline/checkpoint.py",
         "            or found.origin is not None\n",
         "",
         (
@@ -114,7 +114,7 @@ MUTANTS = (
     ),
     Mutant(
         "checkpoint-retry-on-any-exception",
-        "runtime/task.py",
+        "runtime/pipeline/checkpoint.py",
         "if not database_unavailable(e) or left <= 0:",
         "if left <= 0:",
         (T + "test_checkpoint_blip.py::test_an_error_that_is_not_a_blip_is_not_retried",),
@@ -122,7 +122,7 @@ MUTANTS = (
     ),
     Mutant(
         "fork-copies-a-retrying-step",
-        "runtime/fork.py",
+        "runtime/engine/fork.py",
         "COPYABLE = frozenset({StepStatus.DONE,",
         "COPYABLE = frozenset({StepStatus.RETRYING, StepStatus.DONE,",
         (T + "test_checkpoint_retry.py::test_a_fork_after_a_step_being_retried_is_refused",),
@@ -130,7 +130,7 @@ MUTANTS = (
     ),
     Mutant(
         "reconcile-hang-read-as-not-happened",
-        "runtime/effects.py",
+        "runtime/pipeline/effects.py",
         "if isinstance(answer, Raised | StillRunning):",
         "if isinstance(answer, Raised):",
         (
@@ -141,7 +141,7 @@ MUTANTS = (
     ),
     Mutant(
         "reconcile-error-read-as-not-happened",
-        "runtime/effects.py",
+        "runtime/pipeline/effects.py",
         "if isinstance(answer, Raised | StillRunning):",
         "if isinstance(answer, StillRunning):",
         (T + "test_reconcile.py::test_a_reconcile_hook_that_raises_is_not_read_as_not_happened",),
@@ -149,7 +149,7 @@ MUTANTS = (
     ),
     Mutant(
         "reconcile-asked-once",
-        "runtime/effects.py",
+        "runtime/pipeline/effects.py",
         "    if not (isinstance(again, Raised) and isinstance(again.error, OutcomeUnknown)):",
         "    if True:",
         (T + "test_reconcile.py::test_an_answer_lost_again_after_reconcile_is_reconciled_again",),
@@ -168,7 +168,7 @@ MUTANTS = (
     ),
     Mutant(
         "key-renew-re-adds-a-released-slot",
-        "runtime/keys.py",
+        "runtime/admission/concurrency_keys.py",
         "redis.call('ZADD', k, 'XX', now",
         "redis.call('ZADD', k, now",
         (T + "test_concurrency_keys.py::test_a_lapsed_slot_taken_by_another_is_not_renewed_back",),
@@ -176,7 +176,7 @@ MUTANTS = (
     ),
     Mutant(
         "key-wake-goes-to-a-cancelled-waiter",
-        "runtime/driver.py",
+        "runtime/engine/driver.py",
         "            woken = self.keys.skip(slot, woken, continuing=continuing)\n",
         "            return ()\n",
         (
@@ -187,7 +187,7 @@ MUTANTS = (
     ),
     Mutant(
         "key-holder-loses-its-place",
-        "runtime/keys.py",
+        "runtime/admission/concurrency_keys.py",
         "  me = ARGV[5]\n  redis.call('ZADD', KEYS[2]",
         "  me = ARGV[5]\n  if true then return next_waiter(now, tonumber(ARGV[4]), me) end\n"
         "  redis.call('ZADD', KEYS[2]",
@@ -207,7 +207,7 @@ MUTANTS = (
     ),
     Mutant(
         "stop-claims-without-compensation",
-        "runtime/driver.py",
+        "runtime/engine/driver.py",
         "                task.begin_stop(reason)",
         "                return task.finish(RunStatus.FAILED, error=reason)",
         (T + "test_early_stops.py::test_claims_without_progress_run_the_compensations_once",),
@@ -223,7 +223,7 @@ MUTANTS = (
     ),
     Mutant(
         "stop-unknown-agent-without-compensation",
-        "runtime/driver.py",
+        "runtime/engine/driver.py",
         "return unwind_recorded(task, RunStatus.FAILED, task.stopping or str(e))",
         "return task.finish(RunStatus.FAILED, error=str(e))",
         (
@@ -234,7 +234,7 @@ MUTANTS = (
     ),
     Mutant(
         "stop-refused-value-without-compensation",
-        "runtime/driver.py",
+        "runtime/engine/driver.py",
         "                if isinstance(agent, DurableAgent) and task.stopping is None:\n",
         "                if False:\n",
         (T + "test_early_stops.py::test_a_value_the_database_refuses_runs_the_compensations_once",),
@@ -250,7 +250,7 @@ MUTANTS = (
     ),
     Mutant(
         "mcp-meta-key-is-the-bare-step-key",
-        "runtime/mcpcall.py",
+        "runtime/pipeline/mcpcall.py",
         "                key=ctx.idempotency_key,\n",
         "                key=ctx.key,\n",
         (
@@ -294,7 +294,7 @@ MUTANTS = (
     ),
     Mutant(
         "refused-value-leaves-the-run-running",
-        "runtime/driver.py",
+        "runtime/engine/driver.py",
         "                refused = _refused_value(e)\n",
         "                refused = None\n",
         (
@@ -324,7 +324,7 @@ MUTANTS = (
     ),
     Mutant(
         "pipeline-policy-not-read",
-        "runtime/pipeline.py",
+        "runtime/pipeline/kinds.py",
         "        return self.after_crash is AfterCrash.RUN_AGAIN",
         "        return False",
         (T + "test_step_kinds.py",),

@@ -24,7 +24,7 @@ import psycopg
 from psycopg.rows import dict_row
 from sqlalchemy.engine import make_url
 
-from api.embedded import free_port
+from cli.embedded import free_port
 
 PGBOUNCER = os.environ.get("DAR_PGBOUNCER", shutil.which("pgbouncer") or "/usr/sbin/pgbouncer")
 

@@ -14,8 +14,8 @@ from sqlalchemy import Engine, text
 from db.records import Dispatch, NewRun, Run
 from db.store import RunStore
 from runtime.agents import Agent, AgentRegistry
-from runtime.driver import Driver, Outcome
-from runtime.testkit import SimulatedCrash
+from runtime.engine.driver import Driver, Outcome
+from runtime.testing.testkit import SimulatedCrash
 from runtime.tools import Tool
 
 __all__ = [

@@ -1,7 +1,8 @@
 """Durable functions, the programming model: ``fn(input, steps)`` and what ``steps`` offers.
 
 Everything here declares; :mod:`runtime.durable.execution` executes, through the one step
-executor (:mod:`runtime.effects`, :mod:`runtime.modelcall`, :class:`runtime.task.Task`).
+executor (:mod:`runtime.pipeline.effects`, :mod:`runtime.pipeline.modelcall`,
+:class:`runtime.pipeline.checkpoint.Task`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from db.records import Usage
-from runtime.codec import return_type
 from runtime.llm.base import LlmRequest, LlmResponse
-from runtime.llm.live import LiveCall
+from runtime.llm.live_call import LiveCall
 from runtime.mcp.servers import McpServer
+from runtime.pipeline.codec import return_type
 from runtime.tools import Reconciled, ToolContext, idempotency_key
 
 T = TypeVar("T")

@@ -3,8 +3,8 @@
 When the function raises, or the guard stops the run (cancel, deadline, budget, step cap),
 the compensations of its completed steps run in reverse order, **one per task**, each a step
 with an effect of its own (``compensate:<key>``, STARTED first, lease-checked, in-doubt rules
-of :mod:`runtime.effects`), then the run ends with the failure's or the guard's status. A step
-that fails for good first has the completed steps nested in it undone, the same way, before
+of :mod:`runtime.pipeline.effects`), then the run ends with the failure's or the guard's status. A
+step that fails for good first has the completed steps nested in it undone, the same way, before
 its error reaches the function.
 
 A compensation is found again in a later task by replaying the call that declared it (a
@@ -24,12 +24,12 @@ from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
 from db.records import NewStep, RunStatus, Step, StepKind, StepStatus
-from runtime import effects, pipeline
-from runtime.codec import decode
 from runtime.durable.api import is_idempotent, resolve_compensation
 from runtime.durable.errors import DurableConfigError, Yield
-from runtime.pipeline import State
-from runtime.task import StepResult, Task
+from runtime.pipeline import effects, kinds
+from runtime.pipeline.checkpoint import StepResult, Task
+from runtime.pipeline.codec import decode
+from runtime.pipeline.kinds import State
 
 
 class Execution(Protocol):
@@ -171,14 +171,14 @@ class Compensations:
             fn, value = resolved, decode(target.response, _argument_type(resolved))
         effect = effects.Effect(
             key=key,
-            kind=pipeline.StepKind.COMPENSATION,
+            kind=kinds.StepKind.COMPENSATION,
             seq=seq,
             fn=lambda _ctx: fn(value),
             label=f"compensation of {target.step_key} (seq={seq})",
             idempotent=is_idempotent(fn),
             attempt=attempt,
         )
-        verdict = effects.execute(task, effect, lookup)
+        verdict = effects.run_effect(task, effect, lookup)
         stopped = effects.unsettled(task, verdict)
         if stopped is not None:
             return stopped

@@ -8,8 +8,8 @@ from db.errors import DarError
 
 if TYPE_CHECKING:
     from db.records import NewStep
-    from runtime.guard import Stop
-    from runtime.task import StepResult
+    from runtime.pipeline.checkpoint import StepResult
+    from runtime.pipeline.guard import Stop
 
 
 class StepError(DarError):

@@ -2,10 +2,10 @@
 
 The function runs from the top on every task. A step whose key is recorded returns its
 recorded result (or raises its recorded error) without running; the first step without a
-result runs through the one step executor (:mod:`runtime.effects`: STARTED first, in-doubt
+result runs through the one step executor (:mod:`runtime.pipeline.effects`: STARTED first, in-doubt
 rules, timeouts), is checkpointed, and the task ends there (one step per task). Model calls
-inside ``steps.llm`` are child steps recorded the moment they return (:mod:`runtime.modelcall`).
-Compensations are in :mod:`runtime.durable.compensation`.
+inside ``steps.llm`` are child steps recorded the moment they return
+(:mod:`runtime.pipeline.modelcall`). Compensations are in :mod:`runtime.durable.compensation`.
 
 Keys are ``name:n`` at the top level (``n`` counts earlier calls with that name, so loops
 work) and ``parent/name:n`` inside another step.
@@ -28,8 +28,6 @@ from typing import Any, NoReturn
 from db.errors import InvalidTransition, RunNotFound
 from db.records import NewRun, NewStep, RunStatus, Step, StepStatus
 from db.records import StepKind as RowKind
-from runtime import effects, mcpcall, modelcall
-from runtime.codec import decode, encode
 from runtime.durable.api import (
     ApprovalBuilder,
     Billed,
@@ -56,16 +54,18 @@ from runtime.durable.errors import (
     Yield,
 )
 from runtime.durable.notify import notify_approval
-from runtime.guard import Stop
 from runtime.llm.base import LlmRequest, LlmResponse
-from runtime.llm.live import LiveCall, current_live_call
-from runtime.logctx import error_text, set_step
+from runtime.llm.live_call import LiveCall, current_live_call
 from runtime.mcp.client import CallResult
 from runtime.mcp.errors import McpRemoteError, McpUnavailable
 from runtime.mcp.servers import McpServer, namespaced
 from runtime.mcp.toolset import OfferedTool, idempotent, offered
-from runtime.pipeline import KINDS, Found, State, StepKind
-from runtime.task import Outcome, StepResult, Task
+from runtime.observe.logctx import error_text, set_step
+from runtime.pipeline import effects, mcpcall, modelcall
+from runtime.pipeline.checkpoint import Outcome, StepResult, Task
+from runtime.pipeline.codec import decode, encode
+from runtime.pipeline.guard import Stop
+from runtime.pipeline.kinds import KINDS, Found, State, StepKind
 from runtime.tools import ToolContext
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,8 @@ class Execution:
 
     @property
     def recorded(self) -> dict[str, Step]:
-        """The run's steps by key (the task's log: :meth:`runtime.task.Task.look_up`)."""
+        """The run's steps by key (the task's log:
+        :meth:`runtime.pipeline.checkpoint.Task.look_up`)."""
         return self.task.log
 
     # -- the Engine protocol's plain parts --------------------------------------------------
@@ -282,7 +283,7 @@ class Execution:
             raise self._recorded_error(key, rec)
         if not self.stack:
             self._guard(step_kind)
-        return self._execute(step_kind, key, thunk, type, compensate, options, found, declared_by)
+        return self._run_step(step_kind, key, thunk, type, compensate, options, found, declared_by)
 
     @staticmethod
     def _recorded_error(key: str, rec: Step) -> StepError:
@@ -295,7 +296,7 @@ class Execution:
             return ChildRunFailed(key, message)
         return StepError(key, message)
 
-    def _execute(
+    def _run_step(
         self,
         kind: StepKind,
         key: str,
@@ -340,7 +341,7 @@ class Execution:
         self.stack.append(frame)
         try:
             with self.engine_call():
-                verdict = effects.execute(self.task, effect, found)
+                verdict = effects.run_effect(self.task, effect, found)
         except Pause as p:
             self.stack.pop()
             paused = NewStep(seq, key, KINDS[kind].row, StepStatus.PAUSED, attempt=attempt)
@@ -464,7 +465,7 @@ class Execution:
         name: str | None,
         options: StepOptions,
     ) -> Any:
-        """``steps.tool``: a STEP whose body is one MCP call (runtime.mcpcall)."""
+        """``steps.tool``: a STEP whose body is one MCP call (runtime.pipeline.mcpcall)."""
         self._check_yielded()
         declared = {s.name: s for s in self.agent.mcp_servers if isinstance(s, McpServer)}
         wanted = server if isinstance(server, str) else server.name
@@ -726,7 +727,7 @@ class Execution:
                 )
             self._guard(StepKind.APPROVAL)
             options = StepOptions(self.steps_api, idempotent=idempotent)
-            return self._execute(
+            return self._run_step(
                 StepKind.APPROVED_ACTION,
                 key,
                 functools.partial(fn, *args),

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from runtime.durable.api import ApprovalBuilder, ApprovalRequest, DurableAgent
 
 if TYPE_CHECKING:
-    from runtime.task import Task
+    from runtime.pipeline.checkpoint import Task
 
 log = logging.getLogger(__name__)
 

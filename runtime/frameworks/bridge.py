@@ -34,7 +34,7 @@ from typing import Any
 from db.records import Usage
 from runtime.durable.api import Billed, Steps
 from runtime.durable.errors import ApprovalRejected, NonDeterministicReplay
-from runtime.llm.live import LiveCall, ModelCallCancelled
+from runtime.llm.live_call import LiveCall, ModelCallCancelled
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import httpx2
 from db.records import Usage
 from runtime.llm.base import JsonObj, LlmError, LlmRequest, LlmResponse
 from runtime.llm.billing import bill_lost
-from runtime.llm.live import LiveCall, ModelCallCancelled, current_live_call
+from runtime.llm.live_call import LiveCall, ModelCallCancelled, current_live_call
 from runtime.llm.retry import classify
 from runtime.llm.streaming import StreamAssembler, sse_events
 

@@ -18,7 +18,7 @@ from typing import Any
 from db.records import Usage
 from runtime.config import DEMO_MODEL
 from runtime.llm.base import LlmRequest, LlmResponse
-from runtime.llm.live import LiveCall, ModelCallCancelled, current_live_call
+from runtime.llm.live_call import LiveCall, ModelCallCancelled, current_live_call
 
 MODEL_NAME = DEMO_MODEL
 

@@ -1,5 +1,5 @@
 """MCP tools, durably: servers an agent declares, their tools offered next to ``@tool``
-functions, every call a recorded step (:mod:`runtime.mcpcall` runs them).
+functions, every call a recorded step (:mod:`runtime.pipeline.mcpcall` runs them).
 
 - :mod:`runtime.mcp.servers`: ``McpServer.stdio`` / ``McpServer.http``, ``ToolPolicy``, the
   ``DAR_MCP_SERVERS`` and ``DAR_MCP_TOOLS`` settings;

@@ -26,7 +26,7 @@ class McpRemoteError(McpError):
 class McpInDoubt(McpError, OutcomeUnknown):
     """The call was sent and no answer came back (the server died, the call timed out, or the
     server failed with HTTP 5xx): its effect may or may not have happened. The step executor
-    treats it as a crash at that point (:mod:`runtime.effects`, rule 4)."""
+    treats it as a crash at that point (:mod:`runtime.pipeline.effects`, rule 4)."""
 
     def __init__(self, message: str, *, timed_out: bool = False) -> None:
         super().__init__(message)

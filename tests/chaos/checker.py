@@ -30,7 +30,7 @@ from decimal import Decimal
 from typing import Any
 
 from db.records import Run, RunStatus, Step, StepKind, StepStatus
-from runtime.replay import model_step_key, replay, tool_step_key
+from runtime.pipeline.replay import model_step_key, replay, tool_step_key
 from tests.chaos import durable_agents
 
 # Times compared across clocks (PostgreSQL's now() and this process's time.time(), one host)

@@ -1,6 +1,6 @@
 """The chaos harness: a private stack of real processes, a scripted model, and the faults.
 
-* :class:`ChaosStack` is the dev stack (:class:`api.devstack.DevStack`) on PRIVATE embedded
+* :class:`ChaosStack` is the dev stack (:class:`cli.devstack.DevStack`) on PRIVATE embedded
   PostgreSQL and Redis (so they can be killed and restarted without touching anything else),
   with workers of several kinds: plain thread-pool workers (``worker-A``, ``worker-B``), two
   that crash themselves at the runtime's named crash points (``worker-C``, ``worker-E``,
@@ -43,15 +43,15 @@ import psutil
 import redis
 from sqlalchemy import Engine, text
 
-from api.devstack import CODE_ROOT, DevStack
-from api.embedded import EmbeddedPostgres, EmbeddedRedis, free_port
+from cli.devstack import CODE_ROOT, DevStack
+from cli.embedded import EmbeddedPostgres, EmbeddedRedis, free_port
 from db.demo import TicketStore
 from db.engine import make_engine
 from db.migrate import upgrade
 from db.records import Run, RunStatus, Step
 from db.store import RunStore
 from runtime.config import Settings
-from runtime.faults import POINTS
+from runtime.pipeline.faults import POINTS
 from tasks.celery_app import DRIVE_RUN, make_celery
 from tests.chaos import durable_agents
 from tests.chaos.checker import (

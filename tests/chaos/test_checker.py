@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from db.records import Run, RunStatus, Step, StepKind, StepStatus, Usage
-from runtime.replay import replay
+from runtime.pipeline.replay import replay
 from tests.chaos import checker
 from tests.chaos.checker import Comment, Evidence, Fault, ModelCall, check
 

@@ -44,7 +44,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from sqlalchemy import Engine, text
 
-from api.embedded import free_port
+from cli.embedded import free_port
 from db.engine import make_engine
 from db.records import RunStatus, StepKind
 from db.store import RunStore

@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from api.embedded import free_port
+from cli.embedded import free_port
 from db.engine import make_engine
 from db.records import RunStatus, StepKind, Usage
 from db.store import RunStore

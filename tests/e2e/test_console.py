@@ -1,6 +1,6 @@
 """The run console in a real browser (Playwright driving Debian's Chromium) against a real
 stack: API (gunicorn), two workers and beat, started once for the module by the same
-:class:`~api.devstack.DevStack` ``dar dev`` runs. Tokens are set, as in production: an
+:class:`~cli.devstack.DevStack` ``dar dev`` runs. Tokens are set, as in production: an
 operator token and a read-only one.
 
 Each test leaves PNG screenshots in ``artifacts/console/`` (``DAR_ARTIFACTS`` to move it).
@@ -27,8 +27,8 @@ from playwright import sync_api as playwright_api
 from sqlalchemy import Engine, text
 
 from api.auth import hash_token
-from api.devstack import CODE_ROOT, DevStack
-from api.embedded import free_port
+from cli.devstack import CODE_ROOT, DevStack
+from cli.embedded import free_port
 from db.schema import metadata
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.timeout(120)]

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from api.devstack import pid_alive
-from api.embedded import free_port
+from cli.devstack import pid_alive
+from cli.embedded import free_port
 from runtime.config import Settings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from api.devstack import DevStack
-from api.embedded import free_port
+from cli.devstack import DevStack
+from cli.embedded import free_port
 from db.engine import make_engine
 from db.records import RunStatus
 from db.store import RunStore

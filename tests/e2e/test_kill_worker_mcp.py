@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from api.devstack import DevStack
-from api.embedded import free_port
+from cli.devstack import DevStack
+from cli.embedded import free_port
 from db.engine import make_engine
 from db.records import RunStatus, StepStatus
 from db.store import RunStore

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from api.embedded import free_port
+from cli.embedded import free_port
 from runtime.config import Settings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from api.auth import hash_token
-from api.embedded import free_port
+from cli.embedded import free_port
 from db.records import Dispatch, NewRun, RunStatus
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from runtime.engine.bootstrap import Runtime
 from tasks.celery_app import make_celery
 from tasks.dispatch import send_drive
 from tests.unit.test_procfile import _procfile

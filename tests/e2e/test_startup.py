@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from api.devstack import DevStack, RestartPolicy, StackError
-from api.embedded import free_port
+from cli.devstack import DevStack, RestartPolicy, StackError
+from cli.embedded import free_port
 from runtime.config import Settings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]

@@ -20,7 +20,7 @@ from openai import AsyncOpenAI
 from pydantic import BaseModel
 
 from db.records import ApprovalStatus, RunStatus, StepStatus, Usage
-from runtime.bootstrap import Runtime
+from runtime.engine.bootstrap import Runtime
 from runtime.frameworks import idempotency_key
 from runtime.frameworks.bridge import on_loop
 from runtime.frameworks.openai_agents import idempotent

@@ -25,7 +25,7 @@ from pydantic_ai.providers.anthropic import AnthropicProvider
 
 import api
 from db.records import ApprovalStatus, Dispatch, RunStatus, StepStatus, Usage
-from runtime.bootstrap import Runtime
+from runtime.engine.bootstrap import Runtime
 from runtime.frameworks import adapt, idempotency_key
 from runtime.frameworks.bridge import on_loop
 from tasks.celery_app import make_celery

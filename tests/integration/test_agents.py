@@ -11,8 +11,8 @@ import pytest
 
 from db.records import RunStatus
 from runtime.agents import AgentConfigError
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from tests.support import drive_to_end, submit
 

@@ -26,9 +26,9 @@ from werkzeug.test import TestResponse
 import api
 from api.validation import SUBMIT_FIELDS
 from db.records import Dispatch, RunStatus
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
-from runtime.driver import Outcome, StepResult
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Outcome, StepResult
 from runtime.llm.scripted import ScriptedLlm
 from tasks.celery_app import DRIVE_RUN, make_celery
 from tests.support import drive_to_end

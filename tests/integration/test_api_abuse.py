@@ -22,8 +22,8 @@ from api.errors import ApiError
 from api.schemas import MAX_JSON_DEPTH, check_json
 from db.records import Dispatch, NewRun
 from examples.order_refund import build as build_refund
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from runtime.engine.bootstrap import Runtime
 from tasks.celery_app import make_celery
 from tasks.drive import expire_approval
 from tests.support import drive_to_end
@@ -352,7 +352,7 @@ def test_a_token_removed_from_the_tokens_file_is_refused_without_a_restart(
 
 
 def test_dar_token_new_expires(capsys: pytest.CaptureFixture[str]) -> None:
-    from api.cli import main
+    from cli.main import main
 
     assert main(["token", "new", "ci", "--roles", "read", "--expires", "2027-01-31"]) == 0
     entry = capsys.readouterr().out.strip().splitlines()[-1].strip()

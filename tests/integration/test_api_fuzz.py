@@ -14,7 +14,7 @@ from schemathesis import GenerationMode
 
 from api import create_app
 from api.auth import hash_token
-from runtime.bootstrap import Runtime
+from runtime.engine.bootstrap import Runtime
 from tasks.celery_app import make_celery
 from tests.support import submit
 

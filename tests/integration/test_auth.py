@@ -12,8 +12,8 @@ from werkzeug.test import TestResponse
 
 from api import create_app
 from api.auth import ROLES, TokenTable, hash_token
-from runtime.bootstrap import Runtime
 from runtime.config import ConfigError, Settings
+from runtime.engine.bootstrap import Runtime
 from tasks.celery_app import make_celery
 from tests.support import submit
 

@@ -16,10 +16,10 @@ from sqlalchemy.exc import DataError
 from db.engine import make_engine
 from db.fastpath import FastStatements
 from db.records import RunStatus, StepKind
-from runtime.bootstrap import Runtime
 from runtime.durable import Steps, durable_agent
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
-from runtime.testkit import DurableTester
+from runtime.testing.testkit import DurableTester
 from runtime.tools import ToolContext, tool
 from tests.support import drive_to_end, register_agent, submit
 

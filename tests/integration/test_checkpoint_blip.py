@@ -16,8 +16,8 @@ from sqlalchemy.exc import DataError
 
 from db.engine import make_engine
 from db.records import Dispatch, RunStatus, StepStatus
-from runtime.bootstrap import Runtime
 from runtime.durable import Steps, durable_agent
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import ToolContext, tool
 from tests.support import register_agent

@@ -13,10 +13,10 @@ from sqlalchemy.exc import OperationalError
 
 from db.records import Claim, Dispatch, NewStep, RunStatus, StepStatus
 from db.store import RunStore
-from runtime.bootstrap import Runtime
 from runtime.durable import Model, Steps, durable_agent
-from runtime.fork import ForkRefused, ForkRequest, fork_run
-from runtime.testkit import DurableTester, FakeModel
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.fork import ForkRefused, ForkRequest, fork_run
+from runtime.testing.testkit import DurableTester, FakeModel
 from tests.integration.test_one_executor import _CheckedStore
 
 

@@ -19,9 +19,9 @@ from sqlalchemy import text
 import api
 from db.errors import LeaseLost
 from db.records import Dispatch, NewRun, NewStep, RunStatus, StepKind, StepStatus
-from runtime.bootstrap import Runtime
-from runtime.driver import Outcome
 from runtime.durable import ChildRunFailed, Steps, durable_agent
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Outcome
 from runtime.llm.scripted import ScriptedLlm
 from tasks.celery_app import make_celery
 

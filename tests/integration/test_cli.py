@@ -15,10 +15,10 @@ from sqlalchemy import text
 from werkzeug.serving import make_server
 
 from api import create_app
-from api.cli import build_parser, main, version
+from cli.main import build_parser, main, version
 from db.records import Dispatch, RunStatus
 from examples.order_refund import build as build_refund
-from runtime.bootstrap import Runtime
+from runtime.engine.bootstrap import Runtime
 from tasks.celery_app import make_celery
 from tests.support import drive_to_end
 
@@ -215,7 +215,7 @@ def test_runs_waiting_shows_what_each_run_waits_for(
 
 
 def test_dar_ps_names_the_run_each_worker_holds(api: str, runtime: Runtime) -> None:
-    from api.cli import _runs_held
+    from cli.main import _runs_held
     from tests.support import submit
 
     run, dispatch = submit(runtime.store, agent="acme-tickets")

@@ -14,7 +14,6 @@ from werkzeug.serving import make_server
 from api import create_app
 from db.records import Dispatch
 from examples.order_refund import build as build_refund
-from runtime.bootstrap import Runtime
 from runtime.client import (
     Accepted,
     ApiUnreachable,
@@ -25,6 +24,7 @@ from runtime.client import (
     Run,
     Step,
 )
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from tasks.celery_app import make_celery
 from tests.support import drive_to_end

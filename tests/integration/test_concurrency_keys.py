@@ -27,14 +27,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 import api
 from db.records import Dispatch, NewFork, NewRun, Run, RunStatus, Usage
-from runtime.bootstrap import Runtime
+from runtime.admission.concurrency_keys import KeyGate, KeyWait, Slot, tenant_key
+from runtime.admission.flow_control import FlowControl, ModelLimit, Refusal
 from runtime.config import Settings
-from runtime.driver import Driver, Outcome
-from runtime.flow import FlowControl, ModelLimit, Refusal
-from runtime.keys import KeyGate, KeyWait, Slot, tenant_key
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Driver, Outcome
 from runtime.llm.base import LlmRequest, LlmResponse
-from runtime.metrics import FleetCollector, Metrics
-from runtime.testkit import SimulatedCrash
+from runtime.observe.metrics import FleetCollector, Metrics
+from runtime.testing.testkit import SimulatedCrash
 from tasks.celery_app import make_celery
 from tests.support import drive_to_end, redis_scope, register_agent
 
@@ -161,7 +161,7 @@ def test_a_worker_killed_holding_a_slot_leaks_nothing(
     lease it is bounded by, and the key admits again."""
     script = f"""
 import os, signal, time, uuid, redis
-from runtime.keys import KeyGate, Slot
+from runtime.admission.concurrency_keys import KeyGate, Slot
 gate = KeyGate(redis.Redis.from_url({redis_url!r}), default_limit=1, overrides={{}},
     lease_seconds=1.5, prefix={prefix!r})
 got = gate.acquire("acme", uuid.uuid4(), 1, priority=0, submitted_at=time.time())

@@ -18,8 +18,8 @@ from sqlalchemy import text
 from api import create_app
 from api.auth import hash_token
 from examples.order_refund import build as build_refund
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from tasks.celery_app import make_celery
 from tests.support import drive_to_end, submit

@@ -1,5 +1,5 @@
 """An idempotent step's STARTED row is written only once it has run DAR_STARTED_ROW_AFTER_MS
-(runtime.effects, rule 1); every other step's is written before its code runs."""
+(runtime.pipeline.effects, rule 1); every other step's is written before its code runs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from db.errors import LeaseLost
 from db.records import RunStatus, StepStatus
-from runtime.bootstrap import Runtime
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import ToolContext, tool
 from tests.support import SimulatedCrash, drive_to_end, expire_lease, register_agent, submit

@@ -17,10 +17,10 @@ import redis
 from celery import Celery
 
 from api import create_app
-from api.embedded import EmbeddedRedis
+from cli.embedded import EmbeddedRedis
 from db.records import RunStatus
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import tool
 from tasks.celery_app import DRIVE_RUN, REAP, make_celery

@@ -13,10 +13,10 @@ from examples.order_refund import RefundRequest
 from examples.order_refund import build as build_refund
 from examples.ticket_triage import Classification, Ticket
 from examples.ticket_triage import build as build_triage
-from runtime.bootstrap import Runtime
-from runtime.driver import Outcome
 from runtime.durable import Steps, StepTimeout, durable_agent, step
-from runtime.testkit import DurableTester, FakeModel, assert_run
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Outcome
+from runtime.testing.testkit import DurableTester, FakeModel, assert_run
 from tasks.drive import expire_approval
 
 TICKET = Ticket(101, "Invoice wrong", "VAT is 19%, should be 7%")

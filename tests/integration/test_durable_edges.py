@@ -12,12 +12,12 @@ from sqlalchemy import text
 from db.errors import LeaseLost
 from db.queries import QUERIES as Q
 from db.records import ApprovalStatus, NewStep, RunStatus, StepKind, StepStatus, Usage
-from runtime.bootstrap import Runtime
-from runtime.driver import Outcome
 from runtime.durable import Model, Steps, durable_agent, step
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Outcome
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.retry import RetryLater
-from runtime.testkit import DurableTester, FakeModel, assert_run
+from runtime.testing.testkit import DurableTester, FakeModel, assert_run
 from tasks.drive import expire_approval
 from tests.support import expire_lease
 

@@ -11,9 +11,9 @@ from dataclasses import replace
 from typing import Any
 
 from db.records import Dispatch, RunStatus, StepStatus
-from runtime.bootstrap import Runtime
 from runtime.durable import Steps, durable_agent
-from runtime.testkit import SimulatedCrash
+from runtime.engine.bootstrap import Runtime
+from runtime.testing.testkit import SimulatedCrash
 from tests.support import expire_lease
 
 RELEASED: list[str] = []

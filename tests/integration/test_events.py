@@ -19,14 +19,14 @@ from flask.testing import FlaskClient
 from werkzeug.serving import make_server
 
 import api
-from api import cli
+import cli.main as cli
 from api.auth import hash_token
-from api.embedded import EmbeddedRedis
+from cli.embedded import EmbeddedRedis
 from db.records import RunStatus
-from runtime.bootstrap import Runtime
 from runtime.client import Event, follow, parse_sse
 from runtime.config import Settings
-from runtime.live import stream_key
+from runtime.engine.bootstrap import Runtime
+from runtime.observe.live_channel import stream_key
 from runtime.tools import Tool, ToolContext, tool
 from tests.fakes.messages_api import FakeMessagesApi, cut, slow, text, tool_uses
 from tests.support import drive_to_end, register_agent, submit

@@ -18,14 +18,20 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from db.records import RunStatus
-from runtime.bootstrap import Runtime
+from runtime.admission.flow_control import (
+    FlowConfigError,
+    FlowControl,
+    ModelLimit,
+    Refusal,
+    parse_model_limits,
+)
 from runtime.config import Settings
-from runtime.driver import Outcome
-from runtime.flow import FlowConfigError, FlowControl, ModelLimit, Refusal, parse_model_limits
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Outcome
 from runtime.llm.anthropic import AnthropicClient
 from runtime.llm.base import LlmError, LlmRequest
 from runtime.llm.scripted import ScriptedLlm
-from runtime.metrics import Metrics
+from runtime.observe.metrics import Metrics
 from tests.fakes.messages_api import FakeMessagesApi, RateLimit
 from tests.support import drive_to_end, redis_scope, register_agent, submit
 
@@ -104,7 +110,7 @@ def test_a_worker_killed_holding_admission_leaks_nothing(
     expires with its lease, and the bucket refills."""
     script = f"""
 import os, signal, redis
-from runtime.flow import FlowControl, ModelLimit
+from runtime.admission.flow_control import FlowControl, ModelLimit
 flow = FlowControl(redis.Redis.from_url({redis_url!r}),
     (ModelLimit("claude-*", max_concurrent=1, requests_per_minute=600),),
     lease_seconds=1.5, prefix={prefix!r})
@@ -146,7 +152,7 @@ def test_losing_redis_fails_open_loudly(caplog: pytest.LogCaptureFixture) -> Non
     flow = FlowControl(
         dead, (ModelLimit("claude-*", requests_per_minute=1),), lease_seconds=5, metrics=metrics
     )
-    with caplog.at_level(logging.ERROR, logger="runtime.flow"):
+    with caplog.at_level(logging.ERROR, logger="runtime.admission.flow_control"):
         assert flow.admit(MODEL, 10, 10, waiter="a") is None
         assert flow.admit(MODEL, 10, 10, waiter="b") is None
     assert "flow control unavailable" in caplog.text

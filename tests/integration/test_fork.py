@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import text
 
 from db.records import Dispatch, Run, RunStatus, Step, StepKind, StepOrigin
-from runtime.bootstrap import Runtime
-from runtime.driver import Outcome
-from runtime.fork import ForkRefused, ForkRequest, fork_run
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Outcome
+from runtime.engine.fork import ForkRefused, ForkRequest, fork_run
 from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import ToolContext, tool
 from tests.support import drive_to_end, register_agent, submit

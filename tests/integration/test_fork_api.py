@@ -21,10 +21,10 @@ from werkzeug.test import TestResponse
 
 from api import create_app
 from api.auth import hash_token
-from api.cli import main
+from cli.main import main
 from db.records import Dispatch, Run, RunStatus
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import tool
 from tasks.celery_app import make_celery

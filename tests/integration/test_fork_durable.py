@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from db.records import ApprovalStatus, Dispatch, RunStatus, StepKind, StepOrigin, StepStatus
-from runtime.bootstrap import Runtime
 from runtime.durable import DurableAgent, Steps, durable_agent
-from runtime.fork import ForkRefused, ForkRequest, fork_run
-from runtime.testkit import DurableTester, FakeModel, RunResult, assert_run
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.fork import ForkRefused, ForkRequest, fork_run
+from runtime.testing.testkit import DurableTester, FakeModel, RunResult, assert_run
 
 ORDER = {"id": 1, "item": "book"}
 

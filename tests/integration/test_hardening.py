@@ -20,9 +20,9 @@ from api import create_app
 from api.auth import hash_token
 from db.records import Dispatch
 from examples.order_refund import build as build_refund
-from runtime.bootstrap import Runtime
 from runtime.config import ConfigError, Settings
-from runtime.logctx import configure_logging
+from runtime.engine.bootstrap import Runtime
+from runtime.observe.logctx import configure_logging
 from tasks.celery_app import make_celery
 from tests.support import drive_to_end
 

@@ -8,7 +8,7 @@ import uuid
 from sqlalchemy import text
 
 from db.store import RunStore
-from runtime.bootstrap import Runtime
+from runtime.engine.bootstrap import Runtime
 from tests.support import submit
 
 

@@ -9,11 +9,11 @@ import uuid
 from typing import Any
 
 from db.records import Dispatch, RunStatus, StepKind
-from runtime.bootstrap import Runtime
 from runtime.durable import Steps, durable_agent
-from runtime.fork import ForkRequest, fork_run
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.fork import ForkRequest, fork_run
 from runtime.llm.scripted import ScriptedLlm
-from runtime.testkit import DurableTester
+from runtime.testing.testkit import DurableTester
 from runtime.tools import ToolContext, tool
 from tests.support import drive_to_end, register_agent, submit
 

@@ -13,10 +13,10 @@ import pytest
 
 from api import create_app
 from db.records import ApprovalStatus, Dispatch, NewRun, RunStatus
-from runtime.bootstrap import Runtime
 from runtime.durable import Steps, durable_agent
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
-from runtime.logctx import configure_logging, set_log_data
+from runtime.observe.logctx import configure_logging, set_log_data
 from runtime.tools import tool
 from tasks.celery_app import make_celery
 from tests.support import drive_to_end, register_agent, submit

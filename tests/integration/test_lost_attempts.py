@@ -16,10 +16,10 @@ import httpx2
 import pytest
 
 from db.records import RunStatus, Usage
-from runtime.bootstrap import Runtime
+from runtime.admission.flow_control import Grant
 from runtime.config import Settings
-from runtime.driver import Outcome
-from runtime.flow import Grant
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Outcome
 from runtime.llm.anthropic import AnthropicClient
 from runtime.llm.base import LlmError, LlmRequest
 from runtime.llm.billing import metering
@@ -242,7 +242,7 @@ def test_a_worker_dying_between_the_answer_and_its_checkpoint_leaves_its_estimat
     """The answer arrived and its admission was settled, but the worker died before the
     checkpoint: the call record stays until the answer is recorded, so the next admission
     counts the call (the window a kill -9 after the response hits)."""
-    import runtime.modelcall as modelcall_module
+    import runtime.pipeline.modelcall as modelcall_module
     from tests.support import SimulatedCrash, expire_lease
 
     register_agent(runtime.agents)

@@ -14,7 +14,7 @@ import pytest
 
 from db.records import RunStatus, StepKind, StepStatus
 from runtime.agents import Agent
-from runtime.bootstrap import Runtime
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from runtime.mcp.client import McpClients
 from runtime.mcp.servers import McpServer, ToolPolicy

@@ -14,12 +14,12 @@ import pytest
 
 from db.records import RunStatus, StepKind, StepStatus
 from runtime.agents import Agent
-from runtime.bootstrap import Runtime
 from runtime.durable import Steps, durable_agent
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from runtime.mcp.client import McpClients
 from runtime.mcp.servers import McpServer
-from runtime.testkit import DurableTester, assert_run
+from runtime.testing.testkit import DurableTester, assert_run
 from runtime.tools import tool
 from tests.mcp.support import CrashingClients, Ledger, stdio_server
 from tests.support import SimulatedCrash, drive_to_end, expire_lease, submit

@@ -14,13 +14,13 @@ import pytest
 
 from db.records import Dispatch, RunStatus, StepStatus
 from runtime.agents import Agent, AgentConfigError, AgentRegistry
-from runtime.bootstrap import Runtime
 from runtime.config import ConfigError, Settings
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.preflight import check_mcp_servers
 from runtime.llm.scripted import ScriptedLlm
 from runtime.mcp.client import McpClients
 from runtime.mcp.errors import McpUnavailable
 from runtime.mcp.servers import McpConfigError, McpServer, parse_servers, parse_tool_overrides
-from runtime.preflight import check_mcp_servers
 from tests.mcp.support import (
     COUNTING,
     CrashingClients,

@@ -22,10 +22,10 @@ from flask.testing import FlaskClient
 import api
 from db.records import RunStatus, StepKind
 from db.store import RunStore
-from runtime.bootstrap import Runtime
 from runtime.client import Event, parse_sse
 from runtime.config import Settings
-from runtime.live import interrupt_key, stream_key
+from runtime.engine.bootstrap import Runtime
+from runtime.observe.live_channel import interrupt_key, stream_key
 from runtime.tools import tool
 from tests.fakes.messages_api import FakeMessagesApi, slow, text, tool_uses
 from tests.support import drive_to_end, expire_lease, register_agent, submit

@@ -16,9 +16,9 @@ from flask.testing import FlaskClient
 import api
 from api.events import durable_event
 from db.records import Dispatch, RunStatus, StepKind
-from runtime.bootstrap import Runtime
-from runtime.driver import Outcome
 from runtime.durable import Steps, durable_agent
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Outcome
 from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import tool
 from tasks.celery_app import make_celery

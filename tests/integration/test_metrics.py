@@ -14,12 +14,12 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import text
 
 from api import create_app
-from api.embedded import free_port
+from cli.embedded import free_port
 from db.records import ReadyRuns, RunStatus
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
-from runtime.metrics import Metrics
+from runtime.observe.metrics import Metrics
 from runtime.tools import tool
 from tasks.celery_app import DRIVE_RUN, make_celery
 from tasks.drive import stop_worker_state

@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy import text
 
 from db.records import RunStatus, StepKind, StepStatus
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
-from runtime.driver import Outcome
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Outcome
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.tools import Tool, ToolContext, tool
 from tests.fakes.messages_api import FakeMessagesApi
@@ -368,7 +368,7 @@ def test_a_model_without_a_price_is_charged_the_highest_rate_not_zero(
     run, a warning names the model and a metric counts it."""
     from prometheus_client import CollectorRegistry
 
-    from runtime.metrics import Metrics
+    from runtime.observe.metrics import Metrics
 
     fake.then_tool_use(
         "toolu_a", "lookup", {"q": "x"}, usage={"input_tokens": 1_000_000, "output_tokens": 10}
@@ -382,7 +382,7 @@ def test_a_model_without_a_price_is_charged_the_highest_rate_not_zero(
         token_budget=10_000_000,
         cost_budget_usd=Decimal("0.5"),
     )
-    with caplog.at_level("WARNING", logger="runtime.pricing"):
+    with caplog.at_level("WARNING", logger="runtime.llm.pricing"):
         drive_to_end(claude.driver(metrics=Metrics(registry)), dispatch)
     ended = claude.store.get_run(run.id)
     assert ended.status is RunStatus.FAILED

@@ -17,8 +17,7 @@ from db.errors import LeaseLost
 from db.records import Dispatch, NewRun, NewStep, RunStatus, Step, StepKind, StepStatus, Usage
 from db.store import RunStore
 from examples.order_refund import build as build_refund
-from runtime.bootstrap import Runtime
-from runtime.driver import Driver
+from runtime.admission.concurrency_keys import Slot
 from runtime.durable import (
     Model,
     StepError,
@@ -29,12 +28,13 @@ from runtime.durable import (
     step,
 )
 from runtime.durable.errors import InfrastructureError
-from runtime.heartbeat import Heartbeat
-from runtime.keys import Slot
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Driver
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.retry import RetryingLlmClient, RetryPolicy
 from runtime.llm.scripted import ScriptedLlm
-from runtime.testkit import DurableTester, FakeModel, SimulatedCrash
+from runtime.pipeline.heartbeat import Heartbeat
+from runtime.testing.testkit import DurableTester, FakeModel, SimulatedCrash
 from runtime.tools import ToolContext, tool
 from tests.support import drive_to_end, expire_lease, register_agent, submit
 

@@ -18,9 +18,9 @@ from db.engine import make_engine
 from db.errors import database_unavailable
 from db.records import NewStep, RunStatus, StepKind, StepStatus, Usage
 from db.store import RunStore
-from runtime.bootstrap import Runtime
+from runtime.admission.flow_control import FlowControl
 from runtime.config import Settings
-from runtime.flow import FlowControl
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.scripted import ScriptedLlm
 from tests.netproxy import TcpProxy

@@ -18,9 +18,9 @@ from sqlalchemy.exc import DBAPIError
 import api
 from db.engine import behind_a_pooler, make_engine
 from db.records import Dispatch, RunStatus
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
-from runtime.driver import Outcome
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Outcome
 from runtime.llm.scripted import ScriptedLlm
 from tasks.celery_app import make_celery
 from tests.pgbouncer import PgBouncer

@@ -16,8 +16,8 @@ import redis
 from celery import Celery
 
 from db.records import Dispatch, RunStatus
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from runtime.engine.bootstrap import Runtime
 from tasks.celery_app import DRIVE_RUN, make_celery
 from tasks.dispatch import send_drive
 from tasks.publish import DrivePublisher, publisher

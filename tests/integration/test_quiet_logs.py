@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from api.embedded import free_port
-from runtime.bootstrap import Runtime
+from cli.embedded import free_port
 from runtime.config import Settings
-from runtime.logctx import configure_logging
+from runtime.engine.bootstrap import Runtime
+from runtime.observe.logctx import configure_logging
 from tasks.celery_app import make_celery
 from tasks.dispatch import send_drive
 from tests.support import expire_lease, submit

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from api import create_app
-from api.embedded import EmbeddedPostgres
+from cli.embedded import EmbeddedPostgres
 from db.engine import make_engine
 from db.migrate import upgrade
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from tasks.celery_app import make_celery
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from db.records import RunStatus, StepStatus
-from runtime.bootstrap import Runtime
 from runtime.durable import Steps, durable_agent
-from runtime.testkit import DurableTester, SimulatedCrash
+from runtime.engine.bootstrap import Runtime
+from runtime.testing.testkit import DurableTester, SimulatedCrash
 from runtime.tools import OutcomeUnknown, Reconciled, ToolContext
 from tests.support import drive_to_end, expire_lease
 

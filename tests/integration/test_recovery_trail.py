@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from api import create_app
 from db.records import Dispatch, RunStatus
-from runtime.bootstrap import Runtime
 from runtime.client import parse_sse
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from tasks.celery_app import make_celery
 from tests.support import drive_to_end, expire_lease, register_agent, submit

@@ -22,15 +22,15 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from api.embedded import EmbeddedRedis, free_port, redis_server_binary
-from runtime.flow import FlowControl, Grant, ModelLimit
-from runtime.keys import KeyGate, Slot
-from runtime.metrics import Metrics
+from cli.embedded import EmbeddedRedis, free_port, redis_server_binary
+from runtime.admission.concurrency_keys import KeyGate, Slot
+from runtime.admission.flow_control import FlowControl, Grant, ModelLimit
+from runtime.observe.metrics import Metrics
 from tests.netproxy import TcpProxy
 
 MODEL = "claude-moving"
 TIMEOUT = 2.0
-"""The client timeouts the runtime uses for these scripts (runtime/bootstrap.py)."""
+"""The client timeouts the runtime uses for these scripts (runtime/engine/bootstrap.py)."""
 
 
 def _fail_opens(metrics: Metrics, action: str) -> float:

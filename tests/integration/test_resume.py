@@ -6,8 +6,8 @@ from dataclasses import replace
 
 from db.errors import LeaseLost
 from db.records import RunStatus, StepKind, StepStatus
-from runtime.bootstrap import Runtime
-from runtime.driver import Driver
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Driver
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import ToolContext, tool

@@ -7,8 +7,8 @@ from dataclasses import replace
 from sqlalchemy import text
 
 from db.errors import RunNotFound
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from tasks.celery_app import RETENTION, make_celery
 from tasks.drive import stop_worker_state

@@ -15,9 +15,9 @@ from sqlalchemy import text
 
 import api
 from db.records import Dispatch, RunStatus, Schedule
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
-from runtime.schedules import tick_schedules
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.schedules import tick_schedules
 from tasks.celery_app import make_celery
 
 
@@ -135,7 +135,7 @@ BASE = datetime(2026, 1, 1, tzinfo=UTC)
 
 def claim(runtime: Runtime, schedule_id: object, *ticks: int) -> list[Dispatch]:
     """One beat's pass over the schedule, claiming the ticks ``BASE + n minutes`` (the
-    store's part; which ticks are due is runtime.schedules', tested on its own)."""
+    store's part; which ticks are due is runtime.engine.schedules', tested on its own)."""
     make_due(runtime, schedule_id)
 
     def plan(_: Schedule, now: datetime) -> tuple[list[datetime], datetime]:

@@ -18,9 +18,9 @@ from sqlalchemy import text
 import api
 from db.errors import LeaseLost
 from db.records import Dispatch, NewStep, RunStatus, StepKind, StepStatus
-from runtime.bootstrap import Runtime
-from runtime.driver import Outcome
 from runtime.durable import SignalTimeout, Steps, durable_agent
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Outcome
 from tasks.celery_app import make_celery
 
 
@@ -245,7 +245,7 @@ def test_a_signal_for_a_finished_or_unknown_run_is_refused(
 
 
 def test_the_test_kit_returns_a_waiting_run_parked(rt: Runtime) -> None:
-    from runtime.testkit import DurableTester
+    from runtime.testing.testkit import DurableTester
 
     parked = DurableTester(rt).run(waiter, {})
     assert parked.status is RunStatus.RUNNING

@@ -1,4 +1,4 @@
-"""The engine reads each step kind's policy (``runtime.pipeline.KINDS``) where it decides:
+"""The engine reads each step kind's policy (``runtime.pipeline.kinds.KINDS``) where it decides:
 a body that a crash interrupted runs again when its kind says so (``steps.llm``,
 ``steps.side_effect``), and a ``steps.run`` with an effect does not."""
 
@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from db.records import RunStatus
-from runtime.bootstrap import Runtime
 from runtime.durable import Steps, durable_agent
-from runtime.testkit import SimulatedCrash
+from runtime.engine.bootstrap import Runtime
+from runtime.testing.testkit import SimulatedCrash
 from tests.integration.test_early_stops import drive_through_crashes
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from db.errors import LeaseLost
 from db.records import ModelCheckpoint, NewStep, RunStatus, StepKind, StepStatus, Usage
-from runtime.bootstrap import Runtime
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from tests.support import expire_lease, register_agent, submit
 
@@ -232,8 +232,8 @@ def test_a_claim_that_meets_a_database_outage_sends_its_message_again_soon(
     reaper's sweep; the run is untouched and the next delivery claims it."""
     from db.engine import make_engine
     from db.store import RunStore
-    from runtime.driver import CLAIM_RETRY_SECONDS, Driver
-    from runtime.task import Outcome
+    from runtime.engine.driver import CLAIM_RETRY_SECONDS, Driver
+    from runtime.pipeline.checkpoint import Outcome
 
     register_agent(runtime.agents)
     run, dispatch = submit(runtime.store)

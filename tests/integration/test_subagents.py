@@ -23,9 +23,9 @@ import api
 from db.records import Dispatch, RunStatus, StepKind, StepStatus
 from db.store import RunStore
 from runtime.agents import Agent, AgentConfigError, AgentRegistry, Subagent
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
-from runtime.driver import Outcome
+from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Outcome
 from runtime.tools import tool
 from tests.fakes.messages_api import FakeMessagesApi, Reply, error, message, text, tool_uses
 from tests.support import expire_lease, submit

@@ -14,8 +14,8 @@ from sqlalchemy import text
 from api import create_app
 from api.auth import hash_token
 from db.records import NewRun
-from runtime.bootstrap import Runtime
 from runtime.config import Settings
+from runtime.engine.bootstrap import Runtime
 from tasks.celery_app import make_celery
 
 TOKEN = "dar_quota_token"

@@ -14,8 +14,8 @@ from flask.testing import FlaskClient
 
 from api import create_app
 from db.records import Dispatch, Run, RunStatus, Step, StepStatus
-from runtime.acme import add_comment_tool
-from runtime.bootstrap import Runtime
+from runtime.agentloop.acme import add_comment_tool
+from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import Reconciled, Tool, ToolContext, tool
 from tasks.celery_app import make_celery

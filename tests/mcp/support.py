@@ -14,7 +14,7 @@ from typing import Any
 
 from runtime.mcp.client import CallResult, McpClients
 from runtime.mcp.servers import McpServer, ToolPolicy
-from runtime.testkit import SimulatedCrash
+from runtime.testing.testkit import SimulatedCrash
 
 COUNTING = str(Path(__file__).with_name("counting_server.py"))
 

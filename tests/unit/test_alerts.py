@@ -9,7 +9,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from db.records import ReadyRuns
-from runtime.metrics import FleetCollector, Metrics
+from runtime.observe.metrics import FleetCollector, Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 SUFFIXES = {"counter": ("_total",), "histogram": ("_count", "_sum", "_bucket"), "gauge": ("",)}

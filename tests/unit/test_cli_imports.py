@@ -24,8 +24,8 @@ def _loaded_after(statement: str) -> set[str]:
 @pytest.mark.parametrize(
     "statement",
     [
-        "import api.cli",
-        "from api.cli import build_parser; build_parser()",
+        "import cli.main",
+        "from cli.main import build_parser; build_parser()",
         "from runtime.client import Client",
     ],
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.cli import _step_line
+from cli.main import _step_line
 
 STEP: dict[str, Any] = {
     "seq": 1,
@@ -39,7 +39,7 @@ def test_an_audit_entry_has_no_seq_and_says_who_did_what() -> None:
 
 
 def test_the_timeline_table_shows_an_audit_entry_as_what_and_by_whom() -> None:
-    from api.cli import _timeline_table
+    from cli.main import _timeline_table
 
     audit = {**STEP, "seq": None, "kind": "AUDIT", "stepKey": "audit:recovery.resumed",
              "action": "recovery.resumed", "actor": "worker-B", "worker": None}  # fmt: skip

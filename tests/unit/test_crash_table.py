@@ -1,5 +1,5 @@
 """The README's "What runs again after a crash" table and the engine's step kinds
-(``runtime.pipeline.KINDS``) say the same thing, both ways: every kind has its row with the
+(``runtime.pipeline.kinds.KINDS``) say the same thing, both ways: every kind has its row with the
 same rule, and every row names a kind."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.pipeline import HEADER, KINDS, AfterCrash, Before, StepKind
+from runtime.pipeline.kinds import HEADER, KINDS, AfterCrash, Before, StepKind
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -22,7 +22,7 @@ def crash_table_rows() -> dict[str, list[str]]:
     lines = README.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("**What runs again after"))
     head = next(i for i in range(start, len(lines)) if lines[i].startswith("| step kind"))
-    assert lines[head] == HEADER, "the crash table's columns changed: see runtime/pipeline.py"
+    assert lines[head] == HEADER, "the crash table's columns changed: see runtime/pipeline/kinds.py"
     rows: dict[str, list[str]] = {}
     for line in lines[head + 2 :]:
         if not line.startswith("|"):
@@ -36,7 +36,7 @@ def crash_table_rows() -> dict[str, list[str]]:
 def test_every_row_of_the_crash_table_names_a_step_kind() -> None:
     names = {policy.name for policy in KINDS.values()}
     unknown = set(crash_table_rows()) - names
-    assert not unknown, f"README rows naming no kind of runtime.pipeline.KINDS: {unknown}"
+    assert not unknown, f"README rows naming no kind of runtime.pipeline.kinds.KINDS: {unknown}"
 
 
 @pytest.mark.parametrize("kind", list(StepKind))

@@ -9,9 +9,11 @@ import sys
 
 import pytest
 
-from runtime.faults import Faults, parse
+from runtime.pipeline.faults import Faults, parse
 
-SCRIPT = "from runtime.faults import crash_point; crash_point('after_claim'); print('alive')"
+SCRIPT = (
+    "from runtime.pipeline.faults import crash_point; crash_point('after_claim'); print('alive')"
+)
 
 
 def _run(env_faults: str) -> subprocess.CompletedProcess[str]:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from db.records import Run, RunStatus, Usage
-from runtime.guard import Stop, guard
+from runtime.pipeline.guard import Stop, guard
 
 NOW = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
 

@@ -8,7 +8,7 @@ from decimal import Decimal
 import pytest
 
 from db.records import Usage
-from runtime.pricing import DEFAULT_PRICES, PriceTable, PricingError
+from runtime.llm.pricing import DEFAULT_PRICES, PriceTable, PricingError
 
 
 def test_known_models_are_priced_by_longest_prefix() -> None:
@@ -27,7 +27,7 @@ def test_an_unknown_model_costs_the_highest_known_rate_and_warns_once(
     usage = Usage(input_tokens=1_000_000, output_tokens=1_000_000)
     top_in = max(p.input for p in DEFAULT_PRICES.values())
     top_out = max(p.output for p in DEFAULT_PRICES.values())
-    with caplog.at_level(logging.WARNING, logger="runtime.pricing"):
+    with caplog.at_level(logging.WARNING, logger="runtime.llm.pricing"):
         first = table.cost("gpt-unknown", usage)
         second = table.cost("gpt-unknown", usage)
     assert first == second == top_in + top_out

@@ -71,7 +71,7 @@ def test_listeners_are_local_or_authenticated() -> None:
 def test_the_worker_defaults_are_defined_once_and_shipped_everywhere() -> None:
     """Issue 26.4: the Procfile, compose.yaml, `dar dev`, the bench and the README's capacity
     section run the worker with the same pool and concurrency: runtime.config's."""
-    from api.devstack import DevStack
+    from cli.devstack import DevStack
     from runtime.config import WORKER_CONCURRENCY, WORKER_POOL
 
     assert (WORKER_POOL, WORKER_CONCURRENCY) == ("gevent", 1000)

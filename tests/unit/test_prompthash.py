@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from runtime.prompthash import PromptHashes, prompt_hash
+from runtime.pipeline.prompthash import PromptHashes, prompt_hash
 
 TOOLS = [{"name": "list_tickets", "description": "Tickets ∑", "input_schema": {"type": "object"}}]
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from db.records import Step, StepKind, StepStatus, Usage
-from runtime.replay import ReplayCache, model_step_key, replay, tool_step_key
+from runtime.pipeline.replay import ReplayCache, model_step_key, replay, tool_step_key
 
 RUN_ID = uuid.UUID("00000000-0000-4000-8000-000000000001")
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

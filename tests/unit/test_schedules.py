@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from runtime.schedules import (
+from runtime.engine.schedules import (
     GRACE,
     MAX_TICKS_PER_PASS,
     Cron,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from api.auth import TokenTable
-from api.cli import main
+from cli.main import main
 
 
 def _entry(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

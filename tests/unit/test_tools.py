@@ -12,7 +12,7 @@ import pydantic
 import pytest
 
 from db.demo import TicketStore
-from runtime.acme import list_tickets_tool
+from runtime.agentloop.acme import list_tickets_tool
 from runtime.tools import (
     Tool,
     ToolContext,

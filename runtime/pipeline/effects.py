@@ -1,6 +1,6 @@
 """Steps with an effect: the one place that decides what runs again after a crash.
 
-Every kind of step whose code may change the world goes through :func:`execute`: a tool call
+Every kind of step whose code may change the world goes through :func:`run_effect`: a tool call
 of the agent loop, a durable ``steps.run`` / ``@step`` body, an approved action, a
 compensation. The rule, written once:
 
@@ -41,9 +41,9 @@ from typing import Any
 
 from db.records import NewStep, Step, StepStatus
 from runtime import native
-from runtime.faults import crash_point
-from runtime.pipeline import KINDS, Found, Policy, StepKind
-from runtime.task import StepResult, Task
+from runtime.pipeline.checkpoint import StepResult, Task
+from runtime.pipeline.faults import crash_point
+from runtime.pipeline.kinds import KINDS, Found, Policy, StepKind
 from runtime.tools import OutcomeUnknown, Reconciled, ToolContext
 
 log = logging.getLogger(__name__)
@@ -116,10 +116,10 @@ class StillRunning:
 Verdict = Ran | Raised | WasReconciled | InDoubt | StillRunning
 
 
-def execute(task: Task, effect: Effect, found: Found) -> Verdict:
+def run_effect(task: Task, effect: Effect, found: Found) -> Verdict:
     """Run ``effect`` under the rules above; ``found`` is what the log says of its key."""
     if not effect.policy.has_effect:
-        raise ValueError(f"a {effect.kind} step has no effect to execute (runtime.pipeline)")
+        raise ValueError(f"a {effect.kind} step has no effect to execute (runtime.pipeline.kinds)")
     context = ToolContext(run_id=task.run_id, tool_use_id=effect.context_key or effect.key)
     if found.in_doubt is not None:
         decided = _in_doubt(task, effect, found.in_doubt, context)

@@ -62,7 +62,7 @@ def check_database_url(url: str | None, *, connect: bool = True, timeout: int = 
 def check_agents(settings: Settings) -> AgentRegistry:
     """Load the agents as a worker would (DAR_AGENT_MODULES, DAR_DEFAULT_AGENT)."""
     from db.demo import TicketStore
-    from runtime.bootstrap import load_agents
+    from runtime.engine.bootstrap import load_agents
 
     engine = make_engine(
         settings.require_database_url(), pool_size=1, max_overflow=0, prepare=settings.db_prepare

@@ -2,8 +2,8 @@
 
 The model decides, tools run, repeat. The conversation is rebuilt from the step rows (replay);
 the next step is the first pending tool of the last turn, else a model call, else the end.
-A tool call is a step with an effect (:mod:`runtime.effects`), a model call goes through
-:mod:`runtime.modelcall`; this module only chooses between them and records their rows.
+A tool call is a step with an effect (:mod:`runtime.pipeline.effects`), a model call goes through
+:mod:`runtime.pipeline.modelcall`; this module only chooses between them and records their rows.
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ from datetime import datetime
 from typing import Any
 
 from db.records import NewRun, NewStep, RunStatus, StepKind, StepStatus
-from runtime import effects, mcpcall, modelcall, pipeline
 from runtime.agents import Agent
-from runtime.faults import crash_point
 from runtime.llm.base import LlmError, LlmRequest
-from runtime.logctx import set_step
 from runtime.mcp.client import CallResult
 from runtime.mcp.toolset import Toolset
-from runtime.replay import Conversation, model_step_key, replay, tool_step_key
-from runtime.task import Outcome, StepResult, Task
+from runtime.observe.logctx import set_step
+from runtime.observe.tracing import Span, step_span
+from runtime.pipeline import effects, kinds, mcpcall, modelcall
+from runtime.pipeline.checkpoint import Outcome, StepResult, Task
+from runtime.pipeline.faults import crash_point
+from runtime.pipeline.replay import Conversation, model_step_key, replay, tool_step_key
 from runtime.tools import ToolContext, ToolInputError, render_output
-from runtime.tracing import Span, step_span
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def _deliver_message(task: Task, conversation: Conversation) -> StepResult | Non
     turn after the last turn's tool results. ``None`` when there is none after all."""
     seq = task.next_seq
     key = f"message:{sum(1 for s in task.steps if s.kind is StepKind.MESSAGE)}"
-    kind = pipeline.KINDS[pipeline.StepKind.MESSAGE].row
+    kind = kinds.KINDS[kinds.StepKind.MESSAGE].row
 
     def row(content: Any) -> NewStep:
         return NewStep(seq, key, kind, StepStatus.DONE, response=content, attempt=1, latency_ms=0)
@@ -185,7 +185,7 @@ def _recheck(task: Task) -> float:
 
 
 def _subagent_error(seq: int, use: dict[str, Any], text: str) -> NewStep:
-    kind = pipeline.KINDS[pipeline.StepKind.SUBAGENT].row
+    kind = kinds.KINDS[kinds.StepKind.SUBAGENT].row
     return NewStep(
         seq,
         tool_step_key(use["id"]),
@@ -206,7 +206,7 @@ def _start_subagents(task: Task, agent: Agent, fresh: list[dict[str, Any]]) -> S
     from the parent and the step key). Children started together split what the parent
     has left of its token budget, so together they cannot spend more than it."""
     parent = task.claim.run
-    kind = pipeline.KINDS[pipeline.StepKind.SUBAGENT].row
+    kind = kinds.KINDS[kinds.StepKind.SUBAGENT].row
     seq = task.next_seq
     refused: list[NewStep] = []
     for i, use in enumerate(fresh):
@@ -266,7 +266,7 @@ def _took_ms(since: datetime, until: datetime | None) -> int:
 def _collect_subagent(task: Task, calls: list[dict[str, Any]]) -> StepResult:
     """Record the result of the first child that ended as its tool's result; park (holding
     nothing) while none has."""
-    kind = pipeline.KINDS[pipeline.StepKind.SUBAGENT].row
+    kind = kinds.KINDS[kinds.StepKind.SUBAGENT].row
     for _ in range(2):  # a child that ends while the parent parks is read at once
         waiting: list[uuid.UUID] = []
         for use in calls:
@@ -349,7 +349,7 @@ def _model_step(
     set_step(seq)
     request = _request(task, agent, conversation, toolset)
     key = model_step_key(conversation.model_turns + 1)
-    outcome = modelcall.call(task, request, kind=pipeline.StepKind.MODEL, key=key, seq=seq)
+    outcome = modelcall.call(task, request, kind=kinds.StepKind.MODEL, key=key, seq=seq)
     if isinstance(outcome, modelcall.Failed):
         if not isinstance(outcome.error, LlmError):
             raise outcome.error  # not an answer of the API: the task fails, the run goes on
@@ -443,7 +443,7 @@ def _tool_step(task: Task, agent: Agent, use: dict[str, Any]) -> StepResult:
         timeout, label, limit_seconds = None, call.label, call.timeout_seconds
     effect = effects.Effect(
         key=key,
-        kind=pipeline.StepKind.TOOL if tool is not None else pipeline.StepKind.MCP_TOOL,
+        kind=kinds.StepKind.TOOL if tool is not None else kinds.StepKind.MCP_TOOL,
         seq=seq,
         fn=fn,
         label=f"{label} (tool_use id {tool_use_id}, seq={seq})",
@@ -457,7 +457,7 @@ def _tool_step(task: Task, agent: Agent, use: dict[str, Any]) -> StepResult:
     )
     if existing is None:
         log.info("run=%s seq=%d TOOL %s id=%s started", task.rid, seq, name, tool_use_id)
-    verdict = effects.execute(task, effect, found)
+    verdict = effects.run_effect(task, effect, found)
     stopped = effects.unsettled(task, verdict)
     if stopped is not None:
         return stopped

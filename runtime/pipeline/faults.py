@@ -11,7 +11,7 @@ Points, in the order a step passes them:
 - ``before_model_call``: the request is built;
 - ``after_model_response``: the model answered (and was paid), not yet checkpointed;
 - ``after_tool_start``: the tool step is recorded STARTED (an idempotent one: not yet, see
-  ``runtime.effects`` rule 1), the tool has not run;
+  ``runtime.pipeline.effects`` rule 1), the tool has not run;
 - ``after_tool_effect``: the tool ran (its side effect happened), not yet recorded;
 - ``after_checkpoint``: the step is committed, the next message not yet sent;
 - ``before_message_delivery``: a message posted to an agent-loop run is about to be

@@ -7,7 +7,7 @@ across durable timers, so the total stays capped; crash points; the live stream)
 classification (a retry later, a cancel, a deadline), the price and the metrics, and the
 record, with the rule that a billed call is counted against the run even when its checkpoint
 is refused (:func:`record_billed`). Whether the record is the task's step or a child of the
-running step is the kind's (``runtime.pipeline.KINDS``); what the outcome means for the run
+running step is the kind's (``runtime.pipeline.kinds.KINDS``); what the outcome means for the run
 is the caller's.
 """
 
@@ -24,19 +24,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from db.errors import LeaseLost, database_unavailable
 from db.records import Dispatch, NewStep, RunStatus, Step, StepKind, StepStatus, Usage
-from runtime import pipeline
-from runtime.faults import crash_point
-from runtime.flow import Refusal
-from runtime.keys import tenant_key
+from runtime.admission.concurrency_keys import tenant_key
+from runtime.admission.flow_control import Refusal
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.billing import Meter, metering
-from runtime.llm.live import ModelCallCancelled, ModelCallInterrupted, live_call
+from runtime.llm.live_call import ModelCallCancelled, ModelCallInterrupted, live_call
 from runtime.llm.retry import RetryLater, prior_attempts, reset_prior_attempts
-from runtime.prompthash import prompt_hash as prompt_hash
-from runtime.task import Earlier, Task
+from runtime.pipeline import kinds
+from runtime.pipeline.checkpoint import Earlier, Task
+from runtime.pipeline.faults import crash_point
+from runtime.pipeline.prompthash import prompt_hash as prompt_hash
 
 if TYPE_CHECKING:
-    from runtime.live import RedisLiveCall
+    from runtime.observe.live_channel import RedisLiveCall
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -325,7 +325,9 @@ def live_scope(
     if channel is None or key is None:
         yield None
         return
-    from runtime.live import RedisLiveCall  # imports redis: only where a channel exists
+    from runtime.observe.live_channel import (
+        RedisLiveCall,  # imports redis: only where a channel exists
+    )
 
     store, run_id = task.store, task.run_id
     with channel.watch(run_id, interruptible=interruptible) as watched:
@@ -400,8 +402,8 @@ def record_billed(
     committed: Callable[[], T],
 ) -> T:
     """Run ``write``, the fenced record ``row`` of the billed call, durably
-    (:meth:`~runtime.task.Task.durably`: an answer that arrived is not thrown away because
-    the database blinked; when an earlier try did commit, ``committed()`` is its result).
+    (:meth:`~runtime.pipeline.checkpoint.Task.durably`: an answer that arrived is not thrown away
+    because the database blinked; when an earlier try did commit, ``committed()`` is its result).
     When the fence refuses it (the run was taken over), the call is counted against the run
     anyway (the money was spent whoever holds the run now) and ``LeaseLost`` goes on."""
     try:
@@ -489,7 +491,7 @@ def call(
     task: Task,
     request: LlmRequest,
     *,
-    kind: pipeline.StepKind,
+    kind: kinds.StepKind,
     key: str,
     seq: int,
     attempt: int = 1,
@@ -503,7 +505,7 @@ def call(
     call, its classification, its price and its record (retried across a database blip;
     billed even when the fence refuses it). An exception other than the call's own
     (:class:`Failed`) is the engine's: the database, the lease."""
-    policy = pipeline.KINDS[kind]
+    policy = kinds.KINDS[kind]
     assert policy.bills, f"a {kind} step does not call the model"
     body = body if body is not None else request.to_json()
     original = recorded_answer(task, key, body, diverged=diverged) if make is None else None
@@ -571,7 +573,7 @@ def call(
         "run=%s seq=%d MODEL%s stop=%s in=%d out=%d latency=%dms",
         task.rid,
         seq,
-        "" if kind is pipeline.StepKind.MODEL else f" {key}",
+        "" if kind is kinds.StepKind.MODEL else f" {key}",
         response.stop_reason,
         response.usage.input_tokens,
         response.usage.output_tokens,

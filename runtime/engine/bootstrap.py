@@ -13,22 +13,24 @@ from db.demo import TicketStore
 from db.engine import make_engine
 from db.records import Dispatch, NewRun, Run
 from db.store import RunStore
-from runtime.acme import acme_agent
+from runtime.admission.concurrency_keys import KeyGate, parse_key_overrides
+from runtime.admission.flow_control import LEASE_MARGIN_SECONDS, FlowControl, parse_model_limits
+from runtime.agentloop.acme import acme_agent
 from runtime.agents import Agent, AgentConfigError, AgentRegistry
 from runtime.config import Settings
-from runtime.driver import Driver
-from runtime.flow import LEASE_MARGIN_SECONDS, FlowControl, parse_model_limits
-from runtime.heartbeat import Heartbeat
-from runtime.keys import KeyGate, parse_key_overrides
+from runtime.engine.driver import Driver
 from runtime.llm.base import LlmClient
 from runtime.llm.demo import DemoModel
+from runtime.llm.pricing import PriceTable
 from runtime.mcp.client import McpClients
 from runtime.mcp.servers import parse_servers, parse_tool_overrides
-from runtime.metrics import Metrics
-from runtime.pricing import PriceTable
+from runtime.observe.metrics import Metrics
+from runtime.pipeline.heartbeat import Heartbeat
 
-if TYPE_CHECKING:  # runtime.live imports redis (and ssl): not before gevent patches it
-    from runtime.live import LiveChannel
+if (
+    TYPE_CHECKING
+):  # runtime.observe.live_channel imports redis (and ssl): not before gevent patches it
+    from runtime.observe.live_channel import LiveChannel
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ class Runtime:
     def live(self) -> LiveChannel | None:
         """The live stream's Redis side (``None`` without ``REDIS_URL``); made on first use."""
         if self._live is None and self.settings.redis_url:
-            from runtime.live import LiveChannel
+            from runtime.observe.live_channel import LiveChannel
 
             self._live = LiveChannel(
                 self.settings.redis_url,

@@ -58,7 +58,7 @@ def _migrate(_: argparse.Namespace) -> int:
     from db.engine import make_engine
     from db.migrate import current_revision, upgrade
     from runtime.config import Settings
-    from runtime.preflight import check_database_url
+    from runtime.engine.preflight import check_database_url
 
     url = check_database_url(Settings.from_env().require_database_url())
     engine = make_engine(url, pool_size=1)
@@ -71,7 +71,7 @@ def _migrate(_: argparse.Namespace) -> int:
 
 
 def _stack(args: argparse.Namespace, **extra: Any) -> Any:
-    from api.devstack import DevStack, RestartPolicy
+    from cli.devstack import DevStack, RestartPolicy
 
     return DevStack(
         data_dir=Path(args.data_dir),
@@ -136,7 +136,7 @@ def _dev(args: argparse.Namespace) -> int:
 
 
 def _ps(args: argparse.Namespace) -> int:
-    from api.devstack import pid_alive, running_stack
+    from cli.devstack import pid_alive, running_stack
 
     state = running_stack(Path(args.data_dir))
     if state is None:

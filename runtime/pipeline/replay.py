@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from db.records import Step, StepKind, StepStatus
-from runtime.lru import TakeOut
+from runtime.pipeline.lru import TakeOut
 
 JsonObj = dict[str, Any]
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from api.embedded import EmbeddedPostgres, EmbeddedRedis
+from cli.embedded import EmbeddedPostgres, EmbeddedRedis
 from db.demo import TicketStore
 from db.engine import make_engine
 from db.errors import DarError
@@ -206,7 +206,7 @@ class DevStack:
     # -- services -----------------------------------------------------------------------
 
     def start_services(self) -> None:
-        from runtime.preflight import check_database_url
+        from runtime.engine.preflight import check_database_url
 
         self.database_url = self.env.get("DATABASE_URL", "")
         if self.database_url:
@@ -232,7 +232,7 @@ class DevStack:
         the settings, the API tokens, the agents."""
         from api.auth import TokenSource, check_approval_roles, check_token_roles
         from runtime.config import Settings
-        from runtime.preflight import check_agents, unknown_agent_message
+        from runtime.engine.preflight import check_agents, unknown_agent_message
 
         settings = Settings.from_env(self._child_env())
         tokens = TokenSource(settings.api_tokens, settings.api_tokens_file).table

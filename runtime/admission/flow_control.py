@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from db.records import Usage
 from runtime.config import ConfigError
-from runtime.metrics import Metrics
+from runtime.observe.metrics import Metrics
 
 if TYPE_CHECKING:  # redis is imported when a bucket is used: importing it pulls in ssl,
     # which must not happen in a gunicorn master before its gevent workers patch it

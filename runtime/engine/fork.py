@@ -15,7 +15,7 @@ At run time: a copied approval whose payload the edits changed is asked again
 (:mod:`runtime.durable.execution`), copied steps are never compensated by the fork
 (:mod:`runtime.durable.compensation`), and with ``replay_model`` model steps are answered
 from the original's recorded responses while the requests stay byte-identical
-(:func:`runtime.modelcall.recorded_answer`).
+(:func:`runtime.pipeline.modelcall.recorded_answer`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Every kind of step, and what differs between kinds: one table a reader can see whole.
 
 Each step of a run, whatever its kind, goes the same way: looked up in the step log
-(recorded, in doubt, or new), run (a step with an effect through :mod:`runtime.effects`, a
-model call through :mod:`runtime.modelcall`), recorded through :class:`runtime.task.Task`,
-and stopped, when the run ends early, through one path that runs its compensations. What
-differs per kind is the :class:`Policy` below, in :data:`KINDS`; the engine reads it where
-it decides (the STARTED row, the in-doubt rule, the budget guard, billing).
+(recorded, in doubt, or new), run (a step with an effect through :mod:`runtime.pipeline.effects`, a
+model call through :mod:`runtime.pipeline.modelcall`), recorded through
+:class:`runtime.pipeline.checkpoint.Task`, and stopped, when the run ends early, through one path
+that runs its compensations. What differs per kind is the :class:`Policy` below, in :data:`KINDS`;
+the engine reads it where it decides (the STARTED row, the in-doubt rule, the budget guard,
+billing).
 
 The README's "What runs again after a crash" table is rendered from :data:`KINDS`
 (``python -m runtime.pipeline`` prints it) and ``tests/unit/test_crash_table.py`` checks the
@@ -14,7 +15,7 @@ two both ways, so they cannot drift.
 **Adding a step kind** (a message, a signal, a child run, a framework's call): add a member
 to :class:`StepKind`, its :class:`Policy` to :data:`KINDS` (the row kind it is stored as,
 what is written before it runs, the rule after a crash), paste its README row, and make its
-code go through the pipeline: ``effects.execute`` for anything with an effect, the model-call
+code go through the pipeline: ``effects.run_effect`` for anything with an effect, the model-call
 sequence for anything billed, ``Task`` to record.
 """
 
@@ -89,7 +90,7 @@ class AfterCrash(enum.StrEnum):
     RUN_AGAIN = "run again"
     """Its body has no effect of its own: always safe to run again."""
     IDEMPOTENT_RECONCILE_ATTENTION = "idempotent: run again; else reconcile; else NEEDS_ATTENTION"
-    """The one rule of :mod:`runtime.effects` for a step with an effect."""
+    """The one rule of :mod:`runtime.pipeline.effects` for a step with an effect."""
     NOTHING = "nothing to repeat"
 
 
@@ -127,7 +128,7 @@ class Policy:
 
     @property
     def has_effect(self) -> bool:
-        """It runs through the step executor (:func:`runtime.effects.execute`)."""
+        """It runs through the step executor (:func:`runtime.pipeline.effects.run_effect`)."""
         return self.before is Before.STARTED
 
     @property
@@ -398,7 +399,7 @@ class State(enum.StrEnum):
     """Done, failed or rejected: replayed from its row, never run again."""
     IN_DOUBT = "IN_DOUBT"
     """``STARTED``: its worker stopped between the effect and its record; the kind's rule
-    after a crash decides (:func:`runtime.effects.execute`)."""
+    after a crash decides (:func:`runtime.pipeline.effects.run_effect`)."""
     OPEN = "OPEN"
     """Stopped at a known point (paused, waiting to be retried, waiting for or granted an
     approval): entered again, not in doubt."""

@@ -1,6 +1,6 @@
 """MCP tools as steps: the run's tool set, and one call of an MCP tool.
 
-An MCP call is a step with an effect like any other (:mod:`runtime.effects`): written
+An MCP call is a step with an effect like any other (:mod:`runtime.pipeline.effects`): written
 ``STARTED`` before the call, its key sent as the idempotency key in the request's ``_meta``,
 its result (and ``isError``) recorded. Whether it runs again after a crash comes from the
 tool's annotations (``readOnlyHint`` or ``idempotentHint``: yes; destructive or unknown: no,
@@ -25,7 +25,7 @@ from runtime.mcp.client import CallResult, McpClients
 from runtime.mcp.errors import McpError, McpInDoubt, McpRemoteError, McpUnavailable
 from runtime.mcp.servers import McpConfigError, McpServer, Reconcile, ToolPolicy
 from runtime.mcp.toolset import TOOLSET_KEY, OfferedTool, Toolset, idempotent, offered, same_schema
-from runtime.task import StepResult, Task
+from runtime.pipeline.checkpoint import StepResult, Task
 from runtime.tools import ToolContext, ToolInputError
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from db.records import RunStatus, Usage
 from db.store import RunStore
-from runtime.pricing import PriceTable
+from runtime.llm.pricing import PriceTable
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RUN_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600)

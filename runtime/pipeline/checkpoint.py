@@ -23,22 +23,24 @@ from db.errors import LeaseLost, database_unavailable
 from db.records import Claim, Dispatch, NewStep, Run, RunStatus, Step, StepStatus, Usage
 from db.records import StepKind as RowKind
 from db.store import RunStore
+from runtime.admission.flow_control import FlowControl, Grant
 from runtime.config import Settings
-from runtime.flow import FlowControl, Grant
-from runtime.guard import Stop, guard
-from runtime.heartbeat import HeldLease
 from runtime.llm.base import LlmClient
-from runtime.logctx import error_text
+from runtime.llm.pricing import PriceTable
 from runtime.mcp.client import McpClients
-from runtime.metrics import Metrics
-from runtime.pipeline import Found, look_up
-from runtime.pricing import PriceTable
-from runtime.prompthash import PromptHashes
-from runtime.replay import ReplayCache
-from runtime.tracing import run_span
+from runtime.observe.logctx import error_text
+from runtime.observe.metrics import Metrics
+from runtime.observe.tracing import run_span
+from runtime.pipeline.guard import Stop, guard
+from runtime.pipeline.heartbeat import HeldLease
+from runtime.pipeline.kinds import Found, look_up
+from runtime.pipeline.prompthash import PromptHashes
+from runtime.pipeline.replay import ReplayCache
 
-if TYPE_CHECKING:  # runtime.live imports redis (and ssl): not before gevent patches it
-    from runtime.live import LiveChannel
+if (
+    TYPE_CHECKING
+):  # runtime.observe.live_channel imports redis (and ssl): not before gevent patches it
+    from runtime.observe.live_channel import LiveChannel
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -160,7 +162,8 @@ class Task:
         return self._log[1]
 
     def look_up(self, key: str) -> Found:
-        """Is the step ``key`` recorded, in doubt, or new? (:func:`runtime.pipeline.look_up`)"""
+        """Is the step ``key`` recorded, in doubt, or new?
+        (:func:`runtime.pipeline.kinds.look_up`)"""
         return look_up(self.log, key)
 
     @property
@@ -284,7 +287,7 @@ class Task:
     def record_model(self, row: NewStep, *, child: bool) -> Dispatch | None:
         """Record a model call (its tokens added to the run): as the task's step, handing
         the lease on in the same statement; or, with ``child``, inside the running step.
-        The caller makes it durable (:func:`runtime.modelcall.record_billed`)."""
+        The caller makes it durable (:func:`runtime.pipeline.modelcall.record_billed`)."""
         if child:
             self.store.record_child(self.claim, row)
             return None

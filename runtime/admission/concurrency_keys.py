@@ -9,9 +9,9 @@ still parked by sending its message at once (one cancelled or ended meanwhile is
 the queue, and the next woken instead); the timer is only the fallback for a wake that was
 lost. A holder whose next step follows at once keeps its place in line between its steps.
 
-Why Redis and not PostgreSQL, like the model buckets of :mod:`runtime.flow`: the slot is asked
-for before *every* step of a keyed run, by every worker, and must be atomic across the fleet;
-one Lua script per decision is atomic by construction and costs one round trip, where
+Why Redis and not PostgreSQL, like the model buckets of :mod:`runtime.admission.flow_control`: the
+slot is asked for before *every* step of a keyed run, by every worker, and must be atomic across
+the fleet; one Lua script per decision is atomic by construction and costs one round trip, where
 PostgreSQL would need a lock on the key and a write per step on the hot path of the database
 that holds the truth. A slot holds nothing important: losing it must not lose a run.
 
@@ -24,7 +24,7 @@ that holds the truth. A slot holds nothing important: losing it must not lose a 
   advancing every run a step at a time.
 - **Fairness across keys** comes from the per-key cap itself (a busy key never holds more
   than its N workers, however many runs it queued), and from the model buckets' waiter
-  queue, which interleaves keys round-robin (:mod:`runtime.flow`).
+  queue, which interleaves keys round-robin (:mod:`runtime.admission.flow_control`).
 - **Losing Redis fails open**: the step goes ahead, with an error log line and
   ``dar_flow_fail_open_total{action="key"}``; the key cap is lost until Redis is back,
   nothing else.
@@ -39,11 +39,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from runtime.admission.flow_control import FailOpenAlarm
 from runtime.config import ConfigError
-from runtime.flow import FailOpenAlarm
-from runtime.metrics import Metrics
+from runtime.observe.metrics import Metrics
 
-if TYPE_CHECKING:  # redis is imported when a gate is built (see runtime.flow)
+if TYPE_CHECKING:  # redis is imported when a gate is built (see runtime.admission.flow_control)
     import redis
 
 log = logging.getLogger(__name__)

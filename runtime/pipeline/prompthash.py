@@ -14,7 +14,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.lru import TakeOut
+from runtime.pipeline.lru import TakeOut
 
 _PLACEHOLDER = "\ufdd0dar-messages\ufdd0"  # a noncharacter: never in a real request
 _QUOTED = json.dumps(_PLACEHOLDER, ensure_ascii=False)
@@ -45,7 +45,7 @@ class PromptHashes:
     part before the messages, each message once, and the part after. A run's hash state
     after all but its last message is kept; the next body continues from it when its first
     messages are the same objects (the replay hands the same message dicts on, see
-    :class:`runtime.replay.ReplayCache`) and the part before them is unchanged. Anything
+    :class:`runtime.pipeline.replay.ReplayCache`) and the part before them is unchanged. Anything
     else starts afresh. Bounded; thread-safe."""
 
     def __init__(self, capacity: int = 512) -> None:

@@ -302,7 +302,7 @@ class LiveChannel:
 
 
 class RedisLiveCall:
-    """:class:`~runtime.llm.live.LiveCall` for one model call of step ``key``."""
+    """:class:`~runtime.llm.live_call.LiveCall` for one model call of step ``key``."""
 
     def __init__(
         self,

@@ -6,16 +6,16 @@ the returned :class:`Dispatch`, if any, only after this call has returned, that 
 step has been committed.
 
 Both programming models are programs over the same step log, run by the same :class:`Task`:
-the agent loop (:mod:`runtime.agent_loop`) and durable functions (:mod:`runtime.durable`).
+the agent loop (:mod:`runtime.agentloop.loop`) and durable functions (:mod:`runtime.durable`).
 Where each behaviour lives, once:
 
-- what differs per kind of step, and the one lookup of a step key: :mod:`runtime.pipeline`;
+- what differs per kind of step, and the one lookup of a step key: :mod:`runtime.pipeline.kinds`;
 - fencing: every write in :mod:`db.store` (``LeaseLost`` when the lease is gone);
 - the guard, every record (across a database blip) and the ways a task ends (checkpoint,
-  timer, finish): :mod:`runtime.task`;
+  timer, finish): :mod:`runtime.pipeline.checkpoint`;
 - STARTED / in-doubt / timeout of every step with an effect, and its row:
-  :mod:`runtime.effects`;
-- the model-call sequence, its attempts and its billing: :mod:`runtime.modelcall`;
+  :mod:`runtime.pipeline.effects`;
+- the model-call sequence, its attempts and its billing: :mod:`runtime.pipeline.modelcall`;
 - stopping a durable function early, with its compensations: ``Execution.stop``
   (:mod:`runtime.durable.execution`, :mod:`runtime.durable.compensation`).
 """
@@ -33,28 +33,30 @@ from sqlalchemy.exc import DataError, DBAPIError
 from db.errors import database_unavailable
 from db.records import Claim, Dispatch, RunStatus, Step, StepStatus
 from db.store import RunStore
-from runtime.agent_loop import run_agent
+from runtime.admission.concurrency_keys import KeyGate, KeyWait, Slot, tenant_key
+from runtime.admission.flow_control import FlowControl
+from runtime.agentloop.loop import run_agent
 from runtime.agents import Agent, AgentRegistry, UnknownAgent
 from runtime.config import Settings
 from runtime.durable.api import DurableAgent
 from runtime.durable.compensation import unwind_recorded
 from runtime.durable.execution import Execution
-from runtime.faults import crash_point
-from runtime.flow import FlowControl
-from runtime.heartbeat import Heartbeat
-from runtime.keys import KeyGate, KeyWait, Slot, tenant_key
 from runtime.llm.base import LlmClient
-from runtime.logctx import log_context
+from runtime.llm.pricing import PriceTable
 from runtime.mcp.client import McpClients
-from runtime.metrics import Metrics
-from runtime.modelcall import estimate_tokens
-from runtime.pricing import PriceTable
-from runtime.prompthash import PromptHashes, prompt_hash
-from runtime.replay import ReplayCache
-from runtime.task import Outcome, Services, StepResult, Task, short
+from runtime.observe.logctx import log_context
+from runtime.observe.metrics import Metrics
+from runtime.pipeline.checkpoint import Outcome, Services, StepResult, Task, short
+from runtime.pipeline.faults import crash_point
+from runtime.pipeline.heartbeat import Heartbeat
+from runtime.pipeline.modelcall import estimate_tokens
+from runtime.pipeline.prompthash import PromptHashes, prompt_hash
+from runtime.pipeline.replay import ReplayCache
 
-if TYPE_CHECKING:  # runtime.live imports redis (and ssl): not before gevent patches it
-    from runtime.live import LiveChannel
+if (
+    TYPE_CHECKING
+):  # runtime.observe.live_channel imports redis (and ssl): not before gevent patches it
+    from runtime.observe.live_channel import LiveChannel
 
 log = logging.getLogger(__name__)
 
@@ -157,11 +159,12 @@ class Driver:
 
     def execute(self, claim: Claim, token: uuid.UUID | None = None) -> StepResult:
         """One step of the claimed run; ``token`` is the one its message carried. A run with
-        a concurrency key takes a slot of its key first (:mod:`runtime.keys`), or waits for
-        one on a durable timer, holding nothing."""
+        a concurrency key takes a slot of its key first
+        (:mod:`runtime.admission.concurrency_keys`), or waits for one on a durable timer,
+        holding nothing."""
         run = claim.run
         if self.keys is None or run.concurrency_key is None:
-            return self._execute(claim, token)
+            return self._run_program(claim, token)
         got = self.keys.acquire(
             tenant_key(run.tenant, run.concurrency_key),
             run.id,
@@ -171,7 +174,7 @@ class Driver:
             label=run.concurrency_key,
         )
         if got is None:  # no limit for this key, or Redis is away (fail open)
-            return self._execute(claim, token)
+            return self._run_program(claim, token)
         if isinstance(got, KeyWait):  # woken when a slot frees; the timer is the fallback
             dispatch = self.store.schedule(
                 claim,
@@ -183,7 +186,7 @@ class Driver:
             send = got.delay_seconds <= self.settings.max_countdown_seconds
             return StepResult(Outcome.WAITING, dispatch=dispatch if send else None)
         try:
-            result = self._execute(claim, token)
+            result = self._run_program(claim, token)
         except BaseException:
             self._release(got, continuing=False, send=False)
             raise
@@ -206,7 +209,7 @@ class Driver:
             woken = self.keys.skip(slot, woken, continuing=continuing)
         return ()  # the rest are woken by their fallback timers
 
-    def _execute(self, claim: Claim, token: uuid.UUID | None) -> StepResult:
+    def _run_program(self, claim: Claim, token: uuid.UUID | None) -> StepResult:
         run = claim.run
         services = Services(
             store=self.store,

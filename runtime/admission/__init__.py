@@ -1,0 +1,1 @@
+"""Admission: fleet-wide flow control of model calls and concurrency keys."""

@@ -1,0 +1,1 @@
+"""The agent loop: the model decides, tools run, repeat; and the demo agent."""

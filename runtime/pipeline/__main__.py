@@ -1,0 +1,5 @@
+"""``python -m runtime.pipeline``: prints the crash table to paste into the README."""
+
+from runtime.pipeline.kinds import crash_table
+
+print(crash_table())

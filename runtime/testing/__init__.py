@@ -1,0 +1,1 @@
+"""The test kit for durable functions and agents, and its pytest plugin."""

@@ -1,0 +1,7 @@
+"""The names of the Celery tasks, on their own so that the app's configuration
+(:mod:`tasks.celery_app`), the tasks (:mod:`tasks.drive`) and the sender
+(:mod:`tasks.dispatch`) share them without importing each other in a circle."""
+
+DRIVE_RUN = "dar.drive_run"
+REAP = "dar.reap"
+RETENTION = "dar.retention"
