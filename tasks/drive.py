@@ -1,4 +1,7 @@
-"""The two tasks: ``dar.drive_run`` (one step of one run) and ``dar.reap`` (the sweep)."""
+"""The Celery tasks: ``dar.drive_run`` (one step of one run), ``dar.reap`` and
+``dar.retention`` (the sweeps). Glue only: what each does is the engine's
+(:class:`~runtime.engine.driver.Driver`, :mod:`runtime.engine.sweeps`); a task builds the
+process's state once, calls it, and sends the messages it returns."""
 
 from __future__ import annotations
 
@@ -12,9 +15,8 @@ from celery import Celery
 from prometheus_client import CollectorRegistry, start_http_server
 
 from db.errors import LeaseLost
-from db.records import ApprovalStatus, Dispatch, NewAudit, StepStatus
-from db.store import RunStore
 from runtime.config import Settings
+from runtime.engine import sweeps
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Driver
 from runtime.observe.metrics import Metrics
@@ -36,8 +38,6 @@ class WorkerState:
 
 
 _state_lock = threading.Lock()
-MAX_RETENTION_BATCHES = 20
-"""Per sweep; what is left waits for the next sweep, so one sweep stays short."""
 
 
 def worker_state(app: Celery) -> WorkerState:
@@ -89,52 +89,6 @@ def stop_worker_state(app: Celery) -> None:
     setattr(app, "dar_state", None)  # noqa: B010
 
 
-def expire_approval(store: RunStore, approval_id: uuid.UUID, policy: str) -> Dispatch | None:
-    """Apply an expired approval's timeout policy: APPROVE, REJECT, or FAIL the step, and
-    write it to the audit trail (action ``timeout``) in the same transaction."""
-    approval = store.get_approval(approval_id)
-    tenant = store.get_run(approval.run_id).tenant if approval is not None else ""
-    audit = NewAudit(
-        actor="timeout-policy",
-        action="timeout",
-        tenant=tenant,
-        detail={
-            "policy": policy,
-            **(
-                {
-                    "stepKey": approval.step_key,
-                    "role": approval.role,
-                    "payloadHash": approval.payload_hash,
-                }
-                if approval is not None
-                else {}
-            ),
-        },
-        approval_id=approval_id,
-    )
-    if policy == "APPROVE":
-        return store.decide_approval(
-            approval_id, ApprovalStatus.APPROVED, decided_by="timeout-policy", audit=audit
-        )
-    if policy == "REJECT":
-        return store.decide_approval(
-            approval_id,
-            ApprovalStatus.REJECTED,
-            decided_by="timeout-policy",
-            comment="no decision before the deadline",
-            audit=audit,
-        )
-    return store.decide_approval(
-        approval_id,
-        ApprovalStatus.EXPIRED,
-        decided_by="timeout-policy",
-        comment="no decision before the deadline",
-        audit=audit,
-        step_status=StepStatus.ERROR,
-        step_error="ApprovalExpired: no decision before the deadline",
-    )
-
-
 def register_tasks(app: Celery) -> None:
     @app.task(name=DRIVE_RUN, ignore_result=True, shared=False)
     def drive_run(run_id: str, token: str) -> str:
@@ -161,49 +115,13 @@ def register_tasks(app: Celery) -> None:
     @app.task(name=REAP, ignore_result=True, shared=False)
     def reap() -> int:
         """Re-send drive_run for runs whose message was lost, whose lease lapsed, or whose
-        timer is due. Safe to run from two beats at once."""
+        timer is due, and apply expired approvals' policies (:func:`sweeps.reap`)."""
         state = worker_state(app)
-        settings = state.runtime.settings
-        due = state.runtime.store.redispatch_due(redispatch_after=settings.redispatch_after_seconds)
-        for d in due:
-            log.info(
-                "run=%s re-dispatched by the reaper",
-                str(d.run_id)[:8],
-                extra={"run_id": str(d.run_id)},
-            )
-            send_drive(app, state.runtime.store, d)
-        for approval_id, policy in state.runtime.store.due_approvals():
-            woke = expire_approval(state.runtime.store, approval_id, policy)
-            if woke is not None:
-                log.info(
-                    "run=%s approval timed out (%s)",
-                    str(woke.run_id)[:8],
-                    policy,
-                    extra={"run_id": str(woke.run_id)},
-                )
-                send_drive(app, state.runtime.store, woke)
-        return len(due)
+        store = state.runtime.store
+        return sweeps.reap(store, state.runtime.settings, lambda d: send_drive(app, store, d))
 
     @app.task(name=RETENTION, ignore_result=True, shared=False)
     def retention() -> int:
-        """Delete finished runs older than DAR_RETENTION_DAYS, in bounded batches."""
+        """Delete finished runs older than DAR_RETENTION_DAYS (:func:`sweeps.delete_expired`)."""
         state = worker_state(app)
-        settings = state.runtime.settings
-        if settings.retention_days <= 0:
-            return 0
-        deleted = 0
-        for _ in range(MAX_RETENTION_BATCHES):
-            n = state.runtime.store.delete_finished_runs(
-                older_than_seconds=settings.retention_days * 86400,
-                batch=settings.retention_batch,
-            )
-            deleted += n
-            if n < settings.retention_batch:
-                break
-        if deleted:
-            log.info(
-                "retention: deleted %d finished runs older than %g days",
-                deleted,
-                settings.retention_days,
-            )
-        return deleted
+        return sweeps.delete_expired(state.runtime.store, state.runtime.settings)

@@ -24,8 +24,8 @@ from db.records import Dispatch, NewRun
 from examples.order_refund import build as build_refund
 from runtime.config import Settings
 from runtime.engine.bootstrap import Runtime
+from runtime.engine.sweeps import expire_approval
 from tasks.celery_app import make_celery
-from tasks.drive import expire_approval
 from tests.support import drive_to_end
 
 # name: (roles, token, tenant)

@@ -16,8 +16,8 @@ from examples.ticket_triage import build as build_triage
 from runtime.durable import Steps, StepTimeout, durable_agent, step
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Outcome
+from runtime.engine.sweeps import expire_approval
 from runtime.testing.testkit import DurableTester, FakeModel, assert_run
-from tasks.drive import expire_approval
 
 TICKET = Ticket(101, "Invoice wrong", "VAT is 19%, should be 7%")
 

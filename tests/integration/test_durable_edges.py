@@ -15,10 +15,10 @@ from db.records import ApprovalStatus, NewStep, RunStatus, StepKind, StepStatus,
 from runtime.durable import Model, Steps, durable_agent, step
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Outcome
+from runtime.engine.sweeps import expire_approval
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.retry import RetryLater
 from runtime.testing.testkit import DurableTester, FakeModel, assert_run
-from tasks.drive import expire_approval
 from tests.support import expire_lease
 
 
