@@ -1,6 +1,7 @@
 """Durable functions the console's browser tests run in a real stack
 (``DAR_AGENT_MODULES=tests.e2e.console_agents``).
 
+- ``console-family``: a parent with two child runs of ``console-kid``;
 - ``console-slow``: many short steps, so there is a RUNNING run to cancel from the page;
 - ``console-crash``: a step with an effect, not idempotent, whose first execution kills its
   worker (``SIGKILL``, as an OOM kill would) once the step is recorded STARTED. The worker that
@@ -54,6 +55,19 @@ def crash(data: Any, steps: Steps) -> str:
     return notify(receipt)
 
 
+@durable_agent("console-kid")
+def kid(x: Any, steps: Steps) -> int:
+    return steps.run("double", lambda: 2 * int(x), type=int)
+
+
+@durable_agent("console-family")
+def family(_: Any, steps: Steps) -> str:
+    """A parent with two child runs, for the run page's family panel and timeline links."""
+    return f"{steps.child('console-kid', 2)} and {steps.child('console-kid', 3)}"
+
+
 def register(registry: AgentRegistry) -> None:
     registry.register(slow)
     registry.register(crash)
+    registry.register(kid)
+    registry.register(family)

@@ -349,6 +349,50 @@ def test_resolve_a_run_that_needs_attention(tab: Tab, console: Console) -> None:
     tab.shot("run-resolved")
 
 
+def test_a_parent_links_its_children_and_a_message_interrupts(tab: Tab, console: Console) -> None:
+    page = tab.page
+    parent = console.submit("console-family", {})
+    assert console.wait_status(parent, *TERMINAL)["status"] == "SUCCEEDED"
+    kids = [c["id"] for c in console.call("GET", f"/api/runs/{parent}")["children"]]
+    assert len(kids) == 2
+    sign_in(tab, OPS, f"/runs/{parent}")
+    page.locator("body[data-status='SUCCEEDED']").wait_for()
+    links = page.locator("#timeline tbody tr[data-kind='CHILD'] a.child-run")
+    links.nth(1).wait_for()
+    hrefs = [links.nth(i).get_attribute("href") for i in range(links.count())]
+    assert sorted(hrefs) == sorted(f"/runs/{k}" for k in kids), "each child step links its run"
+    assert page.locator("#family-children li").count() == 2
+    tab.shot("run-family")
+    links.first.click()
+    page.wait_for_url(re.compile(r"/runs/[0-9a-f-]{36}$"))
+    assert page.url.endswith(hrefs[0] or "")
+    back = page.locator("#family-parent a")
+    back.wait_for()
+    assert back.get_attribute("href") == f"/runs/{parent}", "the child links its parent"
+
+    # The message box sends with policy interrupt when asked to.
+    run_id = console.submit("acme-tickets", "Which acme tickets are overdue?")
+    console.wait_status(run_id, "SUCCEEDED")
+    page.goto(f"/runs/{run_id}")
+    page.locator("body[data-status='SUCCEEDED']").wait_for()
+    page.get_by_label("Message", exact=True).fill("And the globex ones?")
+    page.get_by_label("Interrupt the model call in flight", exact=False).check()
+    assert_every_control_labelled(tab)
+    page.get_by_role("button", name="Send").click()
+    page.locator("#flash").filter(has_text="interrupted for it").wait_for()
+    deadline = time.monotonic() + 45
+    while True:
+        steps = console.call("GET", f"/api/runs/{run_id}/timeline")
+        run = console.call("GET", f"/api/runs/{run_id}")
+        if run["status"] == "SUCCEEDED" and any(s["kind"] == "MESSAGE" for s in steps):
+            break
+        assert time.monotonic() < deadline, f"the message was not answered: {run['status']}"
+        time.sleep(0.3)
+    kinds = [s["kind"] for s in steps if s["kind"] != "AUDIT"]
+    assert kinds.count("MESSAGE") == 1
+    assert kinds[-1] == "MODEL", "the model answered the next turn"
+
+
 def test_cancel_a_running_run(tab: Tab, console: Console) -> None:
     page = tab.page
     run_id = console.submit("console-slow", {"ticks": 80})

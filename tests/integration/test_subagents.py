@@ -26,6 +26,7 @@ from runtime.agents import Agent, AgentConfigError, AgentRegistry, Subagent
 from runtime.config import Settings
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Outcome
+from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import tool
 from tests.fakes.messages_api import FakeMessagesApi, Reply, error, message, text, tool_uses
 from tests.support import expire_lease, submit
@@ -298,3 +299,26 @@ def test_a_sub_agent_must_be_registered_and_its_tool_name_free() -> None:
     with pytest.raises(AgentConfigError, match="two tools named 'dig'"):
         Agent("lead", "lead", tools=(dig,), subagents=(Subagent("x", name="dig"),))
     assert Subagent("team/writer").tool_name == "team_writer"
+
+
+def test_the_walkthroughs_team_hands_the_question_to_the_demo_agent(
+    runtime: Runtime, llm: ScriptedLlm
+) -> None:
+    from examples.family import TEAM
+
+    runtime.agents.register(TEAM)
+    runtime.agents.finalize()
+    question = "Which acme tickets are overdue?"
+    llm.then_tool_use("toolu_t", "ask_acme_tickets", {"task": question})
+    llm.then_text("tickets 7 and 9").then_text("The ticket agent says: tickets 7 and 9.")
+    run, dispatch = runtime.submit("team", question)
+    drive_tree(runtime, dispatch)
+    done = runtime.store.get_run(run.id)
+    assert (done.status, done.result) == (
+        RunStatus.SUCCEEDED,
+        "The ticket agent says: tickets 7 and 9.",
+    )
+    [kid] = children(runtime, run.id)
+    assert (kid.agent, kid.input, kid.status) == ("acme-tickets", question, "SUCCEEDED")
+    assert kid.token_budget == 20_000, "the sub-agent's own cap, below the lead's share"
+    assert done.tokens_used == 3 * 15

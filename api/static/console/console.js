@@ -458,9 +458,15 @@ function renderTimeline(run, steps, onFork) {
     if (s.kind === "AUDIT" && (s.action === "resume" || s.action === "resolve")) {
       notes.push(h("span", { class: "note resumed" }, "resumed here"));
     }
-    const label = s.kind === "AUDIT"
+    let label = s.kind === "AUDIT"
       ? `${s.action} by ${s.actor}`
       : s.toolName ? `${s.stepKey} (${s.toolName})` : s.stepKey;
+    if (s.childRunId) {  // a child run (steps.child, a sub-agent): a link to it
+      label = h("span", {}, label, " ", h("a", {
+        class: "child-run", href: `/runs/${encodeURIComponent(s.childRunId)}`,
+        "aria-label": `child run ${s.childRunId}`,
+      }, `child run ${shortId(s.childRunId)}`));
+    }
     let fork = "";
     if (points.has(s.seq)) {
       fork = h("button", { type: "button", class: "secondary fork", "data-seq": s.seq,
@@ -616,10 +622,14 @@ function setupMessages(id, refresh) {
     event.preventDefault();
     const form = event.target;
     try {
+      const interrupt = form.elements.interrupt.checked;
       const sent = await api("POST", `/api/runs/${encodeURIComponent(id)}/messages`,
-        { text: form.elements.text.value });
+        { text: form.elements.text.value, policy: interrupt ? "interrupt" : "enqueue" });
       form.elements.text.value = "";
-      flash(`Message ${sent.messageId} sent: delivered at the next step boundary.`);
+      form.elements.interrupt.checked = false;
+      flash(interrupt
+        ? `Message ${sent.messageId} sent: the model call in flight is interrupted for it.`
+        : `Message ${sent.messageId} sent: delivered at the next step boundary.`);
       await refresh();
     } catch (e) {
       flash(e.message, true);
