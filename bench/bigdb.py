@@ -273,6 +273,40 @@ def _sizes(engine: Engine) -> dict[str, Any]:
     return {"rows": counts, "database_bytes": int(size)}
 
 
+def rollup() -> int:
+    """Migrate the database to the head (timing each revision's upgrade), then roll up the
+    stats of its last 7 days as the beat's first pass would (timed)."""
+    from alembic.script import ScriptDirectory
+
+    from db.migrate import _config, current_revision
+
+    engine = make_engine(db_url(), pool_size=2)
+    out: dict[str, Any] = {"from": current_revision(engine)}
+    script = ScriptDirectory.from_config(_config())
+    pending = sorted(  # the revisions are numbered 0001, 0002, ...
+        rev.revision
+        for rev in script.walk_revisions("base", "heads")
+        if out["from"] is None or rev.revision > out["from"]
+    )
+    for revision in pending:
+        t0 = time.monotonic()
+        upgrade(engine, revision)
+        out[f"upgrade {revision} s"] = time.monotonic() - t0
+        print(f"bigdb: upgrade to {revision}: {out[f'upgrade {revision} s']:.1f}s", flush=True)
+    store = RunStore(engine)
+    t0 = time.monotonic()
+    hours = store.roll_up_stats()
+    out["rollup_hours"] = hours
+    out["rollup_s"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    out["rollup_again_hours"] = store.roll_up_stats()
+    out["rollup_again_s"] = time.monotonic() - t0
+    out["load_average"] = os.getloadavg()
+    print(f"bigdb: rollup {json.dumps(out)}", flush=True)
+    engine.dispose()
+    return 0
+
+
 # -- the benchmark ----------------------------------------------------------------------------
 
 
@@ -382,7 +416,9 @@ def _claim_checkpoint(store: RunStore, n: int) -> list[float]:
     return out
 
 
-def bench(samples: int) -> int:
+def bench(samples: int, only: list[str] | None = None) -> int:
+    """Every figure, or those whose name contains one of ``only`` (``claim``, ``retention``
+    and ``plans`` name the write sections and the plans)."""
     import api
     from runtime.config import Settings
     from runtime.engine.bootstrap import Runtime
@@ -413,7 +449,12 @@ def bench(samples: int) -> int:
     results: dict[str, Any] = {"sizes": sizes, "samples": samples}
     reads: dict[str, dict[str, float]] = {}
 
+    def want(name: str) -> bool:
+        return not only or any(o in name for o in only)
+
     def measure(name: str, fn: Callable[[], Any], n: int = samples) -> None:
+        if not want(name):
+            return
         reads[name] = _time(fn, n)
         r = reads[name]
         print(f"bigdb: {name:<44} p50 {r['p50']:7.1f} ms  p99 {r['p99']:7.1f} ms", flush=True)
@@ -489,6 +530,31 @@ def bench(samples: int) -> int:
     measure("overview page (counts + stats 24h + approvals)", overview, n=overview_n)
     results["reads"] = reads
 
+    # The same reads without what this pass added, in the same run: the stats of the whole
+    # window from the rows (no roll-up), and a tenant's FAILED runs without their index.
+    measure(
+        "stats 7d from the rows (no roll-up)",
+        lambda: store.stats(window_seconds=7 * 86400, rolled=False),
+        n=overview_n,
+    )
+    measure(
+        "stats 7d from the roll-up (store)",
+        lambda: store.stats(window_seconds=7 * 86400),
+        n=overview_n,
+    )
+    if want("without its index"):
+        reads["list: tenant + status=FAILED, without its index"] = _without_index(
+            engine, "run_tenant_status_created_idx", rng, samples
+        )
+        r = reads["list: tenant + status=FAILED, without its index"]
+        print(
+            f"bigdb: {'list: tenant + FAILED, without its index':<44} p50 {r['p50']:7.1f} ms"
+            f"  p99 {r['p99']:7.1f} ms",
+            flush=True,
+        )
+    results["load_average"] = os.getloadavg()
+    if not want("plans"):
+        return _finish(results, runtime, celery, only)
     # The claim's and the reaper's plans.
     with engine.connect() as conn:
         live = conn.execute(
@@ -519,38 +585,98 @@ def bench(samples: int) -> int:
         print(f"bigdb: plan {name}: {plan['execution']}", flush=True)
     results["plans"] = plans
 
-    # Claim + checkpoint on the big database against an empty one, same server, same run,
-    # interleaved so both see the same machine.
-    empty_url = _recreate("dar_bigdb_empty")
-    empty_engine = make_engine(empty_url, pool_size=2)
-    empty = RunStore(empty_engine)
-    big_ms: list[float] = []
-    empty_ms: list[float] = []
-    for _ in range(10):
-        big_ms += _claim_checkpoint(store, max(5, samples // 10))
-        empty_ms += _claim_checkpoint(empty, max(5, samples // 10))
-    ratio = statistics.median(big_ms) / statistics.median(empty_ms)
-    results["claim_checkpoint"] = {
-        "big": _percentiles(big_ms),
-        "empty": _percentiles(empty_ms),
-        "ratio_p50": ratio,
-    }
-    print(
-        f"bigdb: claim + checkpoint p50 {statistics.median(big_ms):.2f} ms on the big database, "
-        f"{statistics.median(empty_ms):.2f} ms on an empty one: ratio {ratio:.2f}",
-        flush=True,
-    )
-    empty_engine.dispose()
+    if want("claim"):
+        results["claim_checkpoint"] = _claim_rounds(engine, samples)
+    if want("retention"):
+        results["retention"] = _retention(store, samples)
+    return _finish(results, runtime, celery, only)
 
-    results["retention"] = _retention(store, samples)
+
+def _finish(results: dict[str, Any], runtime: Any, celery: Any, only: list[str] | None) -> int:
     celery.close()
     runtime.close()
+    results["load_average_end"] = os.getloadavg()
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"bigdb-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(results, indent=2, default=str))
     print(f"bigdb: wrote {out}", flush=True)
-    _plot(results)
+    if not only:
+        _plot(results)
     return 0
+
+
+def _without_index(
+    engine: Engine, index: str, rng: random.Random, samples: int
+) -> dict[str, float]:
+    """A tenant's FAILED runs (the list's own statement) with ``index`` dropped in a
+    transaction that is rolled back: the plan the list had before the index, same run."""
+    from db.queries import QUERIES as Q
+
+    params = {
+        "status": "FAILED",
+        "agent": None,
+        "id_low": None,
+        "id_high": None,
+        "before_created": None,
+        "before_id": None,
+        "limit": 51,
+    }
+    with engine.connect() as conn:
+        conn.execute(text(f"DROP INDEX {index}"))
+        out = _time(
+            lambda: conn.execute(
+                Q["list_runs"], {**params, "tenant": f"tenant-{rng.randrange(50)}"}
+            ).all(),
+            samples,
+        )
+        conn.rollback()
+    return out
+
+
+def _claim_rounds(engine: Engine, samples: int) -> dict[str, Any]:
+    """Claim + checkpoint on the big database and on an empty one on the same server, with
+    random (version 4) and time-ordered (version 7) run ids, interleaved round by round so
+    all four see the same machine; with the WAL each one writes."""
+    from db.ids import uuid7
+
+    empty_url = _recreate("dar_bigdb_empty")
+    empty_engine = make_engine(empty_url, pool_size=2)
+    stores = {
+        "big, uuid4": RunStore(engine, run_ids=uuid.uuid4),
+        "big, uuid7": RunStore(engine, run_ids=uuid7),
+        "empty, uuid4": RunStore(empty_engine, run_ids=uuid.uuid4),
+        "empty, uuid7": RunStore(empty_engine, run_ids=uuid7),
+    }
+    ms: dict[str, list[float]] = {name: [] for name in stores}
+    wal: dict[str, int] = dict.fromkeys(stores, 0)
+    per_round = max(5, samples // 10)
+
+    def lsn() -> int:
+        with engine.connect() as conn:
+            return int(
+                conn.execute(text("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")).scalar_one()
+            )
+
+    for _ in range(10):
+        for name, store in stores.items():
+            before = lsn()
+            ms[name] += _claim_checkpoint(store, per_round)
+            wal[name] += lsn() - before
+    out: dict[str, Any] = {}
+    for name in stores:
+        out[name] = {**_percentiles(ms[name]), "wal_bytes_per_run": wal[name] / len(ms[name])}
+        print(
+            f"bigdb: claim + checkpoint, {name:<13} p50 {out[name]['p50']:.2f} ms"
+            f"  p99 {out[name]['p99']:.2f} ms  WAL {out[name]['wal_bytes_per_run']:,.0f} B/run"
+            " (create + claim + checkpoint)",
+            flush=True,
+        )
+    for ids in ("uuid4", "uuid7"):
+        ratio = out[f"big, {ids}"]["p50"] / out[f"empty, {ids}"]["p50"]
+        out[f"ratio_p50_{ids}"] = ratio
+        print(f"bigdb: claim + checkpoint, big / empty, {ids}: {ratio:.2f}", flush=True)
+    empty_engine.dispose()
+    return out
 
 
 def _retention(store: RunStore, samples: int) -> dict[str, Any]:
@@ -638,11 +764,17 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--runs", type=int, default=1_000_000)
     b = sub.add_parser("bench", help="measure the reads on it")
     b.add_argument("--samples", type=int, default=200)
+    b.add_argument(
+        "--only", action="append", help="only the figures whose name contains this (repeatable)"
+    )
+    sub.add_parser("rollup", help="migrate to the head and roll up the stats, timed")
     args = ap.parse_args(argv)
     if args.command == "generate":
         generate(args.runs)
         return 0
-    return bench(args.samples)
+    if args.command == "rollup":
+        return rollup()
+    return bench(args.samples, args.only)
 
 
 if __name__ == "__main__":

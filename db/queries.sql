@@ -706,49 +706,172 @@ WHERE run_id = ANY(CAST(:ids AS uuid[]))
 GROUP BY run_id;
 
 -- stats_runs_finished --
--- Runs that ended in the window, per UTC hour and final status.
-SELECT date_trunc('hour', finished_at, 'UTC') AS bucket, status AS key, count(*) AS n
-FROM run
-WHERE finished_at >= now() - make_interval(secs => :window_seconds)
-  AND status IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT')
-  AND (CAST(:tenant AS text) IS NULL OR tenant = :tenant)
-GROUP BY 1, 2
+-- Runs that ended in the window, per UTC hour and final status. The window's hours that the
+-- roll-up holds (stats_rollup, migration 0023) are read from it (:hours); the rest of the
+-- window, the ranges :gap_lo[i] .. :gap_hi[i] (NULL: no end), from the run table. With no
+-- roll-up, one range: the whole window.
+SELECT bucket, key, n FROM (
+    SELECT date_trunc('hour', r.finished_at, 'UTC') AS bucket, r.status AS key, count(*) AS n
+    FROM unnest(CAST(:gap_lo AS timestamptz[]), CAST(:gap_hi AS timestamptz[])) AS g(lo, hi)
+    JOIN run r ON r.finished_at >= g.lo AND r.finished_at < COALESCE(g.hi, 'infinity')
+    WHERE r.status IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT')
+      AND (CAST(:tenant AS text) IS NULL OR r.tenant = :tenant)
+    GROUP BY 1, 2
+    UNION ALL
+    SELECT bucket, key, n FROM stats_rollup
+    WHERE every_tenant = (CAST(:tenant AS text) IS NULL) AND tenant = COALESCE(:tenant, '')
+      AND section = 'finished' AND bucket = ANY(CAST(:hours AS timestamptz[]))
+) x
 ORDER BY 1, 2;
 
 -- stats_cost_by_model --
--- Recorded cost of the steps that finished in the window, per UTC hour and model. (Usage
--- that could not be checkpointed is in the run's counters only: see run.unrecorded_cost_usd.)
+-- Recorded cost of the steps that finished in the window, per UTC hour and model: the
+-- roll-up's hours and the raw ranges as stats_runs_finished. (Usage that could not be
+-- checkpointed is in the run's counters only: see run.unrecorded_cost_usd.)
 -- On run_step_finished_idx, which carries the columns read: with no tenant the run table is
 -- not touched (the EXISTS is evaluated only for a tenant; a step without its model, rare,
 -- takes its run's).
-SELECT date_trunc('hour', s.finished_at, 'UTC') AS bucket,
-       COALESCE(s.model, (SELECT r.model FROM run r WHERE r.id = s.run_id)) AS key,
-       sum(s.cost_usd) AS usd
-FROM run_step s
-WHERE s.finished_at >= now() - make_interval(secs => :window_seconds)
-  AND s.cost_usd > 0
-  AND (CAST(:tenant AS text) IS NULL
-       OR EXISTS (SELECT 1 FROM run r WHERE r.id = s.run_id AND r.tenant = :tenant))
-GROUP BY 1, 2
+SELECT bucket, key, usd FROM (
+    SELECT date_trunc('hour', s.finished_at, 'UTC') AS bucket,
+           COALESCE(s.model, (SELECT r.model FROM run r WHERE r.id = s.run_id)) AS key,
+           sum(s.cost_usd) AS usd
+    FROM unnest(CAST(:gap_lo AS timestamptz[]), CAST(:gap_hi AS timestamptz[])) AS g(lo, hi)
+    JOIN run_step s ON s.finished_at >= g.lo AND s.finished_at < COALESCE(g.hi, 'infinity')
+    WHERE s.cost_usd > 0
+      AND (CAST(:tenant AS text) IS NULL
+           OR EXISTS (SELECT 1 FROM run r WHERE r.id = s.run_id AND r.tenant = :tenant))
+    GROUP BY 1, 2
+    UNION ALL
+    SELECT bucket, key, usd FROM stats_rollup
+    WHERE every_tenant = (CAST(:tenant AS text) IS NULL) AND tenant = COALESCE(:tenant, '')
+      AND section = 'cost' AND bucket = ANY(CAST(:hours AS timestamptz[]))
+) x
 ORDER BY 1, 2;
 
 -- stats_step_latency --
 -- p50 and p95 of the duration of the steps that finished in the window, per UTC hour and
--- kind: the measured latency when there is one (model calls), else finished - started.
-SELECT date_trunc('hour', s.finished_at, 'UTC') AS bucket, s.kind AS key,
-       percentile_cont(0.5) WITHIN GROUP (ORDER BY d.ms) AS p50,
-       percentile_cont(0.95) WITHIN GROUP (ORDER BY d.ms) AS p95,
-       count(*) AS n
-FROM run_step s
+-- kind: the measured latency when there is one (model calls), else finished - started. The
+-- roll-up's hours and the raw ranges as stats_runs_finished (a percentile of an hour is
+-- kept, not recomputed from parts: the roll-up holds it per tenant and for every tenant).
+SELECT bucket, key, p50, p95, n FROM (
+    SELECT date_trunc('hour', s.finished_at, 'UTC') AS bucket, s.kind AS key,
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY d.ms) AS p50,
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY d.ms) AS p95,
+           count(*) AS n
+    FROM unnest(CAST(:gap_lo AS timestamptz[]), CAST(:gap_hi AS timestamptz[])) AS g(lo, hi)
+    JOIN run_step s ON s.finished_at >= g.lo AND s.finished_at < COALESCE(g.hi, 'infinity')
+    CROSS JOIN LATERAL (
+        SELECT COALESCE(s.latency_ms,
+                        EXTRACT(EPOCH FROM (s.finished_at - s.started_at)) * 1000) AS ms
+    ) d
+    WHERE (CAST(:tenant AS text) IS NULL
+           OR EXISTS (SELECT 1 FROM run r WHERE r.id = s.run_id AND r.tenant = :tenant))
+    GROUP BY 1, 2
+    UNION ALL
+    SELECT bucket, key, p50, p95, n FROM stats_rollup
+    WHERE every_tenant = (CAST(:tenant AS text) IS NULL) AND tenant = COALESCE(:tenant, '')
+      AND section = 'latency' AND bucket = ANY(CAST(:hours AS timestamptz[]))
+) x
+ORDER BY 1, 2;
+
+-- stats_no_jit --
+-- The stats' statements read a few thousand rows at most, but their estimates (an unnest of
+-- ranges, a subplan per row) pass jit_above_cost: compiling them took 50-170 ms, several
+-- times the query itself. For this transaction only (safe under PgBouncer's transaction mode).
+SET LOCAL jit = off;
+
+-- stats_window --
+-- The stats' one snapshot, in one round trip: the database's now, the window's start, and the
+-- whole hours of the window the roll-up holds that no late write touched since (:rolled
+-- false: none). JIT off for the rest of the transaction (stats_no_jit).
+SELECT set_config('jit', 'off', true) AS jit, w.db_now, w.since,
+       ARRAY(SELECT h.bucket FROM stats_hour h
+             WHERE :rolled AND h.bucket >= w.since
+               AND h.bucket < date_trunc('hour', w.db_now, 'UTC')
+               AND NOT EXISTS (SELECT 1 FROM stats_hour_dirty d WHERE d.bucket = h.bucket)
+             ORDER BY h.bucket) AS hours
+FROM (SELECT now() AS db_now, now() - make_interval(secs => :window_seconds) AS since) w;
+
+-- stats_hours_to_roll --
+-- Hours that ended at least :grace_seconds ago, within :horizon_seconds, that the roll-up
+-- does not hold or that a late write touched: newest first.
+SELECT b.bucket
+FROM generate_series(
+        date_trunc('hour', now() - make_interval(secs => :horizon_seconds), 'UTC'),
+        date_trunc('hour', now() - make_interval(secs => :grace_seconds), 'UTC')
+            - interval '1 hour',
+        interval '1 hour') AS b(bucket)
+WHERE NOT EXISTS (SELECT 1 FROM stats_hour h WHERE h.bucket = b.bucket)
+   OR EXISTS (SELECT 1 FROM stats_hour_dirty d WHERE d.bucket = b.bucket)
+ORDER BY b.bucket DESC
+LIMIT :limit;
+
+-- stats_rollup_lock --
+-- One roller at a time (two beats): a transaction-level lock, held by each hour's
+-- transaction (session locks do not survive PgBouncer's transaction mode).
+SELECT pg_try_advisory_xact_lock(7163942027);
+
+-- stats_hour_needs_roll --
+SELECT NOT EXISTS (SELECT 1 FROM stats_hour WHERE bucket = :bucket)
+       OR EXISTS (SELECT 1 FROM stats_hour_dirty WHERE bucket = :bucket);
+
+-- stats_hour_clean --
+-- Before the hour is read: a late write committed from here on leaves its own mark.
+WITH d AS (DELETE FROM stats_hour_dirty WHERE bucket = :bucket)
+DELETE FROM stats_rollup WHERE bucket = :bucket;
+
+-- stats_rollup_finished --
+-- One hour's runs that ended, by status: per tenant and for every tenant.
+INSERT INTO stats_rollup (every_tenant, tenant, bucket, section, key, n)
+SELECT GROUPING(tenant) = 1, CASE WHEN GROUPING(tenant) = 1 THEN '' ELSE tenant END,
+       CAST(:bucket AS timestamptz), 'finished', status, count(*)
+FROM run
+WHERE finished_at >= :bucket AND finished_at < CAST(:bucket AS timestamptz) + interval '1 hour'
+  AND status IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT')
+GROUP BY GROUPING SETS ((status, tenant), (status));
+
+-- stats_rollup_cost --
+-- One hour's recorded cost by model: per tenant and for every tenant.
+INSERT INTO stats_rollup (every_tenant, tenant, bucket, section, key, usd)
+SELECT GROUPING(r.tenant) = 1, CASE WHEN GROUPING(r.tenant) = 1 THEN '' ELSE r.tenant END,
+       CAST(:bucket AS timestamptz), 'cost', COALESCE(s.model, r.model), sum(s.cost_usd)
+FROM run_step s JOIN run r ON r.id = s.run_id
+WHERE s.finished_at >= :bucket
+  AND s.finished_at < CAST(:bucket AS timestamptz) + interval '1 hour'
+  AND s.cost_usd > 0
+GROUP BY GROUPING SETS ((COALESCE(s.model, r.model), r.tenant), (COALESCE(s.model, r.model)));
+
+-- stats_rollup_latency --
+-- One hour's step durations by kind (p50, p95, count): per tenant and for every tenant.
+INSERT INTO stats_rollup (every_tenant, tenant, bucket, section, key, p50, p95, n)
+SELECT GROUPING(r.tenant) = 1, CASE WHEN GROUPING(r.tenant) = 1 THEN '' ELSE r.tenant END,
+       CAST(:bucket AS timestamptz), 'latency', s.kind,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY d.ms),
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY d.ms),
+       count(*)
+FROM run_step s JOIN run r ON r.id = s.run_id
 CROSS JOIN LATERAL (
     SELECT COALESCE(s.latency_ms,
                     EXTRACT(EPOCH FROM (s.finished_at - s.started_at)) * 1000) AS ms
 ) d
-WHERE s.finished_at >= now() - make_interval(secs => :window_seconds)
-  AND (CAST(:tenant AS text) IS NULL
-       OR EXISTS (SELECT 1 FROM run r WHERE r.id = s.run_id AND r.tenant = :tenant))
-GROUP BY 1, 2
-ORDER BY 1, 2;
+WHERE s.finished_at >= :bucket
+  AND s.finished_at < CAST(:bucket AS timestamptz) + interval '1 hour'
+GROUP BY GROUPING SETS ((s.kind, r.tenant), (s.kind));
+
+-- stats_hour_rolled --
+INSERT INTO stats_hour (bucket) VALUES (:bucket)
+ON CONFLICT (bucket) DO UPDATE SET rolled_at = now();
+
+-- stats_rollup_prune --
+-- Hours older than the roll-up keeps (no window reaches them).
+WITH edge AS (
+    SELECT date_trunc('hour', now() - make_interval(secs => :horizon_seconds), 'UTC') AS at
+), h AS (
+    DELETE FROM stats_hour WHERE bucket < (SELECT at FROM edge)
+), d AS (
+    DELETE FROM stats_hour_dirty WHERE bucket < (SELECT at FROM edge)
+)
+DELETE FROM stats_rollup WHERE bucket < (SELECT at FROM edge);
 
 -- count_stale_leases --
 SELECT count(*) FROM run WHERE status = 'RUNNING' AND locked_until < now();

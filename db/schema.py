@@ -8,6 +8,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Column,
+    Double,
     ForeignKey,
     Index,
     Integer,
@@ -137,6 +138,14 @@ Index("run_status_created_idx", run.c.status, run.c.created_at.desc(), run.c.id.
 Index("run_created_idx", run.c.created_at.desc(), run.c.id.desc())
 Index("run_tenant_created_idx", run.c.tenant, run.c.created_at.desc(), run.c.id.desc())
 Index("run_agent_created_idx", run.c.agent, run.c.created_at.desc(), run.c.id.desc())
+# A tenant's runs of one status (the console's status filter for a tenant, migration 0022).
+Index(
+    "run_tenant_status_created_idx",
+    run.c.tenant,
+    run.c.status,
+    run.c.created_at.desc(),
+    run.c.id.desc(),
+)
 # The retention sweep scans finished runs by age; the submit rate limit counts by submitter.
 Index("run_finished_idx", run.c.finished_at, postgresql_where=text("finished_at IS NOT NULL"))
 Index(
@@ -429,3 +438,44 @@ Index(
     schedule_tick.c.tick_at,
     postgresql_where=text("status = 'QUEUED'"),
 )
+
+# The console's overview per closed UTC hour (migration 0023): what GET /api/stats returns
+# for that hour, for every tenant together (every_tenant, tenant '') and per tenant; kept by
+# the beat, read for the hours of the window it holds.
+stats_rollup = Table(
+    "stats_rollup",
+    metadata,
+    Column("every_tenant", Boolean, nullable=False),
+    Column("tenant", Text, nullable=False),
+    Column("bucket", TZ, nullable=False),
+    Column("section", Text, nullable=False),
+    Column("key", Text, nullable=False),
+    Column("n", BigInteger),
+    Column("usd", Numeric),
+    Column("p50", Double),
+    Column("p95", Double),
+    PrimaryKeyConstraint(
+        "every_tenant", "tenant", "bucket", "section", "key", name="stats_rollup_pkey"
+    ),
+    CheckConstraint("section IN ('finished', 'cost', 'latency')", name="stats_rollup_section_ck"),
+)
+Index("stats_rollup_bucket_idx", stats_rollup.c.bucket)
+
+# The hours stats_rollup holds (an hour without activity has no row there).
+stats_hour = Table(
+    "stats_hour",
+    metadata,
+    Column("bucket", TZ, primary_key=True),
+    Column("rolled_at", TZ, nullable=False, server_default=text("now()")),
+)
+
+# Hours a write changed after they were rolled up (the triggers of migration 0023): read raw
+# until rolled up again. One row per write, duplicates allowed.
+stats_hour_dirty = Table(
+    "stats_hour_dirty",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("bucket", TZ, nullable=False),
+    Column("at", TZ, nullable=False, server_default=text("now()")),
+)
+Index("stats_hour_dirty_bucket_idx", stats_hour_dirty.c.bucket)

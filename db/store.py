@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -316,6 +316,35 @@ def _new_run_params(new: NewRun, run_id: uuid.UUID) -> dict[str, Any]:
     }
 
 
+STATS_ROLLUP_GRACE_SECONDS = 600.0
+"""An hour is rolled up this long after it ended: longer than any transaction that records a
+step (its rows carry the transaction's start time and become visible at its commit)."""
+STATS_ROLLUP_HORIZON_SECONDS = 7 * 86400 + 7200.0
+"""How far back the roll-up keeps hours: the longest stats window, and an hour's slack. The
+late-write triggers of migration 0023 look back 8 days, which must cover it."""
+_HOUR = timedelta(hours=1)
+
+
+def _gaps(
+    since: datetime, hours: Sequence[datetime]
+) -> tuple[list[datetime], list[datetime | None]]:
+    """The ranges of ``[since, now]`` that the rolled-up ``hours`` (sorted, whole UTC hours
+    from ``since`` on) do not cover, as (starts, ends); the last end is ``None``: no end,
+    as the raw query (a row committed meanwhile may carry a later time than the window's
+    now)."""
+    lo: list[datetime] = []
+    hi: list[datetime | None] = []
+    at = since
+    for hour in hours:
+        if hour > at:
+            lo.append(at)
+            hi.append(hour)
+        at = hour + _HOUR
+    lo.append(at)
+    hi.append(None)
+    return lo, hi
+
+
 def _fence(claim: Claim) -> dict[str, Any]:
     return {"id": claim.run_id, "worker": claim.worker, "epoch": claim.epoch}
 
@@ -323,8 +352,16 @@ def _fence(claim: Claim) -> dict[str, Any]:
 class RunStore:
     """All reads and writes of runs and steps."""
 
-    def __init__(self, engine: Engine, *, step_log_cache: int = 512) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        step_log_cache: int = 512,
+        run_ids: Callable[[], uuid.UUID] = uuid.uuid4,
+    ) -> None:
         self.engine = engine
+        self.run_ids = run_ids
+        """Makes the id of each new run (submit, fork, schedule tick)."""
         self.step_logs = StepLogCache(step_log_cache)
         self.owed = OwedUsage(self._write_unrecorded)
         """Billed tokens owed to the database while it was away (db/owed.py)."""
@@ -349,7 +386,7 @@ class RunStore:
         earlier request differed). With ``quota`` and a submitter, the submitter's quota is
         checked atomically with the insert (:class:`QuotaExceeded`); a retry of an accepted
         idempotent submit gets its run, whatever the quota says."""
-        params = _new_run_params(new, uuid.uuid4())
+        params = _new_run_params(new, self.run_ids())
         with self.engine.begin() as conn:
             if quota is not None and new.submitted_by is not None:
                 conn.execute(Q["lock_submitter"], {"submitted_by": new.submitted_by})
@@ -474,10 +511,21 @@ class RunStore:
                 r.run_id: int(r.n) for r in conn.execute(Q["count_steps_of_runs"], {"ids": ids})
             }
 
-    def stats(self, *, window_seconds: float, tenant: str | None = None) -> Stats:
-        """The overview over the last ``window_seconds``, per UTC hour."""
-        params = {"window_seconds": window_seconds, "tenant": tenant}
-        with self.engine.connect() as conn:
+    def stats(
+        self, *, window_seconds: float, tenant: str | None = None, rolled: bool = True
+    ) -> Stats:
+        """The overview over the last ``window_seconds``, per UTC hour: the hours the
+        roll-up holds (:meth:`roll_up_stats`) read from it, the rest of the window from the
+        step and run rows, in one snapshot (the same answer as aggregating every row of the
+        window, which ``rolled=False`` does)."""
+        with self.engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
+            window = conn.execute(
+                Q["stats_window"], {"window_seconds": window_seconds, "rolled": rolled}
+            ).one()
+            since: datetime = window.since
+            hours: list[datetime] = list(window.hours)
+            gap_lo, gap_hi = _gaps(since, hours)
+            params = {"gap_lo": gap_lo, "gap_hi": gap_hi, "hours": hours, "tenant": tenant}
             finished = [
                 HourCount(r.bucket, r.key, int(r.n))
                 for r in conn.execute(Q["stats_runs_finished"], params)
@@ -490,7 +538,50 @@ class RunStore:
                 HourLatency(r.bucket, r.key, float(r.p50), float(r.p95), int(r.n))
                 for r in conn.execute(Q["stats_step_latency"], params)
             ]
+            conn.rollback()
         return Stats(finished, cost, latency)
+
+    def roll_up_stats(
+        self,
+        *,
+        grace_seconds: float = STATS_ROLLUP_GRACE_SECONDS,
+        horizon_seconds: float = STATS_ROLLUP_HORIZON_SECONDS,
+        limit: int = 500,
+    ) -> int:
+        """Roll up the closed hours the stats roll-up lacks or a late write touched (the
+        beat's ``dar.stats_rollup``), newest first, each hour its own short transaction; prune
+        hours past the horizon. An hour is closed ``grace_seconds`` after it ends (a
+        transaction that recorded a step just before the hour ended has committed by then).
+        Returns how many hours were rolled up; 0 when another roller holds the lock."""
+        with self._statement() as conn:
+            due = list(
+                conn.execute(
+                    Q["stats_hours_to_roll"],
+                    {
+                        "grace_seconds": grace_seconds,
+                        "horizon_seconds": horizon_seconds,
+                        "limit": limit,
+                    },
+                ).scalars()
+            )
+        rolled = 0
+        for bucket in due:
+            with self.engine.begin() as conn:
+                if not conn.execute(Q["stats_rollup_lock"]).scalar_one():
+                    return rolled
+                conn.execute(Q["stats_no_jit"])
+                key = {"bucket": bucket}
+                if not conn.execute(Q["stats_hour_needs_roll"], key).scalar_one():
+                    continue  # another roller did it meanwhile
+                conn.execute(Q["stats_hour_clean"], key)
+                for name in ("stats_rollup_finished", "stats_rollup_cost", "stats_rollup_latency"):
+                    conn.execute(Q[name], key)
+                conn.execute(Q["stats_hour_rolled"], key)
+            rolled += 1
+        with self.engine.begin() as conn:
+            if conn.execute(Q["stats_rollup_lock"]).scalar_one():
+                conn.execute(Q["stats_rollup_prune"], {"horizon_seconds": horizon_seconds})
+        return rolled
 
     def count_stale_leases(self) -> int:
         with self._statement() as conn:
@@ -1210,7 +1301,7 @@ class RunStore:
         (neither ``check`` nor the quota is asked again, as for a submit), or
         :class:`IdempotencyConflict` when that request differed. Raises
         :class:`RunNotFound` for no source."""
-        fork_id = uuid.uuid4()
+        fork_id = self.run_ids()
         with self.engine.begin() as conn:
             if quota is not None and new.submitted_by is not None:  # a fork is a submit
                 conn.execute(Q["lock_submitter"], {"submitted_by": new.submitted_by})
@@ -1589,7 +1680,7 @@ class RunStore:
             if not live and schedule.overlap == "queue":
                 queued = conn.execute(Q["oldest_queued_tick"], key).scalar()
                 if queued is not None:
-                    run_id = uuid.uuid4()
+                    run_id = self.run_ids()
                     conn.execute(
                         Q["start_queued_tick"], {**key, "tick_at": queued, "run_id": run_id}
                     )
@@ -1601,7 +1692,7 @@ class RunStore:
                 status = (
                     "STARTED" if start else "QUEUED" if schedule.overlap == "queue" else "SKIPPED"
                 )
-                new_id = uuid.uuid4() if start else None
+                new_id = self.run_ids() if start else None
                 claimed = conn.execute(
                     Q["insert_schedule_tick"],
                     {**key, "tick_at": tick_at, "status": status, "run_id": new_id},

@@ -20,6 +20,10 @@ from runtime.config import Settings
 from tasks.names import DRIVE_RUN as DRIVE_RUN
 from tasks.names import REAP as REAP
 from tasks.names import RETENTION as RETENTION
+from tasks.names import STATS_ROLLUP as STATS_ROLLUP
+
+STATS_ROLLUP_INTERVAL_SECONDS = 300.0
+"""How often the beat rolls up the closed hours of the console's stats (db/store.py)."""
 
 
 def make_celery(settings: Settings, *, register: bool = True) -> Celery:
@@ -37,6 +41,7 @@ def make_celery(settings: Settings, *, register: bool = True) -> Celery:
             DRIVE_RUN: {"queue": settings.queue},
             REAP: {"queue": settings.queue},
             RETENTION: {"queue": settings.queue},
+            STATS_ROLLUP: {"queue": settings.queue},
         },
         broker_connection_retry_on_startup=True,
         broker_connection_timeout=3,
@@ -65,6 +70,7 @@ def make_celery(settings: Settings, *, register: bool = True) -> Celery:
         beat_schedule={
             "reap": {"task": REAP, "schedule": settings.reaper_interval_seconds},
             "retention": {"task": RETENTION, "schedule": settings.retention_interval_seconds},
+            "stats-rollup": {"task": STATS_ROLLUP, "schedule": STATS_ROLLUP_INTERVAL_SECONDS},
         },
     )
     app.conf.dar_settings = settings

@@ -22,7 +22,7 @@ from runtime.engine.driver import Driver
 from runtime.observe.metrics import Metrics
 from runtime.pipeline.heartbeat import Heartbeat
 from tasks.dispatch import send_drive
-from tasks.names import DRIVE_RUN, REAP, RETENTION
+from tasks.names import DRIVE_RUN, REAP, RETENTION, STATS_ROLLUP
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +125,8 @@ def register_tasks(app: Celery) -> None:
         """Delete finished runs older than DAR_RETENTION_DAYS (:func:`sweeps.delete_expired`)."""
         state = worker_state(app)
         return sweeps.delete_expired(state.runtime.store, state.runtime.settings)
+
+    @app.task(name=STATS_ROLLUP, ignore_result=True, shared=False)
+    def stats_rollup() -> int:
+        """Roll up the closed hours of the console's stats (runtime.engine.sweeps)."""
+        return sweeps.roll_up_stats(worker_state(app).runtime.store)

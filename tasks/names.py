@@ -5,3 +5,4 @@
 DRIVE_RUN = "dar.drive_run"
 REAP = "dar.reap"
 RETENTION = "dar.retention"
+STATS_ROLLUP = "dar.stats_rollup"

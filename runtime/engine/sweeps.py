@@ -123,6 +123,16 @@ def delete_expired(store: RunStore, settings: Settings) -> int:
     return deleted
 
 
+def roll_up_stats(store: RunStore) -> int:
+    """Roll up the closed hours of the console's stats that the roll-up lacks or that a late
+    write changed (``GET /api/stats`` reads them from there; :meth:`RunStore.roll_up_stats`).
+    Safe from two beats. Returns how many hours were rolled up."""
+    rolled = store.roll_up_stats()
+    if rolled:
+        log.info("stats: rolled up %d hours", rolled)
+    return rolled
+
+
 class ScheduleLoop:
     """Every ``DAR_SCHEDULE_POLL_SECONDS``: one pass over the due schedules
     (:func:`~runtime.engine.schedules.tick_schedules`), then the messages of the runs it
