@@ -885,6 +885,10 @@ def openapi_document(
                         "status": {"enum": [str(st) for st in StepStatus]},
                         "toolName": NULLABLE_STR,
                         "toolUseId": NULLABLE_STR,
+                        "childRunId": {
+                            "type": ["string", "null"],
+                            "description": "a CHILD step: the child run it started",
+                        },
                         "model": NULLABLE_STR,
                         "stopReason": NULLABLE_STR,
                         "inputTokens": {"type": "integer"},

@@ -150,6 +150,7 @@ def _interrupted(task: Task, conversation: Conversation, key: str) -> StepResult
     task's step, and ``key`` is made again after it, with it. A crash before the message's
     record loses nothing: the message is still pending, and the next task delivers it at
     the step boundary before any model call."""
+    crash_point("after_interrupt")
     delivered = _deliver_message(task, conversation)
     if delivered is not None:
         return delivered

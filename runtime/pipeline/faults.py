@@ -15,7 +15,9 @@ Points, in the order a step passes them:
 - ``after_tool_effect``: the tool ran (its side effect happened), not yet recorded;
 - ``after_checkpoint``: the step is committed, the next message not yet sent;
 - ``before_message_delivery``: a message posted to an agent-loop run is about to be
-  recorded as its step (at a step boundary, or after it interrupted a model call).
+  recorded as its step (at a step boundary, or after it interrupted a model call);
+- ``after_interrupt``: a model call was aborted by a message posted with ``policy:
+  "interrupt"`` (its tokens counted), the message not yet recorded.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ POINTS = (
     "after_tool_effect",
     "after_checkpoint",
 )
-MESSAGE_POINTS = ("before_message_delivery",)
+MESSAGE_POINTS = ("before_message_delivery", "after_interrupt")
 """Reached only by runs that are sent messages (not in the chaos campaign's plan)."""
 
 

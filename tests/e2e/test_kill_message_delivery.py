@@ -1,6 +1,8 @@
 """End to end, real processes (API, two workers, beat, the demo model): a message posted to a
 run whose worker is then SIGKILLed mid-step is delivered once, by the survivor, at the next
-step boundary; after the run succeeds, a message continues the same conversation."""
+step boundary; after the run succeeds, a message continues the same conversation. A message
+posted with ``policy: "interrupt"`` whose worker dies between the abort of its model call and
+the message's record is delivered once too, and the cut call stays counted."""
 
 from __future__ import annotations
 
@@ -26,6 +28,21 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 def stack(
     database_url: str, redis_url: str, settings: Settings, tmp_path: Path
 ) -> Iterator[DevStack]:
+    yield from _stack(database_url, redis_url, settings, tmp_path)
+
+
+@pytest.fixture
+def interrupt_stack(
+    database_url: str, redis_url: str, settings: Settings, tmp_path: Path
+) -> Iterator[DevStack]:
+    """Every worker SIGKILLs itself right after a message interrupted its model call (the
+    survivor delivers the message at a step boundary, a path that never passes there)."""
+    yield from _stack(database_url, redis_url, settings, tmp_path, DAR_FAULTS="after_interrupt=1")
+
+
+def _stack(
+    database_url: str, redis_url: str, settings: Settings, tmp_path: Path, **extra: str
+) -> Iterator[DevStack]:
     log_path = tmp_path / "stack.log"
     with log_path.open("wb") as log:
         s = DevStack(
@@ -43,6 +60,7 @@ def stack(
                 "DAR_REAPER_INTERVAL_SECONDS": "0.5",
                 "DAR_DEMO_LATENCY_MS": "2500",
                 "ANTHROPIC_API_KEY": "",
+                **extra,
             },
             output=log,
         )
@@ -98,5 +116,49 @@ def test_sigkill_with_a_message_pending_delivers_it_once(stack: DevStack) -> Non
         kinds = [s.kind for s in store.steps(run_id)]
         assert kinds.count(StepKind.MESSAGE) == 2
         assert kinds[-1] is StepKind.MODEL, "the model answered the next turn"
+    finally:
+        engine.dispose()
+
+
+def test_sigkill_between_an_interrupt_and_the_messages_record_delivers_it_once(
+    interrupt_stack: DevStack,
+) -> None:
+    stack = interrupt_stack
+    engine = make_engine(stack.database_url, pool_size=2)
+    store = RunStore(engine)
+    try:
+        status, accepted = stack.request(
+            "POST", "/api/runs", {"input": "Which acme tickets are overdue?", "tokenBudget": 50000}
+        )
+        assert status == 201, accepted
+        run_id = uuid.UUID(accepted["id"])
+        deadline = time.monotonic() + 60
+        while True:  # the first model call in flight (the demo model types for 2.5 s)
+            assert time.monotonic() < deadline, "the run never started its model call"
+            run = store.get_run(run_id)
+            if run.locked_by and run.status is RunStatus.RUNNING:
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)
+        victim = stack.processes[run.locked_by]
+        status, sent = stack.request(
+            "POST",
+            f"/api/runs/{run_id}/messages",
+            {"text": "Only Globex, please", "policy": "interrupt"},
+        )
+        assert (status, sent["policy"]) == (202, "interrupt"), sent
+        victim.wait(timeout=10)  # it aborted the call, counted it, and died before the record
+        assert victim.returncode == -9, "the worker was killed at after_interrupt"
+        cut = store.get_run(run_id)
+        assert cut.messages_pending == 1, "the message is still there"
+        assert cut.unrecorded_tokens > 0, "the cut call was counted before the crash"
+        assert wait_terminal(store, run_id, 120) is RunStatus.SUCCEEDED
+        steps = store.steps(run_id)
+        messages = [s for s in steps if s.kind is StepKind.MESSAGE]
+        assert [m.response for m in messages] == ["Only Globex, please"], "delivered once"
+        assert steps[0].kind is StepKind.MESSAGE, "before the model call made again"
+        done = store.get_run(run_id)
+        assert done.unrecorded_tokens == cut.unrecorded_tokens, "counted once"
+        assert done.messages_pending == 0
     finally:
         engine.dispose()
