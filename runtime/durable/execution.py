@@ -938,7 +938,8 @@ class Execution:
         task, parent = self.task, self.task.claim.run
         if rec is None:
             seq = self.take_seq()
-            left = parent.token_budget - parent.tokens_used - task.spent.total
+            left = parent.token_budget - parent.tokens_used - parent.unrecorded_tokens
+            left -= task.spent.total
             if left <= 0:
                 no_budget = "ChildRunFailed: no token budget left for a child run"
                 failed = NewStep(seq, key, row_kind, StepStatus.ERROR, attempt=1, error=no_budget)

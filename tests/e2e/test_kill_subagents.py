@@ -1,0 +1,123 @@
+"""End to end, real processes (API, two workers, beat, the demo model): an agent loop whose
+model hands the question to a sub-agent (``examples/family.py``'s ``team``). A worker is
+SIGKILLed while it runs the child's model call (the parent waiting parked, holding no
+lease): the child finishes on the other worker, the parent is woken and answers with its
+result, the child was started once and its tokens count against the parent."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from cli.devstack import DevStack
+from cli.embedded import free_port
+from db.engine import make_engine
+from db.records import RunStatus, StepKind, StepStatus
+from db.store import RunStore
+from runtime.config import Settings
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def stack(
+    database_url: str, redis_url: str, settings: Settings, tmp_path: Path
+) -> Iterator[DevStack]:
+    log_path = tmp_path / "stack.log"
+    with log_path.open("wb") as log:
+        s = DevStack(
+            data_dir=tmp_path,
+            port=free_port(),
+            workers=2,
+            concurrency=4,
+            env={
+                **os.environ,
+                "DATABASE_URL": database_url,
+                "REDIS_URL": redis_url,
+                "DAR_QUEUE": settings.queue,
+                "DAR_LEASE_SECONDS": "3",
+                "DAR_HEARTBEAT_SECONDS": "1",
+                "DAR_REAPER_INTERVAL_SECONDS": "0.5",
+                "DAR_DEMO_LATENCY_MS": "2500",
+                "DAR_AGENT_MODULES": "examples.family",
+                "ANTHROPIC_API_KEY": "",
+            },
+            output=log,
+        )
+        try:
+            s.start(timeout=90)
+            yield s
+        finally:
+            s.stop()
+            print(log_path.read_text(errors="replace")[-15000:])
+
+
+def children(engine: object, parent: uuid.UUID) -> list[uuid.UUID]:
+    with engine.connect() as conn:  # type: ignore[attr-defined]
+        rows = conn.execute(
+            text("SELECT id FROM run WHERE parent_run_id = :id ORDER BY created_at"),
+            {"id": parent},
+        )
+        return [r.id for r in rows]
+
+
+def test_sigkill_of_the_worker_running_a_sub_agent_while_its_parent_waits(
+    stack: DevStack,
+) -> None:
+    engine = make_engine(stack.database_url, pool_size=2)
+    store = RunStore(engine)
+    try:
+        status, accepted = stack.request(
+            "POST",
+            "/api/runs",
+            {"agent": "team", "input": "Which acme tickets are overdue?", "tokenBudget": 60000},
+        )
+        assert status == 201, accepted
+        parent_id = uuid.UUID(accepted["id"])
+        deadline = time.monotonic() + 60
+        while True:  # the child's first model call in flight: its lease held
+            assert time.monotonic() < deadline, "the sub-agent never started"
+            kids = children(engine, parent_id)
+            if kids:
+                child = store.get_run(kids[0])
+                if child.locked_by and child.status is RunStatus.RUNNING:
+                    break
+            time.sleep(0.05)
+        parent = store.get_run(parent_id)
+        assert parent.locked_by is None, "the parent waits holding no lease"
+        assert parent.wait_reason is not None
+        assert "waiting for sub-agent" in parent.wait_reason
+        victim = child.locked_by
+        stack.kill(victim)
+        print(f"killed {victim} in the middle of sub-agent run {str(child.id)[:8]}")
+
+        deadline = time.monotonic() + 120
+        while not store.get_run(parent_id).status.terminal:
+            assert time.monotonic() < deadline, "the parent never finished"
+            time.sleep(0.2)
+        done = store.get_run(parent_id)
+        assert done.status is RunStatus.SUCCEEDED, done.error
+        [kid] = children(engine, parent_id)
+        finished = store.get_run(kid)
+        assert finished.status is RunStatus.SUCCEEDED, "started once, finished elsewhere"
+        steps = store.steps(parent_id)
+        assert [(s.kind, s.status) for s in steps] == [
+            (StepKind.MODEL, StepStatus.DONE),
+            (StepKind.CHILD, StepStatus.DONE),
+            (StepKind.MODEL, StepStatus.DONE),
+        ]
+        assert steps[1].response == finished.result, "the child's answer is the tool's result"
+        own = steps[0].usage.total + steps[2].usage.total
+        assert done.tokens_used == own + finished.tokens_used
+        _, shown = stack.request("GET", f"/api/runs/{parent_id}")
+        assert [c["id"] for c in shown["children"]] == [str(kid)]
+        _, timeline = stack.request("GET", f"/api/runs/{parent_id}/timeline")
+        assert [t.get("childRunId") for t in timeline if t["kind"] == "CHILD"] == [str(kid)]
+    finally:
+        engine.dispose()
