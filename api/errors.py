@@ -10,7 +10,7 @@ from flask import Flask, Response, jsonify
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError, StatementError
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from db.errors import DarError
+from db.errors import DarError, DatabaseUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,16 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(OperationalError)
     def _db_down(e: OperationalError) -> tuple[Response, int]:
         log.error("database unavailable: %s", _db_error_summary(e))
+        return error_response(503, "database_unavailable", "the database is not answering; retry")
+
+    @app.errorhandler(DatabaseUnavailable)
+    def _store_down(e: DatabaseUnavailable) -> tuple[Response, int]:
+        # What the store raises with the database away; the cause is the driver's error.
+        cause = e.__cause__
+        log.error(
+            "database unavailable: %s",
+            _db_error_summary(cause) if isinstance(cause, StatementError) else type(cause).__name__,
+        )
         return error_response(503, "database_unavailable", "the database is not answering; retry")
 
     @app.errorhandler(DataError)

@@ -52,9 +52,33 @@ class LeaseLost(BaseException):
         super().__init__(f"{msg}: {detail}" if detail else msg)
 
 
+class DatabaseUnavailable(DarError):
+    """The database is not answering (a restart, a dropped or refused connection); the call
+    may be tried again.
+
+    What :class:`~db.store.RunStore` raises, in place of the driver's error (its
+    ``__cause__``), whenever the database is away: the store classifies, once
+    (:func:`database_unavailable`), and the engine only catches this class. Any other database
+    error (bad data, a constraint, a bug) comes out as it is.
+    """
+
+    @classmethod
+    def from_error(cls, e: BaseException) -> DatabaseUnavailable:
+        """This error for the driver's ``e``: its kind and first line, never the statement or
+        its parameters (they may quote a prompt)."""
+        orig = getattr(e, "orig", None) or e
+        first = (str(orig).strip().splitlines() or [""])[0][:200]
+        error = cls(f"the database is not answering ({type(orig).__name__}: {first})")
+        error.__cause__ = e
+        return error
+
+
 def database_unavailable(e: BaseException) -> bool:
     """The database went away (a restart, a dropped or refused connection): the statement
-    may be tried again. Any other error (bad data, a constraint, a bug) is not."""
+    may be tried again. Any other error (bad data, a constraint, a bug) is not. The store's
+    classifier: above it, catch :class:`DatabaseUnavailable`."""
+    if isinstance(e, DatabaseUnavailable):
+        return True
     # Imported here: `dar` and the client import this module and must not load SQLAlchemy.
     from sqlalchemy.exc import DBAPIError, OperationalError
 

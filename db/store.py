@@ -7,22 +7,26 @@ Writes made by a worker after claiming are fenced on (holder, lease epoch) and r
 
 from __future__ import annotations
 
+import functools
+import inspect
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import Connection, Engine, RowMapping
 
 from db import jsontext
 from db.errors import (
+    DatabaseUnavailable,
     IdempotencyConflict,
     InvalidTransition,
     LeaseLost,
     QuotaExceeded,
     RunNotFound,
+    database_unavailable,
 )
 from db.fastpath import FastStatements
 from db.owed import OwedUsage
@@ -1795,3 +1799,33 @@ def _cancel_children(conn: Connection, run_id: uuid.UUID) -> None:
         if conn.execute(Q["cancel_run"], {"id": child}).first() is not None:
             conn.execute(Q["cancel_pending_approvals"], {"id": child})
             _cancel_children(conn, child)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _translating(method: Callable[P, R]) -> Callable[P, R]:
+    """``method`` raising :class:`DatabaseUnavailable` (from the driver's error) when the
+    database is away; every other error as it is."""
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(*args, **kwargs)
+        except DatabaseUnavailable:
+            raise
+        except Exception as e:
+            if database_unavailable(e):
+                raise DatabaseUnavailable.from_error(e) from e
+            raise
+
+    return call
+
+
+# Database errors are translated once, here: every public method of the store raises
+# DatabaseUnavailable when the database is away, so the engine above never classifies a
+# driver's exception.
+for _name, _member in list(vars(RunStore).items()):
+    if not _name.startswith("_") and inspect.isfunction(_member):
+        setattr(RunStore, _name, _translating(_member))

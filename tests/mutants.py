@@ -115,7 +115,7 @@ MUTANTS = (
     Mutant(
         "checkpoint-retry-on-any-exception",
         "runtime/pipeline/checkpoint.py",
-        "if not database_unavailable(e) or left <= 0:",
+        "if not isinstance(e, DatabaseUnavailable) or left <= 0:",
         "if left <= 0:",
         (T + "test_checkpoint_blip.py::test_an_error_that_is_not_a_blip_is_not_retried",),
         "a checkpoint retried for the whole lease on any exception, not only a database blip",

@@ -10,7 +10,9 @@ from typing import Any
 
 import redis
 from sqlalchemy import Engine, text
+from sqlalchemy.exc import OperationalError
 
+from db.errors import DatabaseUnavailable
 from db.records import Dispatch, NewRun, Run
 from db.store import RunStore
 from runtime.agents import Agent, AgentRegistry
@@ -99,3 +101,11 @@ def drive_to_end(driver: Driver, dispatch: Dispatch, max_steps: int = 100) -> li
             return outcomes
         current = result.dispatch
     raise AssertionError("run did not finish")
+
+
+def dropped_connection() -> DatabaseUnavailable:
+    """What the store raises when its connection drops mid-statement (the driver's
+    ``OperationalError`` as the cause): the blip a checkpoint is retried across."""
+    return DatabaseUnavailable.from_error(
+        OperationalError("COMMIT", {}, Exception("server closed the connection"))
+    )

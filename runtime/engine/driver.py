@@ -28,9 +28,9 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from sqlalchemy.exc import DataError, DBAPIError
+from sqlalchemy.exc import DataError
 
-from db.errors import database_unavailable
+from db.errors import DatabaseUnavailable
 from db.records import Claim, Dispatch, RunStatus, Step, StepStatus
 from db.store import RunStore
 from runtime.admission.concurrency_keys import KeyGate, KeyWait, Slot, tenant_key
@@ -121,9 +121,7 @@ class Driver:
         """Handle one drive_run message: at most one step."""
         try:
             claim = self.store.claim(run_id, token, self.worker, self.settings.lease_seconds)
-        except Exception as e:
-            if not database_unavailable(e):
-                raise
+        except DatabaseUnavailable as e:
             # PostgreSQL is unreachable or out of connections: nothing was claimed (or, if
             # the claim committed and its answer was lost, its lease lapses as any crash's
             # would). The same message again in a few seconds, rather than the run waiting
@@ -132,7 +130,7 @@ class Driver:
             log.warning(
                 "run=%s could not be claimed (%s); its message comes back in %.1fs",
                 short(run_id),
-                type(e.orig if isinstance(e, DBAPIError) else e).__name__,
+                e,
                 delay,
                 extra={"run_id": str(run_id)},
             )

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from db.errors import LeaseLost, database_unavailable
+from db.errors import DatabaseUnavailable, LeaseLost
 from db.records import Claim, Dispatch, NewStep, Run, RunStatus, Step, StepStatus, Usage
 from db.records import StepKind as RowKind
 from db.store import RunStore
@@ -204,8 +204,8 @@ class Task:
     ) -> T:
         """Run ``write``, a fenced record of this task, across a database blip.
 
-        - The database is away (PostgreSQL restarting, a dropped connection,
-          :func:`~db.errors.database_unavailable`): the write is tried again, with backoff,
+        - The database is away (PostgreSQL restarting, a dropped connection: the store
+          raises :class:`~db.errors.DatabaseUnavailable`): the write is tried again, with backoff,
           for as long as the lease lasts, so a step that ran is not run again because the
           database blinked while it was recorded. Before each new try ``committed()`` says
           whether an earlier try did commit (its answer lost with the connection): its
@@ -227,7 +227,7 @@ class Task:
                 return write()
             except Exception as e:
                 left = give_up - time.monotonic()
-                if not database_unavailable(e) or left <= 0:
+                if not isinstance(e, DatabaseUnavailable) or left <= 0:
                     raise
                 pause = min(delay, left)  # the last try lands on the deadline, not before it
                 log.warning(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from db.errors import LeaseLost, database_unavailable
+from db.errors import DatabaseUnavailable, LeaseLost
 from db.records import Dispatch, NewStep, RunStatus, Step, StepKind, StepStatus, Usage
 from runtime.admission.concurrency_keys import tenant_key
 from runtime.admission.flow_control import Refusal
@@ -413,7 +413,7 @@ def record_billed(
             lambda: Earlier(committed()) if task.wrote(row) is not None else None,
         )
     except BaseException as e:
-        if isinstance(e, LeaseLost) or database_unavailable(e):
+        if isinstance(e, LeaseLost | DatabaseUnavailable):
             # Taken over, or the lease is gone with the database still away: the call was
             # billed whoever holds the run now.
             _count_unrecorded(task, answer, row)

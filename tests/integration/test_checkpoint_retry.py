@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.exc import OperationalError
 
 from db.records import Claim, Dispatch, NewStep, RunStatus, StepStatus
 from db.store import RunStore
@@ -18,6 +17,7 @@ from runtime.engine.bootstrap import Runtime
 from runtime.engine.fork import ForkRefused, ForkRequest, fork_run
 from runtime.testing.testkit import DurableTester, FakeModel
 from tests.integration.test_one_executor import _CheckedStore
+from tests.support import dropped_connection
 
 
 def _blink_child(store: RunStore, *, on_call: int, after_commit: bool) -> list[int]:
@@ -35,7 +35,7 @@ def _blink_child(store: RunStore, *, on_call: int, after_commit: bool) -> list[i
                 held = store.step_logs._logs.get(claim.run_id)
                 if held is not None:
                     held.rows.pop(step.step_key, None)
-            raise OperationalError("COMMIT", {}, Exception("server closed the connection"))
+            raise dropped_connection()
         real(claim, step)
 
     store.record_child = flaky  # type: ignore[method-assign]

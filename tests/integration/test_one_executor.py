@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.exc import OperationalError
 
 from db.errors import LeaseLost
 from db.records import Dispatch, NewRun, NewStep, RunStatus, Step, StepKind, StepStatus, Usage
@@ -36,7 +35,7 @@ from runtime.llm.scripted import ScriptedLlm
 from runtime.pipeline.heartbeat import Heartbeat
 from runtime.testing.testkit import DurableTester, FakeModel, SimulatedCrash
 from runtime.tools import ToolContext, tool
-from tests.support import drive_to_end, expire_lease, register_agent, submit
+from tests.support import drive_to_end, dropped_connection, expire_lease, register_agent, submit
 
 EFFECTS: list[str] = []
 
@@ -157,7 +156,7 @@ def test_a_database_error_at_the_checkpoint_is_not_a_failure_of_the_function(
 
     def blip(*args: Any, **kwargs: Any) -> Any:
         calls["n"] += 1
-        raise OperationalError("COMMIT", {}, Exception("server closed the connection"))
+        raise dropped_connection()
 
     waiting = driver.drive(first.dispatch.run_id, first.dispatch.token)
     assert runtime.store.get_run(run_id).status is RunStatus.WAITING, waiting
@@ -946,7 +945,7 @@ def _blink(store: RunStore, times: int, *, after_commit: bool) -> list[int]:
             failures.append(1)
             if after_commit:
                 real(*args, **kwargs)
-            raise OperationalError("COMMIT", {}, Exception("server closed the connection"))
+            raise dropped_connection()
         return real(*args, **kwargs)
 
     store.checkpoint_model = flaky  # type: ignore[method-assign]

@@ -15,7 +15,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 from db.engine import make_engine
-from db.errors import database_unavailable
+from db.errors import DatabaseUnavailable
 from db.records import NewStep, RunStatus, StepKind, StepStatus, Usage
 from db.store import RunStore
 from runtime.admission.flow_control import FlowControl
@@ -170,9 +170,9 @@ def test_usage_owed_while_the_database_was_away_replaces_the_estimate_counted_me
     p = Runtime.build(p_settings, llm=model, pool_size=1)
     try:
         register_agent(p.agents)
-        with pytest.raises(OperationalError) as raised:
+        with pytest.raises(DatabaseUnavailable) as raised:
             p.driver(worker="worker-P").drive(dispatch.run_id, dispatch.token)
-        assert database_unavailable(raised.value), raised.value
+        assert isinstance(raised.value.__cause__, OperationalError), raised.value
         assert model.thread is not None
         model.thread.join(10)
         assert not model.failed, model.failed
