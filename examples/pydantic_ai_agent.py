@@ -5,12 +5,16 @@
 
 Every model request and tool call is a step of the run (see the README, "Pydantic AI").
 With ANTHROPIC_API_KEY set it talks to Claude; without, to an offline demo model (Pydantic
-AI's ``FunctionModel``) that looks the order up and answers from what the tool said.
+AI's ``FunctionModel``) that looks the order up and answers from what the tool said, its
+answer streamed word by word (``dar follow <run>`` shows it as it comes).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic_ai import Agent
@@ -21,7 +25,7 @@ from pydantic_ai.messages import (
     ToolCallPart,
     ToolReturnPart,
 )
-from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.models.function import AgentInfo, DeltaToolCall, DeltaToolCalls, FunctionModel
 
 from runtime import AgentRegistry
 
@@ -41,11 +45,24 @@ def demo_model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
     return ModelResponse(parts=[ToolCallPart("lookup_order", {"order": order})])
 
 
+async def demo_stream(
+    messages: list[ModelMessage], info: AgentInfo
+) -> AsyncIterator[str | DeltaToolCalls]:
+    """The same answers, streamed: text a word at a time, as a model types."""
+    for part in demo_model(messages, info).parts:
+        if isinstance(part, TextPart):
+            for piece in re.findall(r"\S+\s*", part.content):
+                yield piece
+                await asyncio.sleep(0.05)
+        elif isinstance(part, ToolCallPart):
+            yield {0: DeltaToolCall(name=part.tool_name, json_args=part.args_as_json_str())}
+
+
 def build() -> Agent[None, str]:
     model: Any = (
         "anthropic:claude-sonnet-4-5"
         if os.environ.get("ANTHROPIC_API_KEY")
-        else FunctionModel(demo_model, model_name="demo-model")
+        else FunctionModel(demo_model, stream_function=demo_stream, model_name="demo-model")
     )
     agent = Agent(model, name="order-desk", instructions="Answer questions about orders.")
 

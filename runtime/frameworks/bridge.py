@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from db.records import Usage
+from runtime import native
 from runtime.durable.api import Billed, Steps
 from runtime.durable.errors import ApprovalRejected, NonDeterministicReplay
 from runtime.llm.live_call import LiveCall, ModelCallCancelled
@@ -45,12 +46,46 @@ _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
 
 
+class NativeExecutor(concurrent.futures.ThreadPoolExecutor):
+    """Runs a framework's sync code (a sync tool's body) on a native thread of the step pool
+    (:mod:`runtime.native`), with a standard future the event loop can await. Under the gevent
+    pool the framework loop is a greenlet: a sync tool that blocks in C (hashing, compressing,
+    a C driver) run on one of the framework's own threads, greenlets too, would stop every
+    step of the worker for as long as it runs. (A ``ThreadPoolExecutor`` only by type, as
+    asyncio's default executor must be; it starts no thread of its own.)"""
+
+    def submit(
+        self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[Any]:
+        out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not out.set_running_or_notify_cancel():
+                return
+            try:
+                out.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # the caller's to see, as with any executor
+                out.set_exception(e)
+
+        native.submit(run)
+        return out
+
+
+def tool_executor() -> concurrent.futures.Executor | None:
+    """Where a framework runs its sync tools in this process: native threads under the gevent
+    pool; the framework's own threads otherwise (``None``)."""
+    return NativeExecutor() if native.gevent_patched() else None
+
+
 def framework_loop() -> asyncio.AbstractEventLoop:
     """This process's event loop for framework agents (started on first use)."""
     global _loop
     with _loop_lock:
         if _loop is None or _loop.is_closed():
             loop = asyncio.new_event_loop()
+            executor = tool_executor()
+            if executor is not None:  # asyncio.to_thread (the Agents SDK's sync tools)
+                loop.set_default_executor(executor)
             ready = threading.Event()
 
             def serve() -> None:
@@ -73,7 +108,26 @@ def on_loop(awaitable: Awaitable[Any]) -> Any:
     return asyncio.run_coroutine_threadsafe(run(), framework_loop()).result()
 
 
-_live: contextvars.ContextVar[LiveCall | None] = contextvars.ContextVar(
+class LiveText:
+    """A model unit's text, out to the run's event stream as the model produces it
+    (``text.delta`` events of this attempt; a new attempt of the step, after a crash or a
+    retry, retracts this one's for every client)."""
+
+    def __init__(self, call: LiveCall, attempt: int) -> None:
+        self.call = call
+        self.attempt = attempt
+
+    def __call__(self, text: str) -> None:
+        if text:
+            self.call.delta(self.attempt, text)
+
+    @property
+    def cancelled(self) -> bool:
+        """The run was cancelled while this call is in flight (the unit is being aborted)."""
+        return self.call.cancelled.is_set()
+
+
+_live: contextvars.ContextVar[LiveText | None] = contextvars.ContextVar(
     "dar_framework_live", default=None
 )
 
@@ -98,8 +152,9 @@ def _keyed(awaitable_of: Callable[[], Awaitable[Any]], key: str | None) -> Await
     return run()
 
 
-def current_live() -> LiveCall | None:
-    """Inside a model unit's body: the call's live stream (text deltas), if the run has one."""
+def current_live() -> LiveText | None:
+    """Inside a model unit's body: where its text goes as it streams (``None``: the run has
+    no live stream, so the framework need not stream the call)."""
     return _live.get()
 
 
@@ -108,10 +163,12 @@ def _abort(future: concurrent.futures.Future[Any]) -> None:
 
 
 def _call_live(body: Callable[[], Awaitable[Any]], live: LiveCall | None) -> Any:
-    """Run a model unit's body on the loop; a cancel of the run aborts it there."""
+    """Run a model unit's body on the loop, its text streamed live; a cancel of the run
+    aborts it there."""
+    text = LiveText(live, live.begin_attempt()) if live is not None else None
 
     async def run() -> Any:
-        _live.set(live)
+        _live.set(text)
         _current.set(None)
         return await body()
 

@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents import Agent, FunctionTool, Handoff, RunConfig, Runner, handoff
+from agents import Agent, FunctionTool, Handoff, ModelBehaviorError, RunConfig, Runner, handoff
 from agents.items import ModelResponse, TResponseOutputItem
 from agents.mcp import MCPServer
 from agents.models.interface import Model, ModelProvider
@@ -44,6 +44,12 @@ from agents.models.multi_provider import MultiProvider
 from agents.usage import Usage as SdkUsage
 from mcp.types import CallToolResult, GetPromptResult, ListPromptsResult
 from mcp.types import Tool as MCPTool
+from openai.types.responses import (
+    Response,
+    ResponseCompletedEvent,
+    ResponseOutputItemDoneEvent,
+    ResponseTextDeltaEvent,
+)
 from pydantic import TypeAdapter
 
 from db.records import Usage
@@ -53,10 +59,12 @@ from runtime.frameworks.bridge import (
     APPROVAL_TIMEOUT_SECONDS,
     Billing,
     Bridge,
+    LiveText,
     UnitPolicy,
     ask_approval,
     check_identity,
     current_bridge,
+    current_live,
     prompt_of,
 )
 
@@ -194,7 +202,10 @@ class DurableModel(Model):
             return await self.inner.get_response(*args, **kwargs)
 
         async def body() -> dict[str, Any]:
-            return dump_response(await self.inner.get_response(*args, **kwargs))
+            live = current_live()
+            if live is None:
+                return dump_response(await self.inner.get_response(*args, **kwargs))
+            return dump_response(await streamed(self.inner, live, args, kwargs))
 
         prompt = _prompt(args, kwargs)
         name = _model_name(self.inner, self.name)
@@ -215,12 +226,57 @@ class DurableModel(Model):
         if current_bridge() is None:
             return self.inner.stream_response(*args, **kwargs)
         raise NotImplementedError(
-            "Runner.run_streamed is not durable yet: use Runner.run (the runtime streams "
-            "the run's events itself)"
+            "Runner.run_streamed is not durable: the runtime runs the agent with Runner.run "
+            "and streams each model call's text itself (GET /api/runs/{id}/events)"
         )
 
     async def close(self) -> None:
         await self.inner.close()
+
+
+_FAILED = ("response.failed", "response.incomplete", "error")
+
+
+async def streamed(
+    model: Model, live: LiveText, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> ModelResponse:
+    """One model call, streamed: its text goes to the run's event stream as it arrives; the
+    answer is the completed response, as ``get_response`` would have returned it."""
+    final: Response | None = None
+    done: list[Any] = []
+    stream = model.stream_response(*args, **kwargs)
+    try:
+        async for event in stream:
+            if isinstance(event, ResponseTextDeltaEvent):
+                live(event.delta)
+            elif isinstance(event, ResponseOutputItemDoneEvent):
+                done.append(event.item)
+            elif isinstance(event, ResponseCompletedEvent):
+                final = event.response
+            elif getattr(event, "type", None) in _FAILED:
+                raise ModelBehaviorError(f"the model's stream ended with {event.type}")
+    finally:
+        closing = getattr(stream, "aclose", None)
+        if closing is not None:
+            await closing()
+    if final is None:
+        raise ModelBehaviorError("the model's stream ended without a completed response")
+    u = final.usage
+    usage = SdkUsage(
+        requests=1,
+        input_tokens=u.input_tokens if u else 0,
+        output_tokens=u.output_tokens if u else 0,
+        total_tokens=u.total_tokens if u else 0,
+    )
+    if u is not None:
+        usage.input_tokens_details.cached_tokens = u.input_tokens_details.cached_tokens or 0
+        usage.output_tokens_details.reasoning_tokens = u.output_tokens_details.reasoning_tokens or 0
+    return ModelResponse(
+        output=list(final.output) or done,
+        usage=usage,
+        response_id=final.id,
+        request_id=getattr(final, "_request_id", None),
+    )
 
 
 def _prompt(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, assert_never
 
 from pydantic_ai import Agent as PydanticAgent
-from pydantic_ai import DeferredToolRequests, DeferredToolResults, ToolDenied
+from pydantic_ai import DeferredToolRequests, DeferredToolResults, RunContext, ToolDenied
+from pydantic_ai.agent import EventStreamHandler
 from pydantic_ai.capabilities import CombinedCapability
 from pydantic_ai.capabilities.combined import bind_capabilities_tier
 from pydantic_ai.durable_exec import (
@@ -53,6 +54,16 @@ from pydantic_ai.durable_exec import (
     conversation_id_from_run_id,
 )
 from pydantic_ai.durable_exec._operation_names import DurableInvocationName
+from pydantic_ai.mcp import CallToolFunc, MCPToolset
+from pydantic_ai.messages import (
+    AgentStreamEvent,
+    PartDeltaEvent,
+    PartStartEvent,
+    TextPart,
+    TextPartDelta,
+)
+from pydantic_ai.models import Model
+from pydantic_ai.models.function import FunctionModel
 from pydantic_core import to_jsonable_python
 
 from db.records import Usage
@@ -67,7 +78,10 @@ from runtime.frameworks.bridge import (
     ask_approval,
     check_identity,
     current_bridge,
+    current_live,
+    idempotency_key,
     prompt_of,
+    tool_executor,
 )
 
 Config = dict[str, Any]
@@ -167,7 +181,6 @@ class StepBackend(CallableOperationBackend[Config]):
     def __init__(self, capability: DarDurability, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.capability = capability
-        self.safe_mcp_calls: set[str] = set()
 
     async def execute(
         self,
@@ -185,7 +198,7 @@ class StepBackend(CallableOperationBackend[Config]):
         mcp_call = (
             isinstance(operation_id, ToolsetCallToolId) and operation_id.toolset_kind == "mcp"
         )
-        if mcp_call and name in self.safe_mcp_calls:  # annotated read-only or idempotent
+        if mcp_call and name in self.capability.safe_mcp_calls:  # annotated read-only or idempotent
             idempotent = True
         billing = None
         if isinstance(operation_id, ModelRequestId):
@@ -203,7 +216,7 @@ class StepBackend(CallableOperationBackend[Config]):
             metadata = (definition or {}).get("metadata") or {}
             hints = metadata.get("annotations") or {}
             if hints.get("readOnlyHint") or hints.get("idempotentHint"):
-                self.safe_mcp_calls.add(f"mcp.{toolset_id}.{tool}".replace("/", "_"))
+                self.capability.safe_mcp_calls.add(f"mcp.{toolset_id}.{tool}".replace("/", "_"))
 
 
 class DarDurability(BaseDurabilityCapability[Any]):
@@ -227,9 +240,32 @@ class DarDurability(BaseDurabilityCapability[Any]):
         tool_config_key="dar",
     )
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.safe_mcp_calls: set[str] = set()
+        """MCP calls (step names) whose tool its server annotates read-only or idempotent,
+        learned from the listings (fresh or recorded). Kept here, not on a backend: Pydantic AI
+        asks for a backend per operation, and a listing replayed by one must inform the call
+        made through another (a worker that takes the run over learns it from the log)."""
+
     @property
     def in_durable_context(self) -> bool:
         return current_bridge() is not None
+
+    @property
+    def has_wrap_run_event_stream(self) -> bool:
+        # In a run of this runtime every model request streams (when its model can), so its
+        # text reaches the run's event stream as it is produced: a reason to stream on its own,
+        # as Temporal's event stream topic is.
+        return super().has_wrap_run_event_stream or (
+            self.in_durable_context and streams(self.agent.model if self.agent else None)
+        )
+
+    def _model_stream_event_handler(self) -> EventStreamHandler[Any] | None:
+        # The extension point engines override to see the live model stream inside the model
+        # request's unit (Temporal publishes it from there too): text deltas go to the run's
+        # event stream, then on to the capability's own handler, if it has one.
+        return functools.partial(forward_text, handler=super()._model_stream_event_handler())
 
     def get_default_run_id(self) -> str | None:
         bridge = current_bridge()
@@ -275,6 +311,40 @@ class DarDurability(BaseDurabilityCapability[Any]):
         return TOOL
 
 
+def streams(model: Any) -> bool:
+    """Whether ``model`` can stream a request (a ``FunctionModel`` needs a stream function)."""
+    if model is None or isinstance(model, str):
+        return model is not None
+    if isinstance(model, FunctionModel):
+        return model.stream_function is not None
+    return type(model).request_stream is not Model.request_stream
+
+
+async def forward_text(
+    ctx: RunContext[Any],
+    events: AsyncIterable[AgentStreamEvent],
+    *,
+    handler: EventStreamHandler[Any] | None,
+) -> None:
+    """Inside a model request's unit: its text, as it streams, to the run's event stream."""
+    live = current_live()
+
+    async def tee() -> AsyncIterator[AgentStreamEvent]:
+        async for event in events:
+            if live is not None:
+                if isinstance(event, PartStartEvent) and isinstance(event.part, TextPart):
+                    live(event.part.content)
+                elif isinstance(event, PartDeltaEvent) and isinstance(event.delta, TextPartDelta):
+                    live(event.delta.content_delta)
+            yield event
+
+    if handler is not None:
+        await handler(ctx, tee())
+    else:
+        async for _ in tee():
+            pass
+
+
 def _annotated_safe(tool: Any) -> bool:
     """An MCP tool its server annotates read-only or idempotent: safe to call again."""
     metadata = getattr(getattr(tool, "tool_def", None), "metadata", None) or {}
@@ -282,9 +352,50 @@ def _annotated_safe(tool: Any) -> bool:
     return bool(annotations.get("readOnlyHint") or annotations.get("idempotentHint"))
 
 
+KEY_META = "dar/idempotency_key"
+"""The ``_meta`` field of an MCP call made in a run: the step's idempotency key."""
+
+
+def _keyed_mcp_calls(agent: PydanticAgent[Any, Any]) -> None:
+    """Every MCP toolset of ``agent`` sends the step's idempotency key in each call's
+    ``_meta`` (through its public ``process_tool_call`` hook, around the user's own)."""
+
+    def visit(toolset: Any) -> None:
+        if not isinstance(toolset, MCPToolset) or getattr(
+            toolset.process_tool_call, "__dar_keyed__", False
+        ):
+            return
+        inner = toolset.process_tool_call
+
+        async def process(
+            ctx: RunContext[Any], call_tool: CallToolFunc, name: str, args: dict[str, Any]
+        ) -> Any:
+            key = idempotency_key()
+            if key is not None:
+                plain = call_tool
+
+                async def keyed(
+                    name: str, args: dict[str, Any], *, metadata: dict[str, Any] | None = None
+                ) -> Any:
+                    return await plain(name, args, metadata={**(metadata or {}), KEY_META: key})
+
+                call_tool = keyed
+            if inner is not None:
+                return await inner(ctx, call_tool, name, args)
+            return await call_tool(name, args)
+
+        process.__dar_keyed__ = True  # type: ignore[attr-defined]
+        toolset.process_tool_call = process
+
+    for toolset in agent.toolsets:
+        toolset.apply(visit)
+
+
 def durable(agent: PydanticAgent[Any, Any]) -> PydanticAgent[Any, Any]:
     """``agent`` with :class:`DarDurability` attached: the agent itself when it already has it,
-    else a copy (the user's agent object is left as it was)."""
+    else a copy (the user's agent object is left as it was, but for its MCP toolsets, which
+    send the step's idempotency key when called in a run)."""
+    _keyed_mcp_calls(agent)
     if DarDurability.from_agent(agent) is not None:
         return agent
     twin = copy.copy(agent)
@@ -324,6 +435,16 @@ async def _agent_run(
 ) -> Any:
     """The agent's run; a tool that needs approval asks this runtime's approvers, and the
     run goes on with their decisions (Pydantic AI's deferred tool results)."""
+    executor = tool_executor()
+    if executor is not None:
+        with PydanticAgent.using_thread_executor(executor):
+            return await _agent_turns(agent, user_prompt, options, bridge)
+    return await _agent_turns(agent, user_prompt, options, bridge)
+
+
+async def _agent_turns(
+    agent: PydanticAgent[Any, Any], user_prompt: str, options: Options, bridge: Bridge
+) -> Any:
     deps = options.deps() if callable(options.deps) else options.deps
     output_type = [agent.output_type, DeferredToolRequests]
     result: Any = await agent.run(user_prompt, deps=deps, output_type=output_type)

@@ -1,37 +1,105 @@
-"""For the frameworks' end-to-end test, loaded by real worker processes: a Pydantic AI agent
-whose Anthropic model talks to the test's fake Messages API (``DAR_TEST_FAKE_URL``), with a
-slow idempotent function tool (its calls in ``DAR_TEST_TOOL_LEDGER``)."""
+"""For the frameworks' end-to-end tests, loaded by real worker processes (the shipped gevent
+pool). Models talk to the test's fakes: the fake Messages API (``DAR_TEST_FAKE_URL``) for
+Pydantic AI's Anthropic model, the fake OpenAI API (``DAR_TEST_OPENAI_URL``) for the Agents
+SDK. Tools write what they did to ``DAR_TEST_TOOL_LEDGER``; the MCP servers are the counting
+server over stdio, ledger ``DAR_TEST_MCP_LEDGER``.
+
+- ``fw-e2e`` (Pydantic AI): a slow idempotent function tool ``pack``.
+- ``fw-mcp`` (Pydantic AI): a function tool ``lookup`` and the MCP toolset ``notes``.
+- ``fw-approve`` (Pydantic AI): ``refund``, which needs approval.
+- ``oa-e2e`` (OpenAI Agents SDK): a slow idempotent function tool ``pack`` and the MCP
+  server ``notes``.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
+from agents import Agent as SdkAgent
+from agents import OpenAIResponsesModel, function_tool
+from agents.mcp import MCPServerStdio
+from fastmcp.client.transports import StdioTransport
+from openai import AsyncOpenAI
 from pydantic_ai import Agent
+from pydantic_ai.mcp import MCPToolset
 from pydantic_ai.models.anthropic import AnthropicModel
 from pydantic_ai.providers.anthropic import AnthropicProvider
 
 from runtime import AgentRegistry
 from runtime.frameworks import idempotency_key
+from runtime.frameworks.openai_agents import idempotent
+from tests.mcp.support import COUNTING
 
 DELAY = 4.0
 
 
+def _note(tool: str, slow: bool) -> None:
+    path = os.environ["DAR_TEST_TOOL_LEDGER"]
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"tool": tool, "key": idempotency_key(), "pid": os.getpid()}))
+        f.write("\n")
+    if slow:
+        with open(path + ".calling", "w", encoding="utf-8") as f:
+            f.write(tool)
+        time.sleep(DELAY)
+
+
+def _pack(order: str) -> str:
+    _note("pack", slow=True)
+    return f"{order} packed"
+
+
 def register(registry: AgentRegistry) -> None:
     provider = AnthropicProvider(base_url=os.environ["DAR_TEST_FAKE_URL"], api_key="test")
-    agent = Agent(AnthropicModel("claude-test-model", provider=provider), name="fw-e2e")
+    model = AnthropicModel("claude-test-model", provider=provider)
+    mcp_ledger = os.environ.get("DAR_TEST_MCP_LEDGER", os.devnull)
+
+    agent = Agent(model, name="fw-e2e")
 
     @agent.tool_plain(metadata={"dar": {"idempotent": True}})
     def pack(order: str) -> str:
         """Pack an order (slowly; safe to repeat with the same key)."""
-        path = os.environ["DAR_TEST_TOOL_LEDGER"]
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"tool": "pack", "key": idempotency_key(), "pid": os.getpid()}))
-            f.write("\n")
-        with open(path + ".calling", "w", encoding="utf-8") as f:
-            f.write("pack")
-        time.sleep(DELAY)
-        return f"{order} packed"
+        return _pack(order)
 
     registry.register(agent)
+
+    notes = MCPToolset(
+        StdioTransport(sys.executable, [COUNTING, "--ledger", mcp_ledger]), id="notes"
+    )
+    with_mcp = Agent(model, name="fw-mcp", toolsets=[notes])
+
+    @with_mcp.tool_plain
+    def lookup(order: str) -> str:
+        """Look an order up."""
+        _note("lookup", slow=False)
+        return f"{order} shipped"
+
+    registry.register(with_mcp)
+
+    approving = Agent(model, name="fw-approve")
+
+    @approving.tool_plain(requires_approval=True)
+    def refund(order: str) -> str:
+        """Refund an order (an approver decides)."""
+        _note("refund", slow=False)
+        return f"{order} refunded"
+
+    registry.register(approving)
+
+    client = AsyncOpenAI(base_url=os.environ["DAR_TEST_OPENAI_URL"], api_key="test", max_retries=0)
+    sdk_notes = MCPServerStdio(
+        params={"command": sys.executable, "args": [COUNTING, "--ledger", mcp_ledger]},
+        name="notes",
+    )
+    registry.register(
+        SdkAgent(
+            name="oa-e2e",
+            instructions="Pack and count.",
+            model=OpenAIResponsesModel("gpt-test", openai_client=client),
+            tools=[idempotent(function_tool(_pack, name_override="pack"))],
+            mcp_servers=[sdk_notes],
+        )
+    )

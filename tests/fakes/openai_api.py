@@ -11,7 +11,13 @@ each plain or streamed (server-sent events). Standard library only.
 * Every request's JSON is kept in :attr:`FakeOpenAiApi.bodies` (with its path);
   :attr:`calls` counts them. The usage each turn billed is in its answer (``usage=``), so a
   test can compare what the runtime recorded with what the fake billed.
-* An empty script answers 400 ``fake script exhausted``: a test that under-scripts fails.
+* An empty script answers 400 ``fake script exhausted``: a test that under-scripts fails,
+  unless a ``responder`` is given: ``(path, request_json) -> Turn`` answers what the script
+  does not (for tests whose requests come from several processes, decided from the
+  conversation alone).
+* A turn with ``delay`` is held that many seconds before it is answered (a request in flight
+  for a kill to land in); an answer generated is billed (:attr:`billed`) whether or not the
+  client is still there to read it, as the real API bills it.
 
 Ids are deterministic: the n-th request gets ``resp_fake_000n`` / ``chatcmpl_fake_000n``.
 """
@@ -20,7 +26,9 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
@@ -38,6 +46,10 @@ class Turn:
     input_tokens: int = 10
     output_tokens: int = 5
     cached_tokens: int = 0
+    delay: float = 0.0
+    """Seconds the fake holds the request before answering."""
+    interval: float = 0.0
+    """Streamed: seconds between two events (the text arrives as it is "produced")."""
 
 
 def _response(turn: Turn, number: int, model: str) -> JsonObj:
@@ -176,6 +188,7 @@ def chat_chunks(turn: Turn, number: int, model: str, chunk: int) -> list[JsonObj
 class _State:
     script: deque[Turn] = field(default_factory=deque)
     bodies: list[tuple[str, JsonObj]] = field(default_factory=list)
+    billed: list[Turn] = field(default_factory=list)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -194,18 +207,26 @@ class _Handler(BaseHTTPRequestHandler):
             fake.state.bodies.append((path, body))
             number = len(fake.state.bodies)
             turn = fake.state.script.popleft() if fake.state.script else None
+        if turn is None and fake.responder is not None:
+            turn = fake.responder(path, body)
         if turn is None:
             error = {"error": {"message": "fake script exhausted", "type": "invalid_request"}}
             return self._json(400, error)
+        if turn.delay:
+            time.sleep(turn.delay)
+        with fake.lock:
+            fake.state.billed.append(turn)
         model = str(body.get("model") or "fake-model")
         streamed = bool(body.get("stream"))
         if path.endswith("/responses"):
             if streamed:
-                return self._events(response_events(turn, number, model, fake.chunk), named=True)
+                events = response_events(turn, number, model, fake.chunk)
+                return self._events(events, named=True, interval=turn.interval)
             return self._json(200, _response(turn, number, model))
         if path.endswith("/chat/completions"):
             if streamed:
-                return self._events(chat_chunks(turn, number, model, fake.chunk), named=False)
+                events = chat_chunks(turn, number, model, fake.chunk)
+                return self._events(events, named=False, interval=turn.interval)
             return self._json(200, _chat(turn, number, model))
         return self._json(404, {"error": {"message": f"no route {path}"}})
 
@@ -218,7 +239,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _events(self, events: list[JsonObj], *, named: bool) -> None:
+    def _events(self, events: list[JsonObj], *, named: bool, interval: float = 0.0) -> None:
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.send_header("connection", "close")
@@ -227,6 +248,8 @@ class _Handler(BaseHTTPRequestHandler):
             head = f"event: {event['type']}\n" if named else ""
             self.wfile.write(f"{head}data: {json.dumps(event)}\n\n".encode())
             self.wfile.flush()
+            if interval:
+                time.sleep(interval)
         if not named:
             self.wfile.write(b"data: [DONE]\n\n")
         self.close_connection = True
@@ -243,8 +266,11 @@ class _Server(ThreadingHTTPServer):
 class FakeOpenAiApi:
     """The fake server; :attr:`url` is the SDK's ``base_url``."""
 
-    def __init__(self, *, chunk: int = 4) -> None:
+    def __init__(
+        self, *, chunk: int = 4, responder: Callable[[str, JsonObj], Turn] | None = None
+    ) -> None:
         self.chunk = chunk
+        self.responder = responder
         self.lock = threading.Lock()
         self.state = _State()
         self._server: _Server | None = None
@@ -296,3 +322,14 @@ class FakeOpenAiApi:
     def bodies(self) -> list[tuple[str, JsonObj]]:
         with self.lock:
             return list(self.state.bodies)
+
+    @property
+    def billed(self) -> list[Turn]:
+        """The turns answered (billed), in order."""
+        with self.lock:
+            return list(self.state.billed)
+
+    @property
+    def billed_tokens(self) -> int:
+        """Input plus output tokens of every answered turn."""
+        return sum(t.input_tokens + t.output_tokens for t in self.billed)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +26,7 @@ from runtime.engine.bootstrap import Runtime
 from runtime.frameworks import idempotency_key
 from runtime.frameworks.bridge import on_loop
 from runtime.frameworks.openai_agents import idempotent
-from tests.fakes.openai_api import FakeOpenAiApi
+from tests.fakes.openai_api import FakeOpenAiApi, Turn
 from tests.mcp.support import COUNTING, Ledger
 from tests.support import drive_to_end
 
@@ -209,3 +211,74 @@ def test_the_example_agent_registers_with_a_model_by_name(
         "handoff.reply-writer:0",
         "model:2",
     ]
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_the_model_text_streams_to_the_runs_event_stream_while_it_is_produced(
+    rt: Runtime, fake: FakeOpenAiApi, client: AsyncOpenAI, api: str
+) -> None:
+    """Live, not buffered: ``Runner.run`` in a run streams each model call (the SDK's
+    ``stream_response``), its text to the run's live stream before the step is recorded;
+    the recorded answer and its usage are the completed response's."""
+    live = rt.live
+    assert live is not None
+    model = (
+        OpenAIResponsesModel(MODEL, openai_client=client)
+        if api == "responses"
+        else OpenAIChatCompletionsModel(MODEL, openai_client=client)
+    )
+    rt.agents.register(Agent(name="talker", model=model))
+    words = "Order A-7 left the warehouse on Monday and arrives on Thursday."
+    fake.then(Turn(text=words, input_tokens=21, output_tokens=13, interval=0.1))
+    run, dispatch = rt.submit("talker", "Where is A-7?")
+    worker = threading.Thread(target=lambda: drive_to_end(rt.driver(), dispatch), daemon=True)
+    worker.start()
+
+    deadline = time.monotonic() + 30
+    while not [e for e in live.entries(run.id) if e.type == "text.delta"]:
+        assert time.monotonic() < deadline, "no text.delta while the model was answering"
+        time.sleep(0.02)
+    recorded_then = [s.step_key for s in rt.store.steps(run.id)]
+    worker.join(timeout=60)
+
+    assert "model:0" not in recorded_then, "the first delta came before the step ended"
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.result == words
+    deltas = [e for e in live.entries(run.id) if e.type == "text.delta"]
+    assert {(e.key, e.attempt) for e in deltas} == {("model:0", 1)}
+    assert "".join(e.text for e in deltas) == words, "every piece once, in order"
+    assert len(deltas) > 3
+    [(_, body)] = fake.bodies
+    assert body.get("stream") is True
+    [step] = [s for s in rt.store.steps(run.id) if s.step_key == "model:0"]
+    assert step.usage == Usage(21, 13)
+    assert done.tokens_used == fake.billed_tokens == 34
+
+
+def test_a_cancel_aborts_the_sdks_streamed_model_call_in_flight(
+    rt: Runtime, fake: FakeOpenAiApi, client: AsyncOpenAI
+) -> None:
+    live = rt.live
+    assert live is not None
+    model = OpenAIResponsesModel(MODEL, openai_client=client)
+    rt.agents.register(Agent(name="slowpoke", model=model))
+    fake.then(Turn(text="slow " * 200, interval=0.3))  # a minute, if let run
+    run, dispatch = rt.submit("slowpoke", "Talk.")
+    worker = threading.Thread(target=lambda: drive_to_end(rt.driver(), dispatch), daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while not [e for e in live.entries(run.id) if e.type == "text.delta"]:
+        assert time.monotonic() < deadline, "the model call never streamed"
+        time.sleep(0.05)
+    asked = time.monotonic()
+    assert rt.store.cancel(run.id) is not None
+    live.request_cancel(run.id)
+    worker.join(timeout=15)
+    took = time.monotonic() - asked
+
+    assert not worker.is_alive()
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.CANCELLED, done.error
+    assert took < 10, f"the call was not aborted ({took:.1f}s)"
+    assert [s.step_key for s in rt.store.steps(run.id)] == ["agent:0"], "nothing recorded"

@@ -194,6 +194,7 @@ def test_two_tools_an_mcp_server_structured_output_and_deps(
     assert [name for name, _ in CALLS] == ["lookup", "carrier"], "each tool ran once"
     assert CALLS[0][1] == f"{run.id}/tool.lookup:0", "the tool's idempotency key"
     assert ledger.count("add_note") == 1, "the MCP call was made once"
+    assert ledger.entries("add_note")[0]["key"] == f"{run.id}/mcp.notes.add_note:0", "in _meta"
     assert fake.calls == 4
     lookup = next(s for s in steps if s.step_key == "tool.lookup:0")
     assert "order A-7 shipped" in json.dumps(lookup.response), "deps reached the tool"
@@ -290,6 +291,11 @@ def test_the_example_agent_runs_offline(rt: Runtime, monkeypatch: pytest.MonkeyP
     done = rt.store.get_run(run.id)
     assert done.status is RunStatus.SUCCEEDED, done.error
     assert done.result == "Order status: waiting for stock."
+    live = rt.live
+    assert live is not None
+    deltas = [e for e in live.entries(run.id) if e.type == "text.delta"]
+    assert [e.key for e in deltas] == ["model.request:1"] * 5, "streamed a word at a time"
+    assert "".join(e.text for e in deltas) == done.result
 
 
 def test_a_cancel_aborts_the_frameworks_model_request_in_flight(
@@ -318,3 +324,36 @@ def test_a_cancel_aborts_the_frameworks_model_request_in_flight(
     assert done.status is RunStatus.CANCELLED, done.error
     assert took < 10, f"the request was not aborted ({took:.1f}s)"
     assert [s.step_key for s in rt.store.steps(run.id)] == ["agent:0"], "nothing recorded"
+
+
+def test_the_model_text_streams_to_the_runs_event_stream_while_it_is_produced(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel
+) -> None:
+    """Live, not buffered: the text of a model request reaches the run's live stream
+    (``text.delta`` of the step ``model.request:0``) before the step is recorded."""
+    live = rt.live
+    assert live is not None
+    rt.agents.register(PydanticAgent(model, name="talker"))
+    words = "Order A-7 left the warehouse on Monday and arrives on Thursday."
+    fake.then(slow(text(words), chunk=6, interval=0.15))
+    run, dispatch = rt.submit("talker", "Where is A-7?")
+    worker = threading.Thread(target=lambda: drive_to_end(rt.driver(), dispatch), daemon=True)
+    worker.start()
+
+    deadline = time.monotonic() + 30
+    while not [e for e in live.entries(run.id) if e.type == "text.delta"]:
+        assert time.monotonic() < deadline, "no text.delta while the model was answering"
+        time.sleep(0.02)
+    recorded_then = [s.step_key for s in rt.store.steps(run.id)]
+    worker.join(timeout=60)
+
+    assert "model.request:0" not in recorded_then, "the first delta came before the step ended"
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.result == words
+    deltas = [e for e in live.entries(run.id) if e.type == "text.delta"]
+    assert {(e.key, e.attempt) for e in deltas} == {("model.request:0", 1)}
+    assert "".join(e.text for e in deltas) == words, "every piece once, in order"
+    assert len(deltas) > 3, "in pieces, as produced"
+    [body] = [r.json for r in fake.requests if r.json is not None]
+    assert body.get("stream") is True
