@@ -72,7 +72,13 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_readme_shows_the_example_agents() -> None:
     shown = " ".join(DEMOS)
-    for module in ("orders_agent", "ticket_triage", "order_refund", "repo_helper"):
+    for module in (
+        "orders_agent",
+        "ticket_triage",
+        "order_refund",
+        "repo_helper",
+        "pydantic_ai_agent",
+    ):
         assert f"DAR_AGENT_MODULES=examples.{module} dar demo" in shown, module
 
 
