@@ -65,19 +65,23 @@ def _gates(client: redis.Redis, metrics: Metrics) -> tuple[KeyGate, FlowControl]
 def cluster_node() -> Iterator[str]:
     """A one-node Redis Cluster owning every slot: it enforces CROSSSLOT like a real one."""
     work = tempfile.mkdtemp(prefix="dar-redis-cluster-")
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            redis_server_binary(),
-            "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-            "--cluster-enabled", "yes", "--cluster-config-file", f"{work}/nodes.conf",
-            "--dir", work,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+
+    def start() -> tuple[int, subprocess.Popen[bytes]]:
+        port = free_port()
+        return port, subprocess.Popen(
+            [
+                redis_server_binary(),
+                "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                "--cluster-enabled", "yes", "--cluster-config-file", f"{work}/nodes.conf",
+                "--dir", work,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    port, proc = start()
     try:
-        client = redis.Redis(port=port)
+        client = redis.Redis(host="127.0.0.1", port=port)
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -85,6 +89,10 @@ def cluster_node() -> Iterator[str]:
                 break
             except redis.ConnectionError:
                 assert time.monotonic() < deadline, "the cluster node did not start"
+                if proc.poll() is not None:  # its port taken meanwhile (tests in parallel)
+                    port, proc = start()
+                    client.close()
+                    client = redis.Redis(host="127.0.0.1", port=port)
                 time.sleep(0.05)
         while client.execute_command("CLUSTER", "INFO").decode().find("cluster_state:ok") < 0:
             assert time.monotonic() < deadline, "the cluster did not come up"
