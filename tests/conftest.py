@@ -77,8 +77,7 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 def _fast_tier(config: pytest.Config) -> bool:
     """A bare `pytest` (the testpaths, no --all): the fast tier."""
     return (
-        not config.getoption("--all")
-        and config.args_source == pytest.Config.ArgsSource.TESTPATHS
+        not config.getoption("--all") and config.args_source == pytest.Config.ArgsSource.TESTPATHS
     )
 
 
