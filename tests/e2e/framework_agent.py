@@ -9,6 +9,7 @@ server over stdio, ledger ``DAR_TEST_MCP_LEDGER``.
 - ``fw-approve`` (Pydantic AI): ``refund``, which needs approval.
 - ``oa-e2e`` (OpenAI Agents SDK): a slow idempotent function tool ``pack`` and the MCP
   server ``notes``.
+- ``oa-approve`` (OpenAI Agents SDK): ``refund``, which needs approval.
 """
 
 from __future__ import annotations
@@ -88,6 +89,25 @@ def register(registry: AgentRegistry) -> None:
         return f"{order} refunded"
 
     registry.register(approving)
+
+    sdk_client = AsyncOpenAI(
+        base_url=os.environ["DAR_TEST_OPENAI_URL"], api_key="test", max_retries=0
+    )
+
+    @function_tool(name_override="refund", needs_approval=True)
+    def sdk_refund(order: str) -> str:
+        """Refund an order (an approver decides)."""
+        _note("refund", slow=False)
+        return f"{order} refunded"
+
+    registry.register(
+        SdkAgent(
+            name="oa-approve",
+            instructions="Refund.",
+            model=OpenAIResponsesModel("gpt-test", openai_client=sdk_client),
+            tools=[sdk_refund],
+        )
+    )
 
     client = AsyncOpenAI(base_url=os.environ["DAR_TEST_OPENAI_URL"], api_key="test", max_retries=0)
     sdk_notes = MCPServerStdio(

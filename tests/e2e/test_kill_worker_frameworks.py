@@ -1,7 +1,7 @@
 """End to end, real processes, the shipped worker pool (gevent, tool bodies on native
-threads): framework agents' workers are SIGKILLed in the middle of a model request, a
-function tool, an MCP call (over stdio, a real server), an approval wait, and an OpenAI
-Agents SDK run. Each time another worker goes on from the last recorded step: a cut model
+threads): the workers of Pydantic AI and OpenAI Agents SDK agents are SIGKILLed in the middle
+of a model call, a function tool, an MCP call (over stdio, a real server) and an approval
+wait. Each time another worker goes on from the last recorded step: a cut model
 request is made again once (it was never recorded), an idempotent or read-only call runs
 again with the same key, nothing that completed is repeated, and every token the fake billed
 is counted (recorded, or estimated for a call lost with its worker)."""
@@ -89,6 +89,11 @@ def sdk_answer(path: str, body: dict[str, Any]) -> Turn:
         for i in body.get("input") or []
         if isinstance(i, dict) and i.get("type") == "function_call_output"
     }
+    tools = {t.get("name") for t in body.get("tools") or []}
+    if "refund" in tools:
+        if "call_refund" not in outputs:
+            return Turn(calls=(("call_refund", "refund", {"order": "A-7"}),))
+        return Turn(text="refunded", input_tokens=20)
     if "call_pack" not in outputs:
         return Turn(PREAMBLE, (("call_pack", "pack", {"order": "A-7"}),), interval=0.25)
     if "call_count" not in outputs:
@@ -352,6 +357,43 @@ def test_sigkill_while_a_pydantic_ai_run_waits_for_approval(
         assert len(_ledger(tmp_path / "tool.jsonl", "refund")) == 1
         assert fake.calls == 2, "the recorded request was not made again"
         assert run.tokens_used == fake.billed_tokens
+    finally:
+        watch.close()
+
+
+def test_sigkill_while_an_agents_sdk_run_waits_for_approval(
+    stack: DevStack, openai_fake: FakeOpenAiApi, tmp_path: Path
+) -> None:
+    """A RunState interruption became an approval; the worker that ran the agent up to it is
+    killed while the run waits; the approval continues the run on the other worker from the
+    recorded steps (the SDK's state is rebuilt from them, the model is not asked again)."""
+    watch = Watch(stack, "oa-approve", "Refund A-7")
+    try:
+        watch.until(
+            "the approval", lambda: watch.store.get_run(watch.run_id).status is RunStatus.WAITING
+        )
+        [pending] = watch.store.list_approvals(run_id=watch.run_id)
+        asked = next(s for s in watch.steps() if s.step_key == "model:0")
+        assert asked.worker is not None
+        holder = next(n for n in stack.processes if asked.worker.startswith(n) or n in asked.worker)
+        stack.kill(holder)
+        watch.killed.append(holder)
+
+        status, decided = stack.request("POST", f"/api/approvals/{pending.id}/approve", {})
+        assert status == 200, decided
+        run = watch.end()
+        assert run.status is RunStatus.SUCCEEDED, run.error
+        assert run.result == "refunded"
+        assert [s.step_key for s in watch.steps()] == [
+            "agent:0",
+            "model:0",
+            "approve.refund:0",
+            "tool.refund:0",
+            "model:1",
+        ]
+        assert len(_ledger(tmp_path / "tool.jsonl", "refund")) == 1, "the approved call, once"
+        assert openai_fake.calls == 2, "the recorded call was not made again"
+        assert run.tokens_used == openai_fake.billed_tokens
     finally:
         watch.close()
 
