@@ -26,6 +26,7 @@ from pydantic_ai.providers.anthropic import AnthropicProvider
 import api
 from db.records import ApprovalStatus, Dispatch, RunStatus, StepStatus, Usage
 from runtime.engine.bootstrap import Runtime
+from runtime.engine.fork import ForkRequest, fork_run
 from runtime.frameworks import adapt, idempotency_key
 from runtime.frameworks.bridge import on_loop
 from tasks.celery_app import make_celery
@@ -357,3 +358,71 @@ def test_the_model_text_streams_to_the_runs_event_stream_while_it_is_produced(
     assert len(deltas) > 3, "in pieces, as produced"
     [body] = [r.json for r in fake.requests if r.json is not None]
     assert body.get("stream") is True
+
+
+def test_a_token_budget_stops_a_framework_run_before_its_next_model_request(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel
+) -> None:
+    """The guard holds for framework steps as for ours: the request that crossed the budget
+    is recorded (billed), no further model request is made."""
+    agent = PydanticAgent(model, name="spender")
+
+    @agent.tool_plain
+    def lookup(order: str) -> str:
+        """Look an order up."""
+        return f"{order} shipped"
+
+    rt.agents.register(agent)
+    usage = {"input_tokens": 4000, "output_tokens": 1000}
+    fake.then_tool_use("toolu_1", "lookup", {"order": "A-7"}, usage=usage)
+    fake.then_text("never asked")
+    run, dispatch = rt.submit("spender", "Where is A-7?", token_budget=3000)
+    drive_to_end(rt.driver(), dispatch)
+
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.FAILED, done.status
+    assert done.error is not None
+    assert "budget" in done.error, done.error
+    assert fake.calls == 1, "the next model request was not made"
+    assert done.tokens_used == 5000, "the crossing request is counted"
+    assert "model.request:1" not in [s.step_key for s in rt.store.steps(run.id)]
+
+
+def test_a_fork_of_a_framework_run_replays_the_copied_steps_and_asks_the_model_anew(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel
+) -> None:
+    """Fork from the last model request: the agent, the first request and the tool are the
+    original's (copied, not run again), the last request is made again for the fork."""
+    looked_up: list[str] = []
+    agent = PydanticAgent(model, name="forked")
+
+    @agent.tool_plain
+    def lookup(order: str) -> str:
+        """Look an order up."""
+        looked_up.append(order)
+        return f"{order} shipped"
+
+    rt.agents.register(agent)
+    fake.then_tool_use("toolu_1", "lookup", {"order": "A-7"}).then_text("A-7 has shipped.")
+    run, dispatch = rt.submit("forked", "Where is A-7?")
+    drive_to_end(rt.driver(), dispatch)
+    assert rt.store.get_run(run.id).status is RunStatus.SUCCEEDED
+    last = next(s for s in rt.store.steps(run.id) if s.step_key == "model.request:1")
+
+    fake.then_text("A-7 shipped on Monday.")
+    fork, _ = fork_run(rt.store, rt.agents, rt.settings, run.id, ForkRequest(last.seq))
+    drive_to_end(rt.driver(), Dispatch(fork.id, fork.dispatch_token))
+
+    done = rt.store.get_run(fork.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.result == "A-7 shipped on Monday."
+    assert looked_up == ["A-7"], "the copied tool step was not run again"
+    assert fake.calls == 3, "only the forked request was made again"
+    steps = rt.store.steps(fork.id)
+    assert [s.step_key for s in steps] == [
+        "agent:0",
+        "model.request:0",
+        "tool.lookup:0",
+        "model.request:1",
+    ]
+    assert done.tokens_used == 15, "the fork pays for its own request only"
