@@ -327,6 +327,9 @@ class NewStep:
     stop_reason: str | None = None
     request: Any = None
     """The full model request, kept only with DAR_STORE_REQUESTS."""
+    unrecorded_tokens: int = 0
+    """A child run's result: the tokens the child was billed without a row of its own (cut
+    or lost calls), added to the run's ``tokens_used`` with ``usage`` (in no direction)."""
 
 
 @dataclass(frozen=True, slots=True)

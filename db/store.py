@@ -235,6 +235,8 @@ def _step_params(
     return {
         **_fence(claim),
         **_usage_params(step.usage, step.cost_usd),
+        # a child run's tokens billed but not recorded count against its parent too
+        "total_tokens": step.usage.total + step.unrecorded_tokens,
         "hand_over": next_token is not None,
         "next_token": next_token,
         "request": _json(step.request),

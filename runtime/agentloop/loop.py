@@ -297,6 +297,7 @@ def _collect_subagent(task: Task, calls: list[dict[str, Any]]) -> StepResult:
                 attempt=1,
                 usage=child.usage,
                 cost_usd=cost,
+                unrecorded_tokens=child.unrecorded_tokens,
                 latency_ms=_took_ms(found.started_at, child.finished_at),
                 tool_name=use["name"],
                 tool_use_id=use["id"],

@@ -980,10 +980,12 @@ class Execution:
         cost = child.cost_usd + child.unrecorded_cost_usd
         if child.status is RunStatus.SUCCEEDED:
             row = NewStep(rec.seq, key, row_kind, StepStatus.DONE, attempt=1,
-                          response=child.result, usage=child.usage, cost_usd=cost)  # fmt: skip
+                          response=child.result, usage=child.usage, cost_usd=cost,
+                          unrecorded_tokens=child.unrecorded_tokens)  # fmt: skip
         else:
             row = NewStep(rec.seq, key, row_kind, StepStatus.ERROR, attempt=1,
                           usage=child.usage, cost_usd=cost,
+                          unrecorded_tokens=child.unrecorded_tokens,
                           error=f"ChildRunFailed: child run {child_id} ended {child.status}: "
                           f"{child.error or 'no error recorded'}")  # fmt: skip
         log.info("run=%s seq=%d CHILD %s: run=%s %s", task.rid, rec.seq, key, str(child_id)[:8],

@@ -12,6 +12,7 @@ import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from flask.testing import FlaskClient
 from sqlalchemy import text as sql
 
 import api
-from db.records import Dispatch, RunStatus, StepKind, StepStatus
+from db.records import Dispatch, RunStatus, StepKind, StepStatus, Usage
 from db.store import RunStore
 from runtime.agents import Agent, AgentConfigError, AgentRegistry, Subagent
 from runtime.config import Settings
@@ -322,3 +323,24 @@ def test_the_walkthroughs_team_hands_the_question_to_the_demo_agent(
     assert (kid.agent, kid.input, kid.status) == ("acme-tickets", question, "SUCCEEDED")
     assert kid.token_budget == 20_000, "the sub-agent's own cap, below the lead's share"
     assert done.tokens_used == 3 * 15
+
+
+def test_a_childs_unrecorded_tokens_count_against_the_parent(rt: Runtime) -> None:
+    """A child billed for a call it could not record (a cut stream, a call lost with its
+    worker) counts those tokens too: the parent's guard sees the tree's spend."""
+    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
+    driver = rt.driver()
+    first = driver.drive(run.id, dispatch.token)
+    assert first.dispatch is not None
+    started = driver.drive(run.id, first.dispatch.token)
+    assert len(started.wakes) == 2
+    cut = started.wakes[0].run_id
+    rt.store.record_unrecorded_usage(cut, Usage(input_tokens=120, output_tokens=7), Decimal(0))
+    for wake in started.wakes:
+        drive_tree(rt, wake)
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert rt.store.get_run(cut).unrecorded_tokens == 127
+    assert done.tokens_used == 4 * STEP_TOKENS + 127
+    rows = [s for s in rt.store.steps(run.id) if s.kind is StepKind.CHILD]
+    assert sorted(r.usage.total for r in rows) == [STEP_TOKENS, STEP_TOKENS], "rows: recorded"
