@@ -208,8 +208,8 @@ MUTANTS = (
     Mutant(
         "stop-claims-without-compensation",
         "runtime/engine/driver.py",
-        "                task.begin_stop(reason)",
-        "                return task.finish(RunStatus.FAILED, error=reason)",
+        "                task.begin_stop(reason)  # its compensations run",
+        "                return task.finish(RunStatus.FAILED, error=reason)  #",
         (T + "test_early_stops.py::test_claims_without_progress_run_the_compensations_once",),
         "issue 23 defect 4: a run that kills its worker ends FAILED, its steps never undone",
     ),
