@@ -169,6 +169,19 @@ class Grant:
 
 
 @dataclass(frozen=True, slots=True)
+class Answered:
+    """A granted call that was answered, to be settled when its answer is recorded (one
+    script then settles it and erases its record, see :meth:`FlowControl.settle`)."""
+
+    grant: Grant
+    input_tokens: int
+    """Input tokens as the limits count them (cache reads do not count)."""
+    output_tokens: int
+    headers: tuple[tuple[str, str], ...] = ()
+    """The response's ``anthropic-ratelimit-*`` headers."""
+
+
+@dataclass(frozen=True, slots=True)
 class Refusal:
     limit: str
     """Which limit refused: ``requests``, ``input``, ``output`` or ``concurrent``."""

@@ -23,7 +23,7 @@ from db.errors import DatabaseUnavailable, LeaseLost
 from db.records import Claim, Dispatch, NewStep, Run, RunStatus, Step, StepStatus, Usage
 from db.records import StepKind as RowKind
 from db.store import RunStore
-from runtime.admission.flow_control import FlowControl, Grant
+from runtime.admission.flow_control import Answered, FlowControl, Grant
 from runtime.config import Settings
 from runtime.llm.base import LlmClient
 from runtime.llm.pricing import PriceTable
@@ -114,12 +114,10 @@ class Task:
     """Flow-control admission held by the model call about to be made (settled after it)."""
     stop_reason: str | None = None
     """Why the engine stops this run early, marked by this task (:meth:`begin_stop`)."""
-    answered: Grant | None = None
-    """The admission of the answered model call not yet recorded: its record in flow
-    control (the estimate a crash would leave) is erased once the answer is recorded."""
-    charged_estimate: Usage | None = None
-    """This task's model call, fenced out mid-call, was already counted as lost (an
-    estimate) by the run's next admission: what it really used replaces the estimate."""
+    answered: Answered | None = None
+    """The admission of the answered model call not yet recorded: it is settled, and its
+    record in flow control (the estimate a crash would leave) erased, once the answer is
+    recorded."""
     _log: tuple[list[Step], dict[str, Step]] | None = field(default=None, repr=False)
 
     @property

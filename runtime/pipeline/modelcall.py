@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from db.errors import DatabaseUnavailable, LeaseLost
 from db.records import Dispatch, NewStep, RunStatus, Step, StepKind, StepStatus, Usage
 from runtime.admission.concurrency_keys import tenant_key
-from runtime.admission.flow_control import Refusal
+from runtime.admission.flow_control import Answered, Grant, Refusal
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.billing import Meter, metering
 from runtime.llm.live_call import ModelCallCancelled, ModelCallInterrupted, live_call
@@ -183,14 +183,32 @@ def settle(
             replace_estimate(task, charged, Usage(), grant.limit.match)
         return
     u = response.usage
-    task.answered = grant  # its record stays until the answer is recorded (record_billed)
-    task.charged_estimate = flow.settle(
+    # settled when the answer is recorded (record_billed): one script then settles it and
+    # erases its record, which stays until then (the estimate a crash would leave)
+    task.answered = Answered(
         grant,
         u.input_tokens + u.cache_creation_input_tokens,  # cache reads do not count
         u.output_tokens,
-        headers=response.rate_limits,
-        keep_record=True,
+        response.rate_limits,
     )
+
+
+def _settle_answered(task: Task, *, keep_record: bool) -> tuple[Grant | None, Usage | None]:
+    """Settle the answered call's admission (``keep_record``: its record stays, to be erased
+    by :meth:`FlowControl.forget`); returns its grant and the estimate a later admission
+    counted as lost meanwhile, if one did."""
+    answered, task.answered = task.answered, None
+    flow = task.services.flow
+    if answered is None or flow is None:
+        return None, None
+    charged = flow.settle(
+        answered.grant,
+        answered.input_tokens,
+        answered.output_tokens,
+        headers=answered.headers,
+        keep_record=keep_record,
+    )
+    return answered.grant, charged
 
 
 def replace_estimate(task: Task, estimate: Usage, actual: Usage, model: str) -> None:
@@ -339,13 +357,11 @@ def live_scope(
 
 
 def _forget(task: Task) -> None:
-    """The answered call's row is written: erase its record. An admission that took the
-    record first came after this row (it holds the run, so the row was written before its
-    claim) and so counted nothing (:func:`recorded`): what ``forget`` returns is not ours to
-    take back."""
-    grant, task.answered = task.answered, None
-    if grant is not None and task.services.flow is not None:
-        task.services.flow.forget(grant)
+    """The answered call's row is written: settle its admission and erase its record, in one
+    script. An admission that took the record first came after this row (it holds the run,
+    so the row was written before its claim) and so counted nothing (:func:`recorded`):
+    what the settle returns is not ours to take back."""
+    _settle_answered(task, keep_record=False)
 
 
 def _count_unrecorded(task: Task, answer: Answer, row: NewStep) -> None:
@@ -356,12 +372,11 @@ def _count_unrecorded(task: Task, answer: Answer, row: NewStep) -> None:
     The exact count replaces an estimate of the call, never both. The run's next admission
     counts the estimate when it finds the call's record before the record is erased, and
     the record is erased only once the exact count is written (a worker killed while it owes
-    the count leaves the record, so the estimate still covers the call). An estimate known
-    counted at the settle is taken back in this write; one counted later, by the erase that
+    the count leaves the record, so the estimate still covers the call). An estimate counted
+    before the settle here is taken back in this write; one counted later, by the erase that
     follows it. Both only where the count is (``unless_step``): a row of this step means the
     admission saw it and counted nothing."""
-    charged, task.charged_estimate = task.charged_estimate, None
-    grant, task.answered = task.answered, None
+    grant, charged = _settle_answered(task, keep_record=True)
     store, pricing, flow = task.store, task.services.pricing, task.services.flow
     # an estimate is priced as the admission that counted it priced it: the request's model
     run_id, model, unless = task.run_id, answer.request.model, (row.step_key, task.claim.epoch)
@@ -417,6 +432,8 @@ def record_billed(
             # Taken over, or the lease is gone with the database still away: the call was
             # billed whoever holds the run now.
             _count_unrecorded(task, answer, row)
+        elif isinstance(e, Exception):  # not recorded: settled, its record (estimate) kept
+            _settle_answered(task, keep_record=True)
         raise
     _forget(task)  # recorded: no later admission may count it as lost
     u, r = task.spent, answer.response.usage

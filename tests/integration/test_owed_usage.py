@@ -18,11 +18,11 @@ from db.engine import make_engine
 from db.errors import DatabaseUnavailable
 from db.records import NewStep, RunStatus, StepKind, StepStatus, Usage
 from db.store import RunStore
-from runtime.admission.flow_control import FlowControl
 from runtime.config import Settings
 from runtime.engine.bootstrap import Runtime
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.scripted import ScriptedLlm
+from runtime.pipeline import modelcall
 from tests.netproxy import TcpProxy
 from tests.support import SimulatedCrash, drive_to_end, expire_lease, register_agent, submit
 
@@ -202,11 +202,11 @@ def test_a_call_recorded_by_a_worker_killed_before_it_erased_the_record_is_not_e
     ).then_text("done", 20, 2)
     run, dispatch = submit(runtime.store, model=MODEL)
 
-    def killed(self: FlowControl, grant: object) -> None:
+    def killed(task: object) -> None:  # the checkpoint committed; the erase never runs
         raise SimulatedCrash
 
     with monkeypatch.context() as m:
-        m.setattr(FlowControl, "forget", killed)
+        m.setattr(modelcall, "_forget", killed)
         with pytest.raises(SimulatedCrash):
             runtime.driver(worker="worker-A").drive(dispatch.run_id, dispatch.token)
     assert [s.step_key for s in runtime.store.steps(run.id)] == ["model:1"]
