@@ -1,9 +1,10 @@
-"""Shared fixtures: real PostgreSQL and Redis, a fresh database per test.
+"""Shared fixtures: real PostgreSQL and Redis, an emptied database per test.
 
 PostgreSQL: ``TEST_DATABASE_URL`` or ``DATABASE_URL`` when set, otherwise an embedded server
 (pgserver) started for the session. Redis: ``TEST_REDIS_URL`` or ``REDIS_URL``, otherwise an
-embedded redis-server. One database is migrated once per session; every test starts with its
-tables truncated, so tests are isolated and fast.
+embedded redis-server. One database is migrated once per session (and per xdist process);
+every test starts with its rows deleted and its sequences restarted, so tests are isolated
+and fast.
 """
 
 from __future__ import annotations
