@@ -553,7 +553,7 @@ def bench(samples: int, only: list[str] | None = None) -> int:
             flush=True,
         )
     results["load_average"] = os.getloadavg()
-    if not want("plans"):
+    if not any(want(section) for section in ("plans", "claim", "retention")):
         return _finish(results, runtime, celery, only)
     # The claim's and the reaper's plans.
     with engine.connect() as conn:
