@@ -23,6 +23,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import TIMESTAMP
+from sqlalchemy.exc import DBAPIError
 
 from db.queries import QUERIES as Q
 
@@ -100,7 +101,19 @@ class TicketStore:
             _insert_seed(conn)
 
     def add_comment(self, ticket_id: int, body: str, *, idempotency_key: str) -> tuple[int, bool]:
-        """Add a comment once per key. Returns ``(comment id, created now)``."""
+        """Add a comment once per key. Returns ``(comment id, created now)``.
+
+        A connection that dropped under the statement (a failover, a restart) is tried once
+        more on a new one: the key makes the retry safe, and a tool that fails on a blip its
+        database already recovered from would hand the model an error for nothing."""
+        try:
+            return self._add_comment(ticket_id, body, idempotency_key=idempotency_key)
+        except DBAPIError as e:
+            if not e.connection_invalidated:
+                raise
+        return self._add_comment(ticket_id, body, idempotency_key=idempotency_key)
+
+    def _add_comment(self, ticket_id: int, body: str, *, idempotency_key: str) -> tuple[int, bool]:
         self.setup()
         with self.engine.begin() as conn:
             if conn.execute(Q["acme_ticket_exists"], {"ticket_id": ticket_id}).first() is None:

@@ -129,3 +129,26 @@ def test_processes_setting_the_demo_up_at_once_do_not_collide(fresh: Engine) -> 
     assert errors == []
     assert sorted(created) == [False, False, False, True], "one creates, the others find it"
     assert len(stores[0].list()) == len(SEED_TICKETS)
+
+
+def test_a_comment_survives_its_connection_dropping_under_it(
+    fresh: Engine, pg_admin_url: str
+) -> None:
+    """A failover drops every open connection (the partition chaos test's `failover` mode
+    caught the demo tool failing on one): the comment is added on a new connection, once."""
+    tickets = TicketStore(fresh)
+    tickets.setup()
+    with fresh.connect() as conn:  # the pool's one idle connection, then dropped under it
+        pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    admin = create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            assert conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
+    finally:
+        admin.dispose()
+    ticket = SEED_TICKETS[0][0]
+    first = tickets.add_comment(ticket, "reminder", idempotency_key="k-drop")
+    again = tickets.add_comment(ticket, "reminder", idempotency_key="k-drop")
+    assert first[1] is True
+    assert again == (first[0], False)
+    assert tickets.count_comments(ticket) == 1
