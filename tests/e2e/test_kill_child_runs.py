@@ -5,7 +5,6 @@ and finishes, and no child is started twice."""
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,11 +14,11 @@ import pytest
 from sqlalchemy import text
 
 from cli.devstack import DevStack
-from cli.embedded import free_port
 from db.engine import make_engine
 from db.records import RunStatus
 from db.store import RunStore
 from runtime.config import Settings
+from tests.e2e.stack import running_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -28,32 +27,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 def stack(
     database_url: str, redis_url: str, settings: Settings, tmp_path: Path
 ) -> Iterator[DevStack]:
-    log_path = tmp_path / "stack.log"
-    with log_path.open("wb") as log:
-        s = DevStack(
-            data_dir=tmp_path,
-            port=free_port(),
-            workers=2,
-            concurrency=4,
-            env={
-                **os.environ,
-                "DATABASE_URL": database_url,
-                "REDIS_URL": redis_url,
-                "DAR_QUEUE": settings.queue,
-                "DAR_LEASE_SECONDS": "3",
-                "DAR_HEARTBEAT_SECONDS": "1",
-                "DAR_REAPER_INTERVAL_SECONDS": "0.5",
-                "DAR_AGENT_MODULES": "tests.e2e.family_agents",
-                "ANTHROPIC_API_KEY": "",
-            },
-            output=log,
-        )
-        try:
-            s.start(timeout=90)
-            yield s
-        finally:
-            s.stop()
-            print(log_path.read_text(errors="replace")[-15000:])
+    with running_stack(
+        tmp_path,
+        database_url,
+        redis_url,
+        settings,
+        log_tail=15_000,
+        DAR_AGENT_MODULES="tests.e2e.family_agents",
+    ) as s:
+        yield s
 
 
 def children(engine: object, parent: uuid.UUID) -> list[tuple[uuid.UUID, str]]:

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from cli.devstack import DevStack
-from cli.embedded import free_port
 from db.engine import make_engine
 from db.records import RunStatus, StepKind, StepOrigin, StepStatus
 from db.store import RunStore
 from runtime.config import Settings
+from tests.e2e.stack import running_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -30,33 +30,16 @@ def pool() -> str:
 def stack(
     database_url: str, redis_url: str, settings: Settings, tmp_path: Path, pool: str
 ) -> Iterator[DevStack]:
-    log_path = tmp_path / "stack.log"
-    with log_path.open("wb") as log:
-        s = DevStack(
-            data_dir=tmp_path,
-            port=free_port(),
-            workers=2,
-            concurrency=4,
-            pool=pool,
-            env={
-                **{k: v for k, v in __import__("os").environ.items()},
-                "DATABASE_URL": database_url,
-                "REDIS_URL": redis_url,
-                "DAR_QUEUE": settings.queue,
-                "DAR_LEASE_SECONDS": "3",
-                "DAR_HEARTBEAT_SECONDS": "1",
-                "DAR_REAPER_INTERVAL_SECONDS": "0.5",
-                "DAR_DEMO_LATENCY_MS": "2500",
-                "ANTHROPIC_API_KEY": "",
-            },
-            output=log,
-        )
-        try:
-            s.start(timeout=60)
-            yield s
-        finally:
-            s.stop()
-            print(log_path.read_text(errors="replace")[-20000:])
+    with running_stack(
+        tmp_path,
+        database_url,
+        redis_url,
+        settings,
+        pool=pool,
+        start_timeout=60,
+        DAR_DEMO_LATENCY_MS="2500",
+    ) as s:
+        yield s
 
 
 @pytest.mark.parametrize("pool", ["threads", "gevent"])

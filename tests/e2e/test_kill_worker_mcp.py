@@ -6,7 +6,6 @@ mid-flight is simply made again, with the same idempotency key, by the other wor
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from cli.devstack import DevStack
-from cli.embedded import free_port
 from db.engine import make_engine
 from db.records import RunStatus, StepStatus
 from db.store import RunStore
 from runtime.config import Settings
+from tests.e2e.stack import running_stack
 from tests.mcp.support import Ledger
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -40,34 +39,17 @@ def stack(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[DevStack]:
     monkeypatch.setenv("DAR_TEST_MCP_LEDGER", str(ledger.path))  # the stack's own preflight
-    log_path = tmp_path / "stack.log"
-    with log_path.open("wb") as log:
-        s = DevStack(
-            data_dir=tmp_path,
-            port=free_port(),
-            workers=2,
-            concurrency=2,
-            env={
-                **os.environ,
-                "DATABASE_URL": database_url,
-                "REDIS_URL": redis_url,
-                "DAR_QUEUE": settings.queue,
-                "DAR_LEASE_SECONDS": "3",
-                "DAR_HEARTBEAT_SECONDS": "1",
-                "DAR_REAPER_INTERVAL_SECONDS": "0.5",
-                "DAR_AGENT_MODULES": "tests.e2e.mcp_agent",
-                "DAR_LLM_FACTORY": "tests.e2e.mcp_agent:build",
-                "DAR_TEST_MCP_LEDGER": str(ledger.path),
-                "ANTHROPIC_API_KEY": "",
-            },
-            output=log,
-        )
-        try:
-            s.start(timeout=90)
-            yield s
-        finally:
-            s.stop()
-            print(log_path.read_text(errors="replace")[-20000:])
+    with running_stack(
+        tmp_path,
+        database_url,
+        redis_url,
+        settings,
+        concurrency=2,
+        DAR_AGENT_MODULES="tests.e2e.mcp_agent",
+        DAR_LLM_FACTORY="tests.e2e.mcp_agent:build",
+        DAR_TEST_MCP_LEDGER=str(ledger.path),
+    ) as s:
+        yield s
 
 
 def _kill_holder_mid_call(
