@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from decimal import Decimal
 from typing import Any
 
@@ -16,9 +17,11 @@ from db.errors import DatabaseUnavailable
 from db.records import Dispatch, NewRun, Run
 from db.store import RunStore
 from runtime.agents import Agent, AgentRegistry
+from runtime.config import Settings
 from runtime.engine.driver import Driver, Outcome
 from runtime.testing.testkit import SimulatedCrash
 from runtime.tools import Tool
+from tests.fakes.messages_api import FakeMessagesApi
 
 __all__ = [
     "SimulatedCrash",
@@ -108,4 +111,19 @@ def dropped_connection() -> DatabaseUnavailable:
     ``OperationalError`` as the cause): the blip a checkpoint is retried across."""
     return DatabaseUnavailable.from_error(
         OperationalError("COMMIT", {}, Exception("server closed the connection"))
+    )
+
+
+def pointed_at(settings: Settings, fake: FakeMessagesApi, **overrides: Any) -> Settings:
+    """``settings`` with the production model client pointed at the fake Messages API and
+    quick retries (10-50 ms); ``overrides`` set the rest."""
+    return replace(
+        settings,
+        **{
+            "anthropic_api_key": "test-key",
+            "anthropic_base_url": fake.url,
+            "retry_base_seconds": 0.01,
+            "retry_cap_seconds": 0.05,
+            **overrides,
+        },
     )

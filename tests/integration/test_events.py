@@ -29,7 +29,7 @@ from runtime.engine.bootstrap import Runtime
 from runtime.observe.live_channel import stream_key
 from runtime.tools import Tool, ToolContext, tool
 from tests.fakes.messages_api import FakeMessagesApi, cut, slow, text, tool_uses
-from tests.support import drive_to_end, register_agent, submit
+from tests.support import drive_to_end, pointed_at, register_agent, submit
 
 MODEL = "claude-test-model"
 
@@ -42,13 +42,10 @@ def fake() -> Iterator[FakeMessagesApi]:
 
 @pytest.fixture
 def claude(settings: Settings, fake: FakeMessagesApi) -> Iterator[Runtime]:
-    s = replace(
+    s = pointed_at(
         settings,
-        anthropic_api_key="test-key",
-        anthropic_base_url=fake.url,
+        fake,
         model_timeout_seconds=10,
-        retry_base_seconds=0.01,
-        retry_cap_seconds=0.05,
         events_poll_seconds=0.05,
         cancel_poll_seconds=0.05,
     )
@@ -271,14 +268,11 @@ def test_dar_follow_prints_the_model_typing_and_exits_with_the_status(
 def test_redis_restarted_while_a_client_listens(settings: Settings, fake: FakeMessagesApi) -> None:
     broker = EmbeddedRedis()
     broker.start()
-    s = replace(
+    s = pointed_at(
         settings,
+        fake,
         redis_url=broker.url,
-        anthropic_api_key="test-key",
-        anthropic_base_url=fake.url,
         model_timeout_seconds=20,
-        retry_base_seconds=0.01,
-        retry_cap_seconds=0.05,
         events_poll_seconds=0.1,
     )
     rt = Runtime.build(s, pool_size=5)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 
 import httpx2
 import pytest
@@ -26,7 +25,7 @@ from runtime.llm.billing import metering
 from runtime.llm.retry import TimeLimitedLlmClient
 from runtime.llm.scripted import ScriptedLlm
 from tests.fakes.messages_api import FakeMessagesApi, cut, error, slow, text, wait_until
-from tests.support import drive_to_end, register_agent, submit
+from tests.support import drive_to_end, pointed_at, register_agent, submit
 
 MODEL = "claude-test-model"
 PRICES = {"claude-test": {"input": 3, "output": 15}}
@@ -131,13 +130,10 @@ def test_an_attempt_abandoned_at_its_time_limit_is_reported_when_it_completes(
 
 @pytest.fixture
 def claude(settings: Settings, fake: FakeMessagesApi) -> Iterator[Runtime]:
-    s = replace(
+    s = pointed_at(
         settings,
-        anthropic_api_key="test-key",
-        anthropic_base_url=fake.url,
+        fake,
         model_timeout_seconds=1,
-        retry_base_seconds=0.01,
-        retry_cap_seconds=0.05,
         long_wait_seconds=5,
         prices_json=json.dumps(PRICES),
     )

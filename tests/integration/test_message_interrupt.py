@@ -11,7 +11,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -28,7 +27,7 @@ from runtime.engine.bootstrap import Runtime
 from runtime.observe.live_channel import interrupt_key, stream_key
 from runtime.tools import tool
 from tests.fakes.messages_api import FakeMessagesApi, slow, text, tool_uses
-from tests.support import drive_to_end, expire_lease, register_agent, submit
+from tests.support import drive_to_end, expire_lease, pointed_at, register_agent, submit
 
 MODEL = "claude-test-model"
 
@@ -48,13 +47,10 @@ def fake() -> Iterator[FakeMessagesApi]:
 
 @pytest.fixture
 def claude(settings: Settings, fake: FakeMessagesApi) -> Iterator[Runtime]:
-    s = replace(
+    s = pointed_at(
         settings,
-        anthropic_api_key="test-key",
-        anthropic_base_url=fake.url,
+        fake,
         model_timeout_seconds=20,
-        retry_base_seconds=0.01,
-        retry_cap_seconds=0.05,
         events_poll_seconds=0.05,
         cancel_poll_seconds=0.05,
         started_row_after_seconds=0,

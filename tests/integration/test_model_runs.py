@@ -19,7 +19,14 @@ from runtime.engine.driver import Outcome
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.tools import Tool, ToolContext, tool
 from tests.fakes.messages_api import FakeMessagesApi
-from tests.support import SimulatedCrash, drive_to_end, expire_lease, register_agent, submit
+from tests.support import (
+    SimulatedCrash,
+    drive_to_end,
+    expire_lease,
+    pointed_at,
+    register_agent,
+    submit,
+)
 
 MODEL = "claude-test-model"
 PRICES = {"claude-test": {"input": 3, "output": 15, "cache_write": 3.75, "cache_read": 0.3}}
@@ -34,13 +41,10 @@ def fake() -> Iterator[FakeMessagesApi]:
 @pytest.fixture
 def claude(settings: Settings, fake: FakeMessagesApi) -> Iterator[Runtime]:
     """A runtime whose model client is the production one, pointed at the fake."""
-    s = replace(
+    s = pointed_at(
         settings,
-        anthropic_api_key="test-key",
-        anthropic_base_url=fake.url,
+        fake,
         model_timeout_seconds=5,
-        retry_base_seconds=0.01,
-        retry_cap_seconds=0.05,
         long_wait_seconds=5,
         prices_json=json.dumps(PRICES),
     )
