@@ -274,6 +274,14 @@ class AgentRegistry:
     def names(self) -> list[str]:
         return sorted(self._agents)
 
+    def run_defaults(self, name: str) -> tuple[str | None, int | None]:
+        """The model and step cap a run of ``name`` gets when its submitter names neither
+        (``None``: the agent sets none): a child run starts with its own agent's."""
+        chosen = self._agents.get(name)
+        if chosen is None:
+            return None, None
+        return (chosen.model if isinstance(chosen, Agent) else None), chosen.max_steps
+
     def approval_roles(self) -> set[str]:
         """Every role a registered durable function may ask to approve."""
         return {

@@ -228,11 +228,12 @@ def _start_subagents(task: Task, agent: Agent, fresh: list[dict[str, Any]]) -> S
         sub = agent.subagents_by_name[use["name"]]
         key = tool_step_key(use["id"])
         child_id = uuid.uuid5(parent.id, key)
+        model, max_steps = task.services.child_model_and_steps(sub.agent, parent.model)
         new = NewRun(
             agent=sub.agent,
             input=use["input"]["task"],
-            model=parent.model,
-            max_steps=task.settings.default_max_steps,
+            model=model,
+            max_steps=max_steps,
             token_budget=min(sub.token_budget or share, share),
             timeout_seconds=max(1, min(sub.timeout_seconds or seconds_left, seconds_left)),
             submitted_by=parent.submitted_by,

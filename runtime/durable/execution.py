@@ -947,11 +947,12 @@ class Execution:
                     self.end(task.checkpoint([failed]))
             seconds_left = int((parent.deadline_at - task.claim.db_now).total_seconds())
             child_id = uuid.uuid5(parent.id, key)
+            model, max_steps = task.services.child_model_and_steps(agent, parent.model)
             new = NewRun(
                 agent=agent,
                 input=encode(value),
-                model=parent.model,
-                max_steps=task.settings.default_max_steps,
+                model=model,
+                max_steps=max_steps,
                 token_budget=min(token_budget or left, left),
                 timeout_seconds=max(1, min(timeout_seconds or seconds_left, seconds_left)),
                 submitted_by=parent.submitted_by,

@@ -221,6 +221,7 @@ class Driver:
             flow=self.flow,
             replays=self.replays,
             hashes=self.hashes,
+            run_defaults=self.agents.run_defaults,
         )
         with (
             log_context(run_id=str(run.id), worker=self.worker, step_seq="-"),

@@ -88,6 +88,15 @@ class Services:
     """This process's replays of the runs it drives (``None``: replay every step in full)."""
     hashes: PromptHashes | None = None
     """This process's prompt hashes, incremental per run (``None``: hash every body whole)."""
+    run_defaults: Callable[[str], tuple[str | None, int | None]] | None = None
+    """An agent's own model and step cap by its name (for the child runs a run starts;
+    ``None``: children take the parent's model and DAR_DEFAULT_MAX_STEPS)."""
+
+    def child_model_and_steps(self, agent: str, parent_model: str) -> tuple[str, int]:
+        """The model and step cap of a child run of ``agent``: the agent's own, else the
+        parent's model and the configured default step cap."""
+        model, max_steps = self.run_defaults(agent) if self.run_defaults else (None, None)
+        return model or parent_model, max_steps or self.settings.default_max_steps
 
 
 def short(run_id: uuid.UUID) -> str:

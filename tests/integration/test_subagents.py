@@ -344,3 +344,48 @@ def test_a_childs_unrecorded_tokens_count_against_the_parent(rt: Runtime) -> Non
     assert done.tokens_used == 4 * STEP_TOKENS + 127
     rows = [s for s in rt.store.steps(run.id) if s.kind is StepKind.CHILD]
     assert sorted(r.usage.total for r in rows) == [STEP_TOKENS, STEP_TOKENS], "rows: recorded"
+
+
+def test_a_child_runs_on_its_own_agents_model_and_step_cap(settings: Settings) -> None:
+    """A sub-agent whose agent names a model and a step cap runs with them, as if submitted
+    on its own; one that names neither takes the parent's model and the default cap."""
+
+    def lead_calls_both(body: dict[str, Any]) -> Reply:
+        system = body["system"][0]["text"] if body.get("system") else ""
+        if system == "lead" and len(body["messages"]) == 1:
+            calls = [("toolu_a", "researcher", "acme"), ("toolu_b", "plain", "globex")]
+            blocks = [
+                {"type": "tool_use", "id": i, "name": n, "input": {"task": t}} for i, n, t in calls
+            ]
+            return message(blocks, "tool_use", usage=usage())
+        return text("done", usage=usage())
+
+    with FakeMessagesApi(default_responder=lead_calls_both) as api_:
+        s = replace(settings, anthropic_api_key="test-key", anthropic_base_url=api_.url)
+        rt = Runtime.build(s, pool_size=5)
+        try:
+            subs = (Subagent("researcher"), Subagent("plain"))
+            rt.agents.register(Agent("lead", "lead", max_tokens=100, subagents=subs))
+            own = Agent("researcher", "researcher", model="claude-child-model", max_steps=7)
+            rt.agents.register(own)
+            rt.agents.register(Agent("plain", "plain"))
+            rt.agents.finalize()
+            run, dispatch = submit(rt.store, "q", agent="lead")
+            drive_tree(rt, dispatch)
+            with rt.engine.connect() as conn:
+                rows = {
+                    r.agent: (r.model, r.max_steps)
+                    for r in conn.execute(
+                        sql("SELECT agent, model, max_steps FROM run WHERE parent_run_id = :id"),
+                        {"id": run.id},
+                    )
+                }
+            assert rt.store.get_run(run.id).status is RunStatus.SUCCEEDED
+            assert rows == {
+                "researcher": ("claude-child-model", 7),
+                "plain": (run.model, settings.default_max_steps),
+            }
+            # and the child's model calls asked for its own model
+            assert "claude-child-model" in {b["model"] for b in api_.bodies()}
+        finally:
+            rt.close()
