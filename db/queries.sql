@@ -1133,3 +1133,75 @@ RETURNING id, status, dispatch_token;
 -- message_delivered --
 UPDATE run SET messages_pending = messages_pending - 1
 WHERE id = :id AND messages_pending > 0;
+
+-- tree_root --
+-- The root of a child run's tree: its topmost ancestor still stored (a tree is at most a
+-- few levels deep; the walk stops at 64 against a cycle).
+WITH RECURSIVE up AS (
+    SELECT id, parent_run_id, 0 AS depth FROM run WHERE id = :id
+    UNION ALL
+    SELECT r.id, r.parent_run_id, up.depth + 1
+    FROM run r JOIN up ON r.id = up.parent_run_id
+    WHERE up.depth < 64
+)
+SELECT id FROM up ORDER BY depth DESC LIMIT 1;
+
+-- lock_tree_budget --
+-- Serialises the admissions of one tree's model calls (held to the transaction's end).
+SELECT pg_advisory_xact_lock(hashtextextended('budget_hold/' || CAST(:root AS text), 0));
+
+-- sweep_tree_holds --
+-- Holds of runs that have ended: their calls are over (counted, or lost with a run that
+-- will never count them).
+DELETE FROM budget_hold h USING run r
+WHERE h.root_run_id = :root AND r.id = h.run_id
+  AND r.status IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT');
+
+-- tree_spend --
+-- What a run tree has spent: the root's counters (its children's tokens are added to them
+-- with their results) and those of each descendant whose parent has not recorded its result
+-- yet (its step in the parent still PENDING); the holds of the other live runs' calls in
+-- flight, and the holds of this run's earlier leases (calls lost with their worker: spent).
+WITH RECURSIVE tree AS (
+    SELECT id, parent_run_id, tokens_used + unrecorded_tokens AS spent,
+           cost_usd + unrecorded_cost_usd AS cost, 0 AS depth
+    FROM run WHERE id = :root
+    UNION ALL
+    SELECT c.id, c.parent_run_id, c.tokens_used + c.unrecorded_tokens,
+           c.cost_usd + c.unrecorded_cost_usd, t.depth + 1
+    FROM run c JOIN tree t ON c.parent_run_id = t.id
+    WHERE t.depth < 64
+), counted AS (
+    SELECT t.spent, t.cost FROM tree t
+    WHERE t.id = :root OR EXISTS (
+        SELECT 1 FROM run_step s
+        WHERE s.run_id = t.parent_run_id AND s.status = 'PENDING'
+          AND s.response ->> 'runId' = CAST(t.id AS text)
+    )
+), held AS (
+    SELECT h.run_id, h.lease_epoch, h.tokens, h.cost_usd FROM budget_hold h
+    WHERE h.root_run_id = :root
+)
+SELECT root.token_budget, root.cost_budget_usd,
+       (SELECT COALESCE(SUM(spent), 0) FROM counted)
+         + (SELECT COALESCE(SUM(tokens), 0) FROM held
+            WHERE run_id = :id AND lease_epoch < :epoch) AS spent,
+       (SELECT COALESCE(SUM(cost), 0) FROM counted)
+         + (SELECT COALESCE(SUM(cost_usd), 0) FROM held
+            WHERE run_id = :id AND lease_epoch < :epoch) AS cost,
+       (SELECT COALESCE(SUM(tokens), 0) FROM held WHERE run_id <> :id) AS held,
+       (SELECT COALESCE(SUM(cost_usd), 0) FROM held WHERE run_id <> :id) AS held_cost,
+       (SELECT COUNT(*) FROM held WHERE run_id <> :id) AS in_flight
+FROM run root WHERE root.id = :root;
+
+-- hold_tree_budget --
+INSERT INTO budget_hold (run_id, lease_epoch, root_run_id, step_key, tokens, cost_usd)
+VALUES (:id, :epoch, :root, :step_key, :tokens, :cost_usd)
+ON CONFLICT (run_id, lease_epoch) DO UPDATE
+SET step_key = EXCLUDED.step_key, tokens = EXCLUDED.tokens, cost_usd = EXCLUDED.cost_usd,
+    created_at = now();
+
+-- release_tree_budget --
+-- The call's tokens are counted on its run: its hold goes, with those of the run's earlier
+-- leases (calls lost with their worker, counted by now as the run's unrecorded estimate).
+DELETE FROM budget_hold WHERE run_id = :id AND lease_epoch <= :epoch;

@@ -294,6 +294,25 @@ class ModelCheckpoint:
 
 
 @dataclass(frozen=True, slots=True)
+class TreeSpend:
+    """A run tree's budget as one of its runs' model calls sees it, under the tree's lock
+    (:meth:`db.store.RunStore.hold_tree_budget`)."""
+
+    root: uuid.UUID
+    token_budget: int
+    cost_budget_usd: Decimal | None
+    spent: int
+    """Every run of the tree, recorded and unrecorded, each token once; with this run's
+    holds of earlier leases (calls lost with their worker)."""
+    cost: Decimal
+    held: int
+    """The worst cases of the other runs' model calls in flight."""
+    held_cost: Decimal
+    in_flight: int
+    """How many of the other runs' model calls are in flight."""
+
+
+@dataclass(frozen=True, slots=True)
 class Dispatch:
     """A drive_run message to send: the run and the token it must carry, and how long to
     hold it back (a durable timer's countdown)."""

@@ -338,6 +338,26 @@ Index(
     postgresql_where=text("consumed_by IS NULL"),
 )
 
+# A model call in flight in a run tree with a shared budget (migration 0024): the call's
+# worst case (estimated input + max_tokens, and its price), held against the root's budget
+# from its admission until its tokens are counted on the run. Only runs with a parent write
+# here. One row per lease: a row of an earlier lease of a live run is a call lost with its
+# worker (counted as spent until the run's next call settles); a row of an ended run is
+# ignored and swept (runtime.pipeline.modelcall.share_tree_budget).
+budget_hold = Table(
+    "budget_hold",
+    metadata,
+    Column("run_id", UUID(as_uuid=True), ForeignKey("run.id", ondelete="CASCADE"), nullable=False),
+    Column("lease_epoch", BigInteger, nullable=False),
+    Column("root_run_id", UUID(as_uuid=True), nullable=False),
+    Column("step_key", Text, nullable=False),
+    Column("tokens", BigInteger, nullable=False),
+    Column("cost_usd", Numeric(18, 8), nullable=False),
+    Column("created_at", TZ, nullable=False, server_default=text("now()")),
+    PrimaryKeyConstraint("run_id", "lease_epoch", name="budget_hold_pkey"),
+)
+Index("budget_hold_root_idx", budget_hold.c.root_run_id)
+
 AUDIT_ACTIONS = (
     "cancel",
     "resume",

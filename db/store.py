@@ -57,6 +57,7 @@ from db.records import (
     StepKind,
     StepOrigin,
     StepStatus,
+    TreeSpend,
     Usage,
 )
 from db.steplog import StepLogCache
@@ -1121,6 +1122,54 @@ class RunStore:
                 return None
             self._schedule(conn, claim, delay_seconds, token, reason, True, 0)  # a wait: progress
         return Dispatch(claim.run_id, token, delay_seconds)
+
+    def hold_tree_budget(
+        self,
+        claim: Claim,
+        step_key: str,
+        tokens: int,
+        cost: Decimal,
+        admit: Callable[[TreeSpend], bool],
+    ) -> tuple[TreeSpend, bool]:
+        """For a model call of a child run: under the tree's lock, what the tree has spent
+        and holds; when ``admit`` says the call may start, hold its worst case (``tokens``,
+        ``cost``) against the root's budget until :meth:`release_tree_budget`. Returns the
+        spend read and whether the hold was written. Holds of ended runs are swept."""
+        params = {"id": claim.run_id, "epoch": claim.epoch}
+        with self.engine.begin() as conn:
+            root = conn.execute(Q["tree_root"], params).scalar_one()
+            conn.execute(Q["lock_tree_budget"], {"root": root})
+            conn.execute(Q["sweep_tree_holds"], {"root": root})
+            row = conn.execute(Q["tree_spend"], {**params, "root": root}).mappings().one()
+            spend = TreeSpend(
+                root=root,
+                token_budget=row["token_budget"],
+                cost_budget_usd=row["cost_budget_usd"],
+                spent=int(row["spent"]),
+                cost=Decimal(row["cost"]),
+                held=int(row["held"]),
+                held_cost=Decimal(row["held_cost"]),
+                in_flight=int(row["in_flight"]),
+            )
+            admitted = admit(spend)
+            if admitted:
+                conn.execute(
+                    Q["hold_tree_budget"],
+                    {
+                        **params,
+                        "root": root,
+                        "step_key": step_key,
+                        "tokens": tokens,
+                        "cost_usd": cost,
+                    },
+                )
+        return spend, admitted
+
+    def release_tree_budget(self, run_id: uuid.UUID, epoch: int) -> None:
+        """The model call's tokens are counted on its run: its hold (and those of the run's
+        earlier leases) go."""
+        with self._statement() as conn:
+            conn.execute(Q["release_tree_budget"], {"id": run_id, "epoch": epoch})
 
     def cancel_children(self, run_id: uuid.UUID) -> None:
         """Cancel a run's live children, down the tree (the run itself ended early)."""

@@ -23,7 +23,16 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from db.errors import DatabaseUnavailable, LeaseLost
-from db.records import Dispatch, NewStep, RunStatus, Step, StepKind, StepStatus, Usage
+from db.records import (
+    Dispatch,
+    NewStep,
+    RunStatus,
+    Step,
+    StepKind,
+    StepStatus,
+    TreeSpend,
+    Usage,
+)
 from runtime.admission.concurrency_keys import tenant_key
 from runtime.admission.flow_control import Answered, Grant, Refusal
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
@@ -99,6 +108,95 @@ class Wait:
     delay_seconds: float
     reason: str
     """For the run's ``wait_reason``: ``rate limit: input tokens/min for claude-...``."""
+
+
+# -- a budget shared down a run tree --------------------------------------------------------
+
+TREE_WAIT_SECONDS = 0.5
+"""A child run's model call that does not fit its tree's budget beside the calls in flight
+asks again after this long, on a durable timer (holding no thread and no lease)."""
+
+
+@dataclass(frozen=True)
+class TreeRefusal:
+    """The tree's budget ends the run (``strict``: the strict budget's refusal)."""
+
+    reason: str
+
+
+def share_tree_budget(
+    task: Task, request: LlmRequest, body: dict[str, Any], key: str
+) -> Wait | TreeRefusal | bool:
+    """A child run's model call and its tree's budget (the root's), shared by every run of
+    the tree. The call may start when the tree's spend, the worst cases of the tree's other
+    calls in flight and its own worst case (``estimate_tokens`` + ``max_tokens``, and its
+    price) fit the budget; or, when none fits, if no other call of the tree is in flight and
+    the tree is under its budget (not with DAR_STRICT_BUDGET). So only a call started alone
+    can cross the budget: the tree passes it by at most one step. Admitted (``True``), the
+    call's worst case is held until :func:`release_tree_budget`; a call that must wait for
+    the calls in flight comes back on a durable timer (:class:`Wait`); a tree at its budget
+    ends the run (:class:`TreeRefusal`). A run with no parent is its tree's root: its own
+    budget is the tree's and it makes no call while its children work (``False``: nothing
+    asked, not a statement)."""
+    run = task.claim.run
+    if run.parent_run_id is None:
+        return False
+    worst = Usage(input_tokens=estimate_tokens(body), output_tokens=request.max_tokens)
+    worst_cost = task.services.pricing.cost(request.model, worst)
+    strict = task.settings.strict_budget
+
+    def exhausted(t: TreeSpend) -> bool:
+        over_cost = t.cost_budget_usd is not None and t.cost >= t.cost_budget_usd
+        return t.spent >= t.token_budget or over_cost
+
+    def fits(t: TreeSpend) -> bool:
+        if t.spent + t.held + worst.total > t.token_budget:
+            return False
+        budget = t.cost_budget_usd
+        return budget is None or t.cost + t.held_cost + worst_cost <= budget
+
+    def admit(t: TreeSpend) -> bool:
+        return not exhausted(t) and (fits(t) or (t.in_flight == 0 and not strict))
+
+    spend, admitted = task.store.hold_tree_budget(task.claim, key, worst.total, worst_cost, admit)
+    if admitted:
+        return True
+    root = str(spend.root)[:8]
+    if exhausted(spend):
+        if spend.spent >= spend.token_budget:
+            return TreeRefusal(
+                f"token budget of the run tree exhausted: {spend.spent} of "
+                f"{spend.token_budget} tokens used by run {root} and its children"
+            )
+        return TreeRefusal(
+            f"cost budget of the run tree exhausted: ${spend.cost:.4f} of "
+            f"${spend.cost_budget_usd:.4f} spent by run {root} and its children"
+        )
+    if spend.in_flight == 0:  # strict: the call could cross the budget on its own
+        return TreeRefusal(
+            f"strict budget: the next model call could use up to {worst.total} tokens "
+            f"and the run tree of run {root} has used {spend.spent} of {spend.token_budget}"
+        )
+    return Wait(
+        TREE_WAIT_SECONDS,
+        f"run tree budget: {spend.in_flight} model call(s) of the tree in flight hold "
+        f"{spend.held} tokens; {spend.spent} of {spend.token_budget} spent",
+    )
+
+
+def release_tree_budget(task: Task) -> None:
+    """The call held against its tree's budget is counted on its run (or was never made):
+    its hold goes. A failure here is logged: the hold is then dropped with the run's next
+    call or its end, counted as spent meanwhile (never less than the truth)."""
+    try:
+        task.store.release_tree_budget(task.run_id, task.claim.epoch)
+    except Exception:
+        log.warning(
+            "run=%s the model call's hold on its tree's budget was not released (kept until "
+            "the run's next call or its end)",
+            task.rid,
+            exc_info=True,
+        )
 
 
 def admit(task: Task, request: LlmRequest, body: dict[str, Any], key: str) -> Wait | None:
@@ -544,6 +642,42 @@ def call(
     refusal = strict_budget_refusal(task, request, body)
     if refusal:
         return Stopped(RunStatus.FAILED, refusal)
+    shared = share_tree_budget(task, request, body, key)
+    if isinstance(shared, TreeRefusal):
+        return Stopped(RunStatus.FAILED, shared.reason)
+    if isinstance(shared, Wait):
+        return Later(shared.delay_seconds, shared.reason, task.claim.run.model_attempts, True)
+    if not shared:
+        return _admit_and_call(task, request, kind=kind, key=key, seq=seq, attempt=attempt,
+                               body=body, make=make)  # fmt: skip
+    try:
+        outcome = _admit_and_call(task, request, kind=kind, key=key, seq=seq, attempt=attempt,
+                                  body=body, make=make)  # fmt: skip
+    except (LeaseLost, DatabaseUnavailable):
+        # the call may be billed and not counted yet (owed, or the run taken over): the
+        # hold stays until the run's next call or its end
+        raise
+    except Exception:
+        release_tree_budget(task)
+        raise
+    # (a BaseException is the worker dying: the hold stays, a lost call of its lease)
+    release_tree_budget(task)
+    return outcome
+
+
+def _admit_and_call(
+    task: Task,
+    request: LlmRequest,
+    *,
+    kind: kinds.StepKind,
+    key: str,
+    seq: int,
+    attempt: int,
+    body: dict[str, Any],
+    make: Callable[[], LlmResponse] | None,
+) -> Outcome:
+    """:func:`call` from flow control's admission on."""
+    policy = kinds.KINDS[kind]
     wait = admit(task, request, body, key)
     if wait is not None:  # flow control: a durable timer, holding nothing
         return Later(wait.delay_seconds, wait.reason, task.claim.run.model_attempts, True)
