@@ -7,7 +7,10 @@ replays them like any recorded step. What makes that safe is decided here, once,
 anything is written:
 
 - only completed steps are copied (``DONE``, ``ERROR``, ``REJECTED``): a step in flight, in
-  doubt, waiting or being retried stays the original's business;
+  doubt, waiting or being retried stays the original's business. A child run's step is
+  completed once the parent has recorded the child's result: a fork copies it and never
+  runs that child again (its timeline links to the original's child); a child still working
+  is the original's, and a fork from its step starts a child of its own;
 - the fork point is never inside a step (between a durable step and the steps nested in it);
 - an edited result belongs to a copied step (``toolResult.seq`` below ``fromSeq``).
 
@@ -157,10 +160,17 @@ def _check_fork_point(run: Run, steps: list[Step], from_seq: int) -> list[Step]:
     copied = [s for s in steps if s.seq < from_seq]
     for s in copied:
         if s.status not in COPYABLE:
+            child = s.response.get("runId") if isinstance(s.response, dict) else None
+            waits = (
+                f" (it waits for child run {child}: fork once that child has ended, to "
+                f"reuse its result, or from seq {s.seq} to start it again in the fork)"
+                if s.kind is StepKind.CHILD and child
+                else ""
+            )
             raise ForkRefused(
                 "fromSeq",
                 f"step {s.seq} ({s.step_key}) of run {run.id} is {s.status}, not completed: "
-                f"a fork copies only completed steps; fork from seq {s.seq} or earlier",
+                f"a fork copies only completed steps; fork from seq {s.seq} or earlier{waits}",
                 conflict=True,
             )
     for later in (s for s in steps if s.seq >= from_seq):

@@ -206,6 +206,30 @@ def test_a_fork_of_the_parent_reuses_its_completed_children(
     assert len(children_of(rt, run.id)) == 2
 
 
+def test_a_fork_of_a_parent_whose_child_still_works(rt: Runtime, client: FlaskClient) -> None:
+    """The child has not ended: a fork from after its step is refused (409, the step has
+    not completed); a fork from the step starts a child of its own, the source's child
+    goes on for the source alone."""
+    run, dispatch = rt.submit("two-children", {})
+    rt.driver().drive(dispatch.run_id, dispatch.token)
+    [kid] = children_of(rt, run.id)
+    [row] = rt.store.steps(run.id)
+    assert row.status is StepStatus.PENDING
+    refused = client.post(f"/api/runs/{run.id}/fork", json={"fromSeq": row.seq + 1})
+    assert refused.status_code == 409, refused.get_data(as_text=True)
+    assert "PENDING, not completed" in refused.get_json()["error"]["message"]
+    response = client.post(f"/api/runs/{run.id}/fork", json={"fromSeq": row.seq})
+    assert response.status_code == 201, response.get_data(as_text=True)
+    fork_id = uuid.UUID(response.get_json()["id"])
+    drive_tree(rt, Dispatch(fork_id, rt.store.get_run(fork_id).dispatch_token))
+    fork = rt.store.get_run(fork_id)
+    assert (fork.status, fork.result) == (RunStatus.SUCCEEDED, 10)
+    assert len(children_of(rt, fork_id)) == 2, "the fork ran its own children"
+    assert rt.store.get_run(kid.id).status is RunStatus.QUEUED, "the source's child untouched"
+    drive_tree(rt, Dispatch(kid.id, rt.store.get_run(kid.id).dispatch_token))
+    assert rt.store.get_run(run.id).result == 10
+
+
 def test_the_walkthroughs_family_asks_the_agent_loop_two_questions(
     rt: Runtime, llm: ScriptedLlm
 ) -> None:

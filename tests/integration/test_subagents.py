@@ -598,3 +598,89 @@ def test_a_child_runs_on_its_own_agents_model_and_step_cap(settings: Settings) -
             assert "claude-child-model" in {b["model"] for b in api_.bodies()}
         finally:
             rt.close()
+
+
+def test_a_fork_of_the_lead_reuses_its_completed_sub_agents(
+    rt: Runtime, client: FlaskClient, fake: FakeMessagesApi
+) -> None:
+    """Forking a parent from after its children's results copies those results: the fork
+    never starts those children again (no new child run, no model call of theirs), its
+    timeline links to the children that made them, and it pays only for its own calls."""
+    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
+    drive_tree(rt, dispatch)
+    assert rt.store.get_run(run.id).status is RunStatus.SUCCEEDED
+    kids = children(rt, run.id)
+    before = fake.calls
+    response = client.post(f"/api/runs/{run.id}/fork", json={"fromSeq": 4})
+    assert response.status_code == 201, response.get_data(as_text=True)
+    fork_id = uuid.UUID(response.get_json()["id"])
+    drive_tree(rt, Dispatch(fork_id, rt.store.get_run(fork_id).dispatch_token))
+    fork = rt.store.get_run(fork_id)
+    assert (fork.status, fork.result) == (
+        RunStatus.SUCCEEDED,
+        "summary: acme: 2 overdue | globex: 2 overdue",
+    )
+    assert children(rt, fork_id) == [], "no child started again"
+    assert fake.calls == before + 1, "only the fork's own model call"
+    assert fork.tokens_used == STEP_TOKENS
+    timeline = client.get(f"/api/runs/{fork_id}/timeline").get_json()
+    linked = {t["toolUseId"]: t.get("childRunId") for t in timeline if t["kind"] == "CHILD"}
+    assert linked == {"toolu_a": str(kids[0].id), "toolu_b": str(kids[1].id)}
+
+
+def test_a_fork_of_a_lead_whose_sub_agent_still_works(
+    rt: Runtime, client: FlaskClient, fake: FakeMessagesApi
+) -> None:
+    """One child has answered (its result recorded), the other still works. A fork from
+    after the working child's step is refused (409: its step has not completed, and a fork
+    copies only completed steps); a fork from that step copies the answered child's result
+    and starts only the other again, as a child of the fork, while the source's own child
+    goes on and answers the source alone."""
+    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
+    driver = rt.driver()
+    first = driver.drive(run.id, dispatch.token)
+    assert first.dispatch is not None
+    started = driver.drive(run.id, first.dispatch.token)
+    a, b = started.wakes
+    for wake in drive_one(rt, a):  # child a answers; the lead records its result
+        drive_tree(rt, wake)
+    rows = {s.step_key: s for s in rt.store.steps(run.id)}
+    assert (rows["tool:toolu_a"].status, rows["tool:toolu_b"].status) == (
+        StepStatus.DONE,
+        StepStatus.PENDING,
+    )
+    pending_seq = rows["tool:toolu_b"].seq
+    refused = client.post(f"/api/runs/{run.id}/fork", json={"fromSeq": pending_seq + 1})
+    assert refused.status_code == 409, refused.get_data(as_text=True)
+    refusal = refused.get_json()["error"]["message"]
+    assert "not completed" in refusal
+    assert f"waits for child run {b.run_id}" in refusal, "it says which child it waits for"
+    assert rows["tool:toolu_a"].seq < pending_seq, "rows in the order the model called them"
+    response = client.post(f"/api/runs/{run.id}/fork", json={"fromSeq": pending_seq})
+    assert response.status_code == 201, response.get_data(as_text=True)
+    fork_id = uuid.UUID(response.get_json()["id"])
+    drive_tree(rt, Dispatch(fork_id, rt.store.get_run(fork_id).dispatch_token))
+    fork = rt.store.get_run(fork_id)
+    assert fork.status is RunStatus.SUCCEEDED, fork.error
+    [again] = children(rt, fork_id)
+    assert (again.input, again.status) == ("globex", "SUCCEEDED"), "only b started again"
+    assert again.id != b.run_id
+    assert rt.store.get_run(b.run_id).status is not RunStatus.SUCCEEDED, "the source's waits"
+    drive_tree(rt, b)  # the source's own child answers the source
+    source = rt.store.get_run(run.id)
+    assert source.status is RunStatus.SUCCEEDED, source.error
+    assert fork.result == source.result == "summary: acme: 2 overdue | globex: 2 overdue"
+    researcher_calls = [x for x in fake.bodies() if x["system"][0]["text"] == "researcher"]
+    assert len(researcher_calls) == 3, "a once, b in the source and b in the fork"
+
+
+def drive_one(rt: Runtime, d: Dispatch) -> list[Dispatch]:
+    """Drive one run to its end (or its park), one step at a time; returns the wakes."""
+    driver = rt.driver()
+    wakes: list[Dispatch] = []
+    nxt: Dispatch | None = d
+    while nxt is not None:
+        result = driver.drive(nxt.run_id, nxt.token)
+        wakes += result.wakes
+        nxt = result.dispatch if result.outcome is Outcome.CONTINUE else None
+    return wakes
