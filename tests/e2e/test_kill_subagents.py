@@ -2,7 +2,8 @@
 model hands the question to a sub-agent (``examples/family.py``'s ``team``). A worker is
 SIGKILLed while it runs the child's model call (the parent waiting parked, holding no
 lease): the child finishes on the other worker, the parent is woken and answers with its
-result, the child was started once and its tokens count against the parent."""
+result, the child was started once and its tokens count against the parent. The killed
+call's hold on the tree's budget (``budget_hold``) does not outlive the child's next call."""
 
 from __future__ import annotations
 
@@ -49,6 +50,15 @@ def children(engine: object, parent: uuid.UUID) -> list[uuid.UUID]:
         return [r.id for r in rows]
 
 
+def holds(engine: object, run_id: uuid.UUID) -> list[int]:
+    """The lease epochs of the run's model calls held against its tree's budget."""
+    with engine.connect() as conn:  # type: ignore[attr-defined]
+        rows = conn.execute(
+            text("SELECT lease_epoch FROM budget_hold WHERE run_id = :id"), {"id": run_id}
+        )
+        return [r.lease_epoch for r in rows]
+
+
 def test_sigkill_of_the_worker_running_a_sub_agent_while_its_parent_waits(
     stack: DevStack,
 ) -> None:
@@ -71,6 +81,9 @@ def test_sigkill_of_the_worker_running_a_sub_agent_while_its_parent_waits(
                 if child.locked_by and child.status is RunStatus.RUNNING:
                     break
             time.sleep(0.05)
+        while not holds(engine, child.id):  # admitted against the tree's budget
+            assert time.monotonic() < deadline, "the child's call was never admitted"
+            time.sleep(0.02)
         parent = store.get_run(parent_id)
         assert parent.locked_by is None, "the parent waits holding no lease"
         assert parent.wait_reason is not None
@@ -99,6 +112,7 @@ def test_sigkill_of_the_worker_running_a_sub_agent_while_its_parent_waits(
         # A child's unrecorded tokens (a call lost with the killed worker: its estimate) count
         # against its parent too (the guard sees the tree's spend).
         assert done.tokens_used == own + finished.tokens_used + finished.unrecorded_tokens
+        assert holds(engine, kid) == [], "the killed call's hold went with the next call"
         _, shown = stack.request("GET", f"/api/runs/{parent_id}")
         assert [c["id"] for c in shown["children"]] == [str(kid)]
         _, timeline = stack.request("GET", f"/api/runs/{parent_id}/timeline")

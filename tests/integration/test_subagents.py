@@ -411,6 +411,48 @@ def test_children_side_by_side_share_the_budget_and_pass_it_by_one_step_at_most(
         rt.close()
 
 
+def test_a_cost_budget_is_shared_down_the_tree_too(
+    settings: Settings, fake: FakeMessagesApi
+) -> None:
+    """The root's costBudgetUsd is the tree's as its token budget is (children have no cost
+    budget of their own): four children side by side stop when the tree's cost is spent,
+    and the tree passes it by at most one step's cost."""
+    crowd = Agent("crowd", "crowd", max_tokens=100, subagents=(Subagent("digger"),))
+    digger = Agent("digger", "slow-digger", max_tokens=100, tools=(dig,))
+    rt = build(settings, fake, extra=(crowd, digger))
+    budget = Decimal("0.006")
+    try:
+        run, dispatch = submit(
+            rt.store,
+            "go",
+            agent="crowd",
+            token_budget=1_000_000,
+            cost_budget_usd=budget,
+            max_steps=200,
+        )
+        drive_side_by_side(rt, dispatch)
+        done = rt.store.get_run(run.id)
+        kids = children(rt, run.id)
+        with rt.engine.connect() as conn:
+            biggest = conn.execute(
+                sql(
+                    "SELECT max(cost_usd) FROM run_step WHERE kind = 'MODEL' AND run_id IN "
+                    "(SELECT id FROM run WHERE id = :id OR parent_run_id = :id)"
+                ),
+                {"id": run.id},
+            ).scalar_one()
+        cost = done.cost_usd + done.unrecorded_cost_usd
+        print(f"cost: budget ${budget}, tree ${cost:.6f}, largest step ${biggest:.6f}")
+        assert done.status is RunStatus.FAILED
+        assert cost <= budget + biggest, "at most one step over"
+        assert cost > budget - biggest, "the tree worked up to its budget"
+        errors = [rt.store.get_run(k.id).error or "" for k in kids]
+        assert any("cost budget of the run tree exhausted" in e for e in errors), errors
+        assert holds(rt) == []
+    finally:
+        rt.close()
+
+
 @durable_agent("delegates")
 def delegates(task: str, steps: Steps) -> Any:
     return steps.child("crowd", task)
