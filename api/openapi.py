@@ -17,6 +17,8 @@ from api.schemas import (
     SAFE_TEXT,
     STATS_WINDOWS,
     TEXT_RULE,
+    TREE_MAX_DEPTH,
+    TREE_MAX_NODES,
     decision_schema,
     fork_schema,
     message_schema,
@@ -266,6 +268,19 @@ def openapi_document(
                     "parameters": [RUN_ID],
                     "responses": {
                         "200": _json(_ref("Run"), "The run"),
+                        "404": _error("No such run"),
+                    },
+                }
+            },
+            "/api/runs/{run_id}/tree": {
+                "get": {
+                    "summary": "The tree of child runs the run belongs to, from its root down "
+                    f"(at most {TREE_MAX_NODES} runs breadth-first from the root and "
+                    f"{TREE_MAX_DEPTH} levels, plus the run and its ancestors)",
+                    "operationId": "getRunTree",
+                    "parameters": [RUN_ID],
+                    "responses": {
+                        "200": _json(_ref("RunTree"), "The tree"),
                         "404": _error("No such run"),
                     },
                 }
@@ -846,6 +861,73 @@ def openapi_document(
                             "description": "who cancelled, resumed, resolved or decided what "
                             "(GET /api/runs/{run_id} only)",
                         },
+                    },
+                },
+                "RunTree": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["runId", "rootId", "nodes", "truncated", "maxNodes", "maxDepth"],
+                    "properties": {
+                        "runId": {"type": "string", "format": "uuid"},
+                        "rootId": {
+                            "type": "string",
+                            "format": "uuid",
+                            "description": "the topmost run shown: the tree's root, or the "
+                            "run maxDepth parents up when the tree goes higher",
+                        },
+                        "nodes": {
+                            "type": "array",
+                            "description": "the root first, each run followed by its "
+                            "children's subtrees, oldest first",
+                            "minItems": 1,
+                            "items": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "required": [
+                                    "id",
+                                    "parentRunId",
+                                    "agent",
+                                    "status",
+                                    "tokensUsed",
+                                    "costUsd",
+                                    "createdAt",
+                                    "depth",
+                                    "childCount",
+                                ],
+                                "properties": {
+                                    "id": {"type": "string", "format": "uuid"},
+                                    "parentRunId": {"type": ["string", "null"], "format": "uuid"},
+                                    "agent": {"type": "string"},
+                                    "status": {"enum": statuses},
+                                    "tokensUsed": {
+                                        "type": "integer",
+                                        "description": "as the run's own: its finished "
+                                        "children's included",
+                                    },
+                                    "costUsd": {"type": "number"},
+                                    "createdAt": {"type": "string", "format": "date-time"},
+                                    "depth": {
+                                        "type": "integer",
+                                        "minimum": 0,
+                                        "description": "levels below rootId",
+                                    },
+                                    "childCount": {
+                                        "type": "integer",
+                                        "minimum": 0,
+                                        "description": "its child runs, counted up to "
+                                        "maxNodes + 1; more than the nodes listed under it: "
+                                        "some were left out",
+                                    },
+                                },
+                            },
+                        },
+                        "truncated": {
+                            "type": "boolean",
+                            "description": "some runs of the tree are not listed (past "
+                            "maxNodes or maxDepth)",
+                        },
+                        "maxNodes": {"type": "integer"},
+                        "maxDepth": {"type": "integer"},
                     },
                 },
                 "RunPage": {

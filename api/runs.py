@@ -7,6 +7,7 @@ import math
 import re
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from flask import Blueprint, Response, jsonify, request, url_for
 
@@ -17,6 +18,8 @@ from api.schemas import (
     CURSOR_PATTERN,
     ID_PREFIX_PATTERN,
     MAX_AGENT_CHARS,
+    TREE_MAX_DEPTH,
+    TREE_MAX_NODES,
     resolution_schema,
     resume_schema,
     validate,
@@ -230,6 +233,66 @@ def get_run(run_id: str) -> Response:
     return jsonify(
         {**run_json(run), "children": children, "audit": [audit_json(e) for e in events]}
     )
+
+
+@bp.get("/runs/<run_id>/tree")
+@requires("read")
+def tree(run_id: str) -> Response:
+    """The whole tree of child runs the run belongs to, from its root down: each run with its
+    agent, status, tokens and cost, in order (a run, then its children's subtrees, oldest
+    first). Bounded: the first ``TREE_MAX_NODES`` runs breadth-first from the root, at most
+    ``TREE_MAX_DEPTH`` levels, plus the run itself and its ancestors whatever the cap;
+    ``truncated`` says whether anything was left out (each run's ``childCount`` against the
+    children listed says where)."""
+    run = load_run(parse_run_id(run_id))
+    rows = state().runtime.store.run_tree(
+        run.id, run.tenant, max_nodes=TREE_MAX_NODES, max_depth=TREE_MAX_DEPTH
+    )
+    if not rows:  # removed since (retention)
+        raise ApiError(404, f"no run with id {run.id}", code="not_found")
+    return jsonify(tree_json(run.id, rows))
+
+
+def tree_json(run_id: uuid.UUID, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``GET /api/runs/{id}/tree``'s answer from :meth:`RunStore.run_tree`'s rows: the walk
+    cut at ``TREE_MAX_NODES`` (the run and its ancestors kept), in depth-first order."""
+    kept = [r for r in rows if r["on_path"] or r["n"] <= TREE_MAX_NODES]
+    cut = len(kept) < len(rows)
+    ids = {r["id"] for r in kept}
+    top = next(r for r in kept if r["is_top"])
+    by_parent: dict[uuid.UUID, list[dict[str, Any]]] = {}
+    for r in kept:
+        if r is not top and r["parent_run_id"] in ids:
+            by_parent.setdefault(r["parent_run_id"], []).append(r)
+    nodes: list[dict[str, Any]] = []
+    stack = [(top, 0)]
+    while stack:
+        r, depth = stack.pop()
+        kids = sorted(by_parent.get(r["id"], []), key=lambda k: (k["created_at"], k["id"]))
+        cut = cut or r["child_count"] > len(kids)
+        nodes.append(
+            {
+                "id": str(r["id"]),
+                "parentRunId": str(r["parent_run_id"]) if r["parent_run_id"] else None,
+                "agent": r["agent"],
+                "status": r["status"],
+                "tokensUsed": r["tokens_used"],
+                "costUsd": float(r["cost_usd"]),
+                "createdAt": r["created_at"].isoformat(),
+                "depth": depth,
+                "childCount": r["child_count"],
+            }
+        )
+        stack.extend((k, depth + 1) for k in reversed(kids))
+    return {
+        "runId": str(run_id),
+        "rootId": str(top["id"]),
+        "nodes": nodes,
+        # a root with a parent: the tree goes up further than TREE_MAX_DEPTH parents
+        "truncated": cut or top["parent_run_id"] is not None,
+        "maxNodes": TREE_MAX_NODES,
+        "maxDepth": TREE_MAX_DEPTH,
+    }
 
 
 @bp.get("/runs/<run_id>/timeline")

@@ -51,6 +51,10 @@ MAX_COMMENT_CHARS = 4000
 MAX_REASON_CHARS = 4000
 RESOLVE_ACTIONS = ("supply_result", "retry", "fail")
 MAX_SEQ = 2_147_483_647
+# GET /api/runs/{id}/tree: the runs it shows at most (breadth-first from the root; the run
+# itself and its ancestors come on top of these) and the levels below the root it goes down.
+TREE_MAX_NODES = 200
+TREE_MAX_DEPTH = 16
 """A step's seq is a PostgreSQL integer."""
 
 

@@ -1109,6 +1109,55 @@ WHERE parent_run_id = :id AND status NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED',
 SELECT id, agent, status, tokens_used, cost_usd, created_at, finished_at, idempotency_key FROM run
 WHERE parent_run_id = :id ORDER BY created_at, id;
 
+-- run_tree --
+-- The tree a run belongs to (GET /api/runs/{id}/tree), in one bounded statement: up from the
+-- run to its root (at most :max_depth parents), then down from that root breadth-first, each
+-- run's children oldest first, at most :max_depth levels. PostgreSQL evaluates a recursive
+-- WITH query level by level and only as far as its reader reads, so the LIMIT on `walked`
+-- stops the walk after the first :max_nodes + 1 runs, and run_parent_created_idx hands each
+-- run's children over in order (the LATERAL limit: a run with a million children is read
+-- 201 rows deep): a tree of a million runs costs what one of 200 does. The run and its
+-- ancestors (`up`, `on_path`) are returned whatever the cap. `n`: the place in the walk
+-- (NULL: not walked); `child_count`: the run's children, counted up to :max_nodes + 1.
+-- Only the asked run's tenant is checked: a child run is its parent's tenant's.
+WITH RECURSIVE up AS (
+    SELECT id, parent_run_id, agent, status, tokens_used, cost_usd, created_at, 0 AS height
+    FROM run WHERE id = :id AND tenant = :tenant
+    UNION ALL
+    SELECT r.id, r.parent_run_id, r.agent, r.status, r.tokens_used, r.cost_usd, r.created_at, up.height + 1
+    FROM up JOIN run r ON r.id = up.parent_run_id
+    WHERE up.height < :max_depth
+),
+top AS (SELECT * FROM up ORDER BY height DESC LIMIT 1),
+down AS (
+    SELECT id, parent_run_id, agent, status, tokens_used, cost_usd, created_at, 0 AS depth FROM top
+    UNION ALL
+    SELECT c.id, c.parent_run_id, c.agent, c.status, c.tokens_used, c.cost_usd, c.created_at, down.depth + 1
+    FROM down CROSS JOIN LATERAL (
+        SELECT id, parent_run_id, agent, status, tokens_used, cost_usd, created_at FROM run
+        WHERE parent_run_id = down.id
+        ORDER BY created_at, id
+        LIMIT :max_nodes + 1
+    ) c
+    WHERE down.depth < :max_depth
+),
+walked AS (
+    SELECT d.*, row_number() OVER () AS n FROM (SELECT * FROM down LIMIT :max_nodes + 1) d
+),
+picked AS (
+    SELECT id, parent_run_id, agent, status, tokens_used, cost_usd, created_at, n, false AS on_path FROM walked WHERE id NOT IN (SELECT id FROM up)
+    UNION ALL
+    SELECT up.id, up.parent_run_id, up.agent, up.status, up.tokens_used, up.cost_usd, up.created_at, walked.n, true
+    FROM up LEFT JOIN walked ON walked.id = up.id
+)
+SELECT picked.*, picked.id = (SELECT id FROM top) AS is_top,
+       (SELECT count(*) FROM (
+            SELECT 1 FROM run k WHERE k.parent_run_id = picked.id
+            ORDER BY k.created_at, k.id  -- the index's order: no scan past the limit
+            LIMIT :max_nodes + 1
+        ) k) AS child_count
+FROM picked;
+
 -- message_arrived --
 -- A message posted to an agent-loop run: counted (the claim reads the count with the run).
 -- A SUCCEEDED run is queued again, as the next turn of its conversation: a new dispatch

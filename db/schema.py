@@ -162,8 +162,15 @@ Index(
     postgresql_where=text("concurrency_key IS NOT NULL AND status IN ('QUEUED', 'RUNNING')"),
 )
 
-# A parent's children, for GET /api/runs/{id} and the cancel cascade.
-Index("run_parent_idx", run.c.parent_run_id, postgresql_where=text("parent_run_id IS NOT NULL"))
+# A parent's children in the order they were started, for GET /api/runs/{id} and its tree
+# (migration 0025: the tree's walk reads only the children it shows) and the cancel cascade.
+Index(
+    "run_parent_created_idx",
+    run.c.parent_run_id,
+    run.c.created_at,
+    run.c.id,
+    postgresql_where=text("parent_run_id IS NOT NULL"),
+)
 
 # The overlap check of a schedule's tick reads its live runs.
 Index(

@@ -1181,6 +1181,20 @@ class RunStore:
         with self._statement() as conn:
             return [dict(r) for r in conn.execute(Q["list_children"], {"id": run_id}).mappings()]
 
+    def run_tree(
+        self, run_id: uuid.UUID, tenant: str, *, max_nodes: int, max_depth: int
+    ) -> list[dict[str, Any]]:
+        """The runs of the tree ``run_id`` belongs to, in ``tenant``, in one bounded statement:
+        the run and its ancestors (up to ``max_depth`` of them), and from the topmost one
+        down, breadth-first with each run's children oldest first, the first
+        ``max_nodes + 1`` runs at most ``max_depth`` levels deep (``n``: the place in that
+        walk, ``None`` for a run not walked). Each row: id, parent_run_id, agent, status,
+        tokens_used, cost_usd, created_at, n, is_top, on_path, child_count (counted up to
+        ``max_nodes + 1``). Empty when there is no such run in ``tenant``."""
+        params = {"id": run_id, "tenant": tenant, "max_nodes": max_nodes, "max_depth": max_depth}
+        with self._statement() as conn:
+            return [dict(r) for r in conn.execute(Q["run_tree"], params).mappings()]
+
     def start_child(
         self, claim: Claim, step: NewStep, child: NewRun, child_id: uuid.UUID, recheck: float
     ) -> Dispatch:
