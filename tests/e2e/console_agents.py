@@ -2,6 +2,8 @@
 (``DAR_AGENT_MODULES=tests.e2e.console_agents``).
 
 - ``console-family``: a parent with two child runs of ``console-kid``;
+- ``console-tree``: three levels: a parent whose first child (``console-family``) starts two
+  children of its own, and whose second is a ``console-kid``;
 - ``console-slow``: many short steps, so there is a RUNNING run to cancel from the page;
 - ``console-crash``: a step with an effect, not idempotent, whose first execution kills its
   worker (``SIGKILL``, as an OOM kill would) once the step is recorded STARTED. The worker that
@@ -66,8 +68,15 @@ def family(_: Any, steps: Steps) -> str:
     return f"{steps.child('console-kid', 2)} and {steps.child('console-kid', 3)}"
 
 
+@durable_agent("console-tree")
+def tree(_: Any, steps: Steps) -> str:
+    """A grandparent, for the run page's tree: its child ``console-family`` has children."""
+    return f"{steps.child('console-family', {})}; {steps.child('console-kid', 5)}"
+
+
 def register(registry: AgentRegistry) -> None:
     registry.register(slow)
     registry.register(crash)
     registry.register(kid)
     registry.register(family)
+    registry.register(tree)

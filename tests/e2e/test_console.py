@@ -361,7 +361,7 @@ def test_a_parent_links_its_children_and_a_message_interrupts(tab: Tab, console:
     links.nth(1).wait_for()
     hrefs = [links.nth(i).get_attribute("href") for i in range(links.count())]
     assert sorted(hrefs) == sorted(f"/runs/{k}" for k in kids), "each child step links its run"
-    assert page.locator("#family-children li").count() == 2
+    assert page.locator("#run-tree li").count() == 3, "the run and its two children"
     tab.shot("run-family")
     links.first.click()
     page.wait_for_url(re.compile(r"/runs/[0-9a-f-]{36}$"))
@@ -391,6 +391,127 @@ def test_a_parent_links_its_children_and_a_message_interrupts(tab: Tab, console:
     kinds = [s["kind"] for s in steps if s["kind"] != "AUDIT"]
     assert kinds.count("MESSAGE") == 1
     assert kinds[-1] == "MODEL", "the model answered the next turn"
+
+
+def test_the_run_page_draws_the_whole_tree_and_links_each_run(tab: Tab, console: Console) -> None:
+    """Three levels: console-tree starts console-family (which starts two console-kids) and a
+    console-kid. Any run's page draws the whole tree from the root, this run marked, and the
+    links (tree and timeline) go to the right runs."""
+    page = tab.page
+    root = console.submit("console-tree", {})
+    assert console.wait_status(root, *TERMINAL)["status"] == "SUCCEEDED"
+
+    def kids(run_id: str) -> list[str]:
+        return [c["id"] for c in console.call("GET", f"/api/runs/{run_id}")["children"]]
+
+    family, kid5 = kids(root)
+    grand = kids(family)
+    assert len(grand) == 2
+    assert kids(kid5) == []
+    depth = {root: 0, family: 1, grand[0]: 2, grand[1]: 2, kid5: 1}
+    agent = {root: "console-tree", family: "console-family", kid5: "console-kid"}
+    agent.update(dict.fromkeys(grand, "console-kid"))
+
+    def check_tree(current: str) -> None:
+        nodes = page.locator("#run-tree li[data-run-id]")
+        page.locator(f"#run-tree li.current[data-run-id='{current}']").wait_for()
+        assert nodes.count() == 5, page.locator("#run-tree").inner_text()
+        shown = [nodes.nth(i).get_attribute("data-run-id") for i in range(5)]
+        assert shown == [root, family, *grand, kid5], "depth first, children oldest first"
+        for run_id in shown:
+            item = page.locator(f"#run-tree li[data-run-id='{run_id}']")
+            assert item.get_attribute("data-depth") == str(depth[run_id])
+            link = item.locator(":scope > .node a")
+            assert link.get_attribute("href") == f"/runs/{run_id}"
+            text = item.locator(":scope > .node").inner_text()
+            assert agent[run_id] in text
+            assert "SUCCEEDED" in text
+            assert "tokens" in text
+        # nested: a grandchild's item is inside its parent's, inside the root's
+        nested = page.locator(
+            f"#run-tree li[data-run-id='{root}'] li[data-run-id='{family}'] "
+            f"li[data-run-id='{grand[0]}']"
+        )
+        assert nested.count() == 1
+        marked = page.locator("#run-tree a[aria-current='page']")
+        assert marked.count() == 1
+        assert marked.get_attribute("href") == f"/runs/{current}"
+        assert page.locator("#tree-note").is_hidden(), "a small tree is shown whole"
+
+    sign_in(tab, OPS, f"/runs/{grand[1]}")  # a grandchild's page: the tree from the root
+    page.locator("body[data-status='SUCCEEDED']").wait_for()
+    check_tree(grand[1])
+    tab.shot("run-tree")
+
+    # The tree's links: the root's page, whose timeline links each of its children.
+    page.locator(f"#run-tree li[data-run-id='{root}'] > .node a").click()
+    page.wait_for_url(f"**/runs/{root}")
+    check_tree(root)
+    links = page.locator("#timeline tbody tr[data-kind='CHILD'] a.child-run")
+    links.nth(1).wait_for()
+    assert [links.nth(i).get_attribute("href") for i in range(links.count())] == [
+        f"/runs/{family}",
+        f"/runs/{kid5}",
+    ], "each CHILD step links its child run"
+    links.first.click()  # the timeline's link to the middle run
+    page.wait_for_url(f"**/runs/{family}")
+    check_tree(family)
+    links = page.locator("#timeline tbody tr[data-kind='CHILD'] a.child-run")
+    links.nth(1).wait_for()
+    assert sorted(links.nth(i).get_attribute("href") or "" for i in range(2)) == sorted(
+        f"/runs/{g}" for g in grand
+    )
+    tab.shot("run-tree-middle")
+
+
+@pytest.fixture
+def database(_truncator: Engine) -> Engine:
+    """The stack's database, to write rows no API call makes."""
+    return _truncator
+
+
+def test_a_tree_past_the_cap_says_what_it_leaves_out(
+    tab: Tab, console: Console, database: Engine
+) -> None:
+    """A finished root with 250 finished children (written straight to the database: no
+    worker touches an ended run): the tree shows the first 200 runs, says the root has more
+    children than it shows, and the asked run is there whatever its place."""
+    page = tab.page
+    root = str(uuid.uuid4())
+    ids = [root] + [str(uuid.uuid4()) for _ in range(250)]
+    with database.begin() as conn:
+        for i, run_id in enumerate(ids):
+            conn.execute(
+                text(
+                    "INSERT INTO run (id, agent, status, input, model, max_steps, "
+                    "token_budget, timeout_seconds, deadline_at, parent_run_id, tenant, "
+                    "dispatch_token, created_at, finished_at) VALUES (:id, :agent, "
+                    "'SUCCEEDED', '{}', 'demo', 10, 1000, 60, now(), :parent, 'acme', "
+                    "gen_random_uuid(), now() + :i * interval '1 ms', now())"
+                ),
+                {
+                    "id": run_id,
+                    "agent": "console-tree" if i == 0 else "console-kid",
+                    "parent": None if i == 0 else root,
+                    "i": i,
+                },
+            )
+    last = ids[-1]
+    sign_in(tab, OPS, f"/runs/{last}")  # the youngest child: past the cap, shown all the same
+    page.locator(f"#run-tree li.current[data-run-id='{last}']").wait_for()
+    assert page.locator("#run-tree li[data-run-id]").count() == 201
+    panel = page.locator("#run-tree").bounding_box()
+    here = page.locator("#run-tree li.current > .node").bounding_box()
+    assert panel["y"] <= here["y"] <= panel["y"] + panel["height"] - here["height"], (
+        "the tall tree scrolls in its panel with this run in view"
+    )
+    more = page.locator(f"#run-tree li[data-run-id='{root}'] li.more")
+    assert "More child runs not shown (more than 200 in all)" in more.inner_text()
+    assert more.locator("a").get_attribute("href") == f"/runs/{root}"
+    note = page.locator("#tree-note")
+    assert note.is_visible()
+    assert "first 200 runs" in note.inner_text()
+    tab.shot("run-tree-cut")
 
 
 def test_cancel_a_running_run(tab: Tab, console: Console) -> None:

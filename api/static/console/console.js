@@ -605,16 +605,80 @@ function resolutionForm(run, steps, onDone) {
   return wrap;
 }
 
-function renderFamily(run) {
+/** The run tree panel: the whole tree the run belongs to (GET /api/runs/{id}/tree), from its
+ *  root down, each run linked with its agent, status, tokens and cost, this run marked. Only
+ *  asked for a run with a parent or children. */
+async function renderFamily(run) {
+  const panel = $("#family-panel");
   const children = run.children || [];
-  $("#family-panel").hidden = !run.parentRunId && children.length === 0;
+  panel.hidden = !run.parentRunId && children.length === 0;
   const parent = clear($("#family-parent"));
+  if (panel.hidden) return;
   if (run.parentRunId) parent.append("Started by run ", runLink(run.parentRunId), ".");
-  const list = clear($("#family-children"));
-  for (const c of children) {
-    list.append(h("li", {}, runLink(c.id), ` ${c.agent} `, badge(c.status),
-      ` ${c.tokensUsed} tokens, ${usd(c.costUsd)}`));
+  const tree = await api("GET", `/api/runs/${encodeURIComponent(run.id)}/tree`);
+  const above = $("#tree-above");
+  const root = tree.nodes[0];
+  above.hidden = !root.parentRunId;
+  clear(above);
+  if (root.parentRunId) {
+    above.append(`The tree goes further up than ${tree.maxDepth} levels: `,
+      runLink(root.parentRunId), " is the parent of the topmost run shown.");
   }
+  // nodes come depth first (a run, then its children's subtrees): nest them by depth
+  const scrolled = $("#run-tree").scrollTop;  // kept across the rebuild
+  const list = clear($("#run-tree"));
+  const shown = new Map();  // run id -> children listed under it
+  const items = new Map();  // run id -> its list item
+  const lists = [list];
+  let last = null;
+  for (const n of tree.nodes) {
+    if (n.depth > 0 && n.depth >= lists.length) {
+      const sub = h("ul", {});
+      last.append(sub);
+      lists.push(sub);
+    }
+    lists.length = n.depth + 1;
+    const current = n.id === run.id;
+    const link = h("a", {
+      href: `/runs/${encodeURIComponent(n.id)}`,
+      "aria-current": current ? "page" : null,
+    }, shortId(n.id));
+    last = h("li", { "data-run-id": n.id, "data-depth": n.depth, class: current ? "current" : null },
+      h("span", { class: "node" }, link, " ", h("span", { class: "agent" }, n.agent), " ",
+        badge(n.status), ` ${n.tokensUsed} tokens, ${usd(n.costUsd)}`,
+        current ? h("span", { class: "here" }, " (this run)") : null));
+    lists[n.depth].append(last);
+    items.set(n.id, last);
+    if (n.parentRunId) shown.set(n.parentRunId, (shown.get(n.parentRunId) || 0) + 1);
+  }
+  // a run whose children are not all listed says how many are left out
+  for (const n of tree.nodes) {
+    const missing = n.childCount - (shown.get(n.id) || 0);
+    if (missing <= 0) continue;
+    const li = items.get(n.id);
+    let sub = li.querySelector(":scope > ul");
+    if (!sub) { sub = h("ul", {}); li.append(sub); }
+    // childCount is counted up to maxNodes + 1: past that, the number left out is unknown
+    const more = n.childCount > tree.maxNodes
+      ? `More child runs not shown (more than ${tree.maxNodes} in all)`
+      : `${missing} more child run${missing === 1 ? "" : "s"} not shown`;
+    sub.append(h("li", { class: "more muted" }, `${more}: the timeline of `, runLink(n.id),
+      " links each of its child runs"));
+  }
+  // a tall tree scrolls in its panel: bring this run into view once, then leave the scroll be
+  list.scrollTop = scrolled;
+  if (list.dataset.scrolled !== run.id && items.has(run.id)) {
+    list.dataset.scrolled = run.id;
+    const top = items.get(run.id).offsetTop;
+    if (top > list.clientHeight - 32) list.scrollTop = top - list.clientHeight / 2;
+  }
+  const note = $("#tree-note");
+  note.hidden = !tree.truncated;
+  note.textContent = tree.truncated
+    ? `A large tree: shown are the first ${tree.maxNodes} runs breadth-first from the top `
+      + `(each run's children oldest first, at most ${tree.maxDepth} levels) and this run's `
+      + "own line from the top."
+    : "";
 }
 
 function setupMessages(id, refresh) {
@@ -650,7 +714,7 @@ function runPage() {
     if (forkPanel) forkPanel.update(run, steps);
     renderTimeline(run, steps, forkPanel ? forkPanel.open : null);
     renderConversation(conversation);
-    renderFamily(run);
+    await renderFamily(run);
     $("#message-panel").hidden = !me.can.submit
       || ["FAILED", "CANCELLED", "TIMED_OUT"].includes(run.status);
     const approvalPanel = $("#approval-panel");
