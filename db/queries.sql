@@ -1200,11 +1200,15 @@ SELECT id FROM up ORDER BY depth DESC LIMIT 1;
 SELECT pg_advisory_xact_lock(hashtextextended('budget_hold/' || CAST(:root AS text), 0));
 
 -- sweep_tree_holds --
--- Holds of runs that have ended: their calls are over (counted, or lost with a run that
--- will never count them).
+-- Holds whose calls are over: of runs that have ended (counted, or lost with a run that
+-- will never count them), and of calls recorded (their row written under the hold's lease:
+-- counted on the run) whose worker died before it released the hold.
 DELETE FROM budget_hold h USING run r
 WHERE h.root_run_id = :root AND r.id = h.run_id
-  AND r.status IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT');
+  AND (r.status IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT')
+       OR EXISTS (SELECT 1 FROM run_step s
+                  WHERE s.run_id = h.run_id AND s.step_key = h.step_key
+                    AND s.lease_epoch = h.lease_epoch AND s.origin IS NULL));
 
 -- tree_spend --
 -- What a run tree has spent: the root's counters (its children's tokens are added to them

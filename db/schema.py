@@ -349,8 +349,8 @@ Index(
 # worst case (estimated input + max_tokens, and its price), held against the root's budget
 # from its admission until its tokens are counted on the run. Only runs with a parent write
 # here. One row per lease: a row of an earlier lease of a live run is a call lost with its
-# worker (counted as spent until the run's next call settles); a row of an ended run is
-# ignored and swept (runtime.pipeline.modelcall.share_tree_budget).
+# worker (counted as spent until the run's next call settles); a row of an ended run, or
+# of a call recorded under its lease, is swept (runtime.pipeline.modelcall.share_tree_budget).
 budget_hold = Table(
     "budget_hold",
     metadata,

@@ -642,6 +642,59 @@ def test_a_child_runs_on_its_own_agents_model_and_step_cap(settings: Settings) -
             rt.close()
 
 
+def test_a_hold_left_by_a_worker_that_died_after_recording_its_call_is_swept(
+    rt: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child's worker records its call and dies before it releases the call's hold: the
+    hold is not counted again beside the recorded tokens; the tree's next admission sweeps
+    it (its row was written under the hold's lease)."""
+    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
+    driver = rt.driver()
+    first = driver.drive(run.id, dispatch.token)
+    assert first.dispatch is not None
+    a, b = driver.drive(run.id, first.dispatch.token).wakes
+
+    def dies(self: RunStore, *args: Any) -> None:
+        raise Crash()
+
+    monkeypatch.setattr(RunStore, "release_tree_budget", dies)
+    with pytest.raises(Crash):
+        driver.drive(a.run_id, a.token)
+    monkeypatch.undo()
+    [(held_run, epoch, _)] = holds(rt)
+    [row] = rt.store.steps(a.run_id)
+    assert (held_run, row.lease_epoch, row.step_key) == (a.run_id, epoch, "model:1")
+    nxt = driver.drive(b.run_id, b.token)  # b's call is admitted: a's hold is swept
+    assert nxt.outcome is Outcome.CONTINUE
+    assert holds(rt) == []
+
+
+def test_a_run_with_no_parent_asks_nothing_of_the_tree(
+    rt: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shared budget costs a run with no parent nothing: not a statement (its budget is
+    its tree's, and it makes no model call while its children work)."""
+    asked: list[uuid.UUID] = []
+    hold, release = RunStore.hold_tree_budget, RunStore.release_tree_budget
+
+    def holding(self: RunStore, claim: Any, *args: Any) -> Any:
+        asked.append(claim.run_id)
+        return hold(self, claim, *args)
+
+    def releasing(self: RunStore, run_id: uuid.UUID, epoch: int) -> None:
+        asked.append(run_id)
+        release(self, run_id, epoch)
+
+    monkeypatch.setattr(RunStore, "hold_tree_budget", holding)
+    monkeypatch.setattr(RunStore, "release_tree_budget", releasing)
+    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
+    drive_tree(rt, dispatch)
+    assert rt.store.get_run(run.id).status is RunStatus.SUCCEEDED
+    kids = {k.id for k in children(rt, run.id)}
+    assert set(asked) == kids, "the children's calls, never the lead's"
+    assert len(asked) == 4, "one hold and one release per child call"
+
+
 def test_a_fork_of_the_lead_reuses_its_completed_sub_agents(
     rt: Runtime, client: FlaskClient, fake: FakeMessagesApi
 ) -> None:
