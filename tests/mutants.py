@@ -330,6 +330,37 @@ MUTANTS = (
         (T + "test_step_kinds.py",),
         "the executor ignores a kind's rule: an interrupted steps.llm body stops for a person",
     ),
+    Mutant(
+        "tree-budget-each-run-alone",
+        "runtime/pipeline/modelcall.py",
+        "return not exhausted(t) and (fits(t) or (t.in_flight == 0 and not strict))",
+        "return not exhausted(t)",
+        (
+            T + "test_subagents.py::test_children_side_by_side_share_the_budget_and_pass_it_by"
+            "_one_step_at_most",
+        ),
+        "issue 25.3: a child's call starts whenever its tree is under budget, whatever is in "
+        "flight (one step over per child at work)",
+    ),
+    Mutant(
+        "tree-hold-released-by-a-dying-worker",
+        "runtime/pipeline/modelcall.py",
+        "    except Exception:\n        release_tree_budget(task)\n",
+        "    except BaseException:\n        release_tree_budget(task)\n",
+        (T + "test_subagents.py::test_a_call_lost_with_its_worker_does_not_wedge_the_tree",),
+        "a call lost with its worker released from the tree's budget as if it cost nothing",
+    ),
+    Mutant(
+        "tree-hold-of-a-recorded-call-kept",
+        "db/queries.sql",
+        "       OR EXISTS (SELECT 1 FROM run_step s\n",
+        "       OR false AND EXISTS (SELECT 1 FROM run_step s\n",
+        (
+            T + "test_subagents.py::test_a_hold_left_by_a_worker_that_died_after_recording_its"
+            "_call_is_swept",
+        ),
+        "a recorded call's hold, its worker dead before the release, counted beside its tokens",
+    ),
 )
 
 
