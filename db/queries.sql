@@ -1162,10 +1162,13 @@ FROM picked;
 -- A message posted to an agent-loop run: counted (the claim reads the count with the run).
 -- A SUCCEEDED run is queued again, as the next turn of its conversation: a new dispatch
 -- token, due now, its deadline renewed from now (a deadline is per turn; budgets and the step
--- cap count the whole run).
+-- cap count the whole run), and no claims without progress (the claim that ended it counted
+-- one: its next claim would be taken for a recovery, `recovery.resumed` on the timeline).
 UPDATE run
 SET messages_pending = messages_pending + 1,
     status = CASE WHEN status = 'SUCCEEDED' THEN 'QUEUED' ELSE status END,
+    claims_without_progress = CASE WHEN status = 'SUCCEEDED' THEN 0
+                                   ELSE claims_without_progress END,
     result = CASE WHEN status = 'SUCCEEDED' THEN NULL ELSE result END,
     finished_at = CASE WHEN status = 'SUCCEEDED' THEN NULL ELSE finished_at END,
     deadline_at = CASE WHEN status = 'SUCCEEDED'

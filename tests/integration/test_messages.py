@@ -125,6 +125,8 @@ def test_a_succeeded_run_continues_as_the_next_turn(
     assert {"type": "message", "content": "and then?"}.items() <= talk[2].items()
     timeline = client.get(f"/api/runs/{run.id}/timeline").get_json()
     assert [t["kind"] for t in timeline if t["kind"] != "AUDIT"] == ["MODEL", "MESSAGE", "MODEL"]
+    recoveries = [t for t in timeline if str(t.get("action", "")).startswith("recovery.")]
+    assert recoveries == [], "a continued conversation is not a recovery from a crash"
 
 
 def test_a_run_about_to_succeed_with_a_message_pending_goes_on(
