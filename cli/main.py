@@ -635,8 +635,12 @@ def _send(args: argparse.Namespace) -> int:
     finished one)."""
     run_id = resolve_run_id(args.api, args.run_id)
     sent = _call(lambda: client(args.api).send_message(run_id, args.text, policy=args.policy))
-    print(f"dar: message {sent.message_id} for run {run_id} ({sent.status}): delivered at "
-          "its next step boundary")  # fmt: skip
+    how = (
+        "the model call in flight, if any, is interrupted and made again with it"
+        if args.policy == "interrupt"
+        else "delivered at its next step boundary"
+    )
+    print(f"dar: message {sent.message_id} for run {run_id} ({sent.status}): {how}")
     return 0
 
 

@@ -256,3 +256,6 @@ def test_dar_send_posts_a_message_through_the_client(
     assert (code, err) == (0, "")
     assert out.startswith("dar: message ")
     assert f"for run {run_id} (QUEUED): delivered at its next step boundary" in out
+    code, out, err = dar(capsys, "send", "--policy", "interrupt", run_id[:8], "Stop.", "--api", api)
+    assert (code, err) == (0, "")
+    assert out.endswith("the model call in flight, if any, is interrupted and made again with it\n")
