@@ -338,6 +338,7 @@ MUTANTS = (
         (
             T + "test_subagents.py::test_children_side_by_side_share_the_budget_and_pass_it_by"
             "_one_step_at_most",
+            T + "test_subagents.py::test_durable_sub_agents_side_by_side_share_the_budget",
         ),
         "issue 25.3: a child's call starts whenever its tree is under budget, whatever is in "
         "flight (one step over per child at work)",

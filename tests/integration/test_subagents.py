@@ -88,6 +88,15 @@ def responder(body: dict[str, Any]) -> Reply:
             return text("summary", usage=usage())
         calls = [(f"toolu_c{i}", "digger", {"task": f"topic {i}"}) for i in range(4)]
         return tool_uses(calls, usage=usage())
+    if system == "crowd-of-loopers":  # three durable sub-agents at once, then a summary
+        if results:
+            return text("summary", usage=usage())
+        calls = [(f"toolu_l{i}", "looper", {"task": f"topic {i}"}) for i in range(3)]
+        return tool_uses(calls, usage=usage())
+    if system == "looper":  # a durable function's steps.llm, slow, billed for what was sent
+        time.sleep(0.15)
+        real = {"input_tokens": count_input_tokens(body), "output_tokens": 50}
+        return text("more", usage=real)
     if system == "slow-digger":  # overlapping calls, billed for what was sent (~4 chars/token)
         with IN_FLIGHT.lock:
             IN_FLIGHT.now += 1
@@ -480,6 +489,45 @@ def test_a_durable_functions_child_shares_its_budget_with_the_grandchildren(
         print(f"durable root: budget {budget}, tree {tree}, billed {fake.billed_tokens}")
         assert tree == fake.billed_tokens, "every billed token reaches the root"
         assert done.status is RunStatus.FAILED, "its child failed on the budget"
+        assert tree <= budget + biggest, "at most one step over"
+        assert tree > budget - biggest, "the tree worked up to its budget"
+        assert holds(rt) == []
+    finally:
+        rt.close()
+
+
+@durable_agent("looper")
+def looper(task: str, steps: Steps) -> str:
+    answer = ""
+    for i in range(100):
+        prompt = f"{task} {i}: " + "context " * 110  # ~250 tokens a call
+        answer = steps.llm("ask", lambda model, p=prompt: model.complete(p, system="looper"))
+    return answer
+
+
+def test_durable_sub_agents_side_by_side_share_the_budget(
+    settings: Settings, fake: FakeMessagesApi
+) -> None:
+    """Sub-agents that are durable functions calling steps.llm in a loop, three at once: a
+    call that must wait for the tree's calls in flight pauses its step on a durable timer
+    and asks again; the tree passes its budget by at most one step."""
+    crowd = Agent("crowd-of-loopers", "crowd-of-loopers", max_tokens=100,
+                  subagents=(Subagent("looper"),))  # fmt: skip
+    rt = build(replace(settings, max_tokens=100), fake, extra=(crowd, looper))
+    budget = 2150  # shares of 616: a looper's third call (~294 tokens each) passes its own
+    try:
+        run, dispatch = submit(
+            rt.store, "go", agent="crowd-of-loopers", token_budget=budget, max_steps=500
+        )
+        drive_side_by_side(rt, dispatch)
+        done = rt.store.get_run(run.id)
+        kids = children(rt, run.id)
+        assert len(kids) == 3
+        biggest = max(c.input_tokens + c.output_tokens for c in fake.billed[1:])
+        tree = done.tokens_used
+        print(f"durable sub-agents: budget {budget}, tree {tree}, largest step {biggest}")
+        assert tree == fake.billed_tokens
+        assert done.status is RunStatus.FAILED
         assert tree <= budget + biggest, "at most one step over"
         assert tree > budget - biggest, "the tree worked up to its budget"
         assert holds(rt) == []
