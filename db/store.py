@@ -1192,7 +1192,8 @@ class RunStore:
         tokens_used, cost_usd, created_at, n, is_top, on_path, child_count (counted up to
         ``max_nodes + 1``). Empty when there is no such run in ``tenant``."""
         params = {"id": run_id, "tenant": tenant, "max_nodes": max_nodes, "max_depth": max_depth}
-        with self._statement() as conn:
+        with self.engine.begin() as conn:
+            conn.execute(Q["run_tree_plan"])  # index scans only: see queries.sql
             return [dict(r) for r in conn.execute(Q["run_tree"], params).mappings()]
 
     def start_child(

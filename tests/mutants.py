@@ -362,6 +362,38 @@ MUTANTS = (
         ),
         "a recorded call's hold, its worker dead before the release, counted beside its tokens",
     ),
+    Mutant(
+        "run-tree-walk-not-cut",
+        "db/queries.sql",
+        "FROM (SELECT * FROM down LIMIT :max_nodes + 1) d",
+        "FROM (SELECT * FROM down) d",
+        (T + "test_run_tree.py::test_the_statement_reads_a_bounded_number_of_rows",),
+        "issue 25.3: GET /api/runs/{id}/tree walks the whole tree before cutting it at 200",
+    ),
+    Mutant(
+        "run-tree-plan-left-to-statistics",
+        "db/queries.sql",
+        "set_config('enable_bitmapscan', 'off', true)",
+        "set_config('enable_bitmapscan', 'on', true)",
+        (T + "test_run_tree.py::test_the_statement_reads_a_bounded_number_of_rows",),
+        "the tree's walk reads and sorts every child of a run when the planner picks a bitmap",
+    ),
+    Mutant(
+        "run-tree-path-left-out",
+        "db/queries.sql",
+        "    FROM up LEFT JOIN walked ON walked.id = up.id\n",
+        "    FROM up LEFT JOIN walked ON walked.id = up.id WHERE walked.n IS NOT NULL\n",
+        (T + "test_run_tree.py::test_a_huge_tree_is_cut_breadth_first_and_keeps_the_asked_run",),
+        "a run past the tree's cap is missing from its own tree (the console marks nothing)",
+    ),
+    Mutant(
+        "run-tree-children-unordered",
+        "db/queries.sql",
+        "        WHERE parent_run_id = down.id\n        ORDER BY created_at, id\n",
+        "        WHERE parent_run_id = down.id\n        ORDER BY id\n",
+        (T + "test_run_tree.py::test_the_statement_reads_a_bounded_number_of_rows",),
+        "the tree's cut keeps children in id order, not the oldest first, sorting them all",
+    ),
 )
 
 

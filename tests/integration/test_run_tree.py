@@ -112,6 +112,9 @@ def test_another_tenants_run_and_a_bad_id_are_404(rt: Runtime, client: FlaskClie
     assert rt.store.run_tree(run.id, "other", max_nodes=5, max_depth=5) == []
 
 
+WALK_INDEX = "run_parent_created_idx"
+
+
 def _add(rt: Runtime, parent: uuid.UUID | None, agent: str = "tree-leaf") -> uuid.UUID:
     run, _ = rt.store.create_run(NewRun(agent, 1, "m", 10, 1000, 60, parent_run_id=parent))
     return run.id
@@ -170,19 +173,28 @@ def test_a_chain_deeper_than_the_cap_is_cut_at_max_depth(rt: Runtime, client: Fl
 
 
 def test_the_statement_reads_a_bounded_number_of_rows(rt: Runtime) -> None:
-    """A root with ten times the cap in children: the walk reads the cap's worth of them in
-    order from run_parent_created_idx and stops (PostgreSQL evaluates the recursive CTE only
-    as far as the LIMIT reads); it neither reads nor sorts them all."""
+    """A root with ten times the cap in children, ten of them with a hundred children each:
+    the walk reads the cap's worth of the root's children in order from
+    run_parent_created_idx and stops there (PostgreSQL evaluates the recursive CTE only as far
+    as the LIMIT reads); it neither reads nor sorts them all, nor goes down a level."""
     root = _add(rt, None, "tree-top")
     _add_many(rt, root, 2000)
+    with rt.engine.connect() as conn:
+        first = conn.execute(
+            text("SELECT id FROM run WHERE parent_run_id = :r ORDER BY created_at LIMIT 10"),
+            {"r": root},
+        ).scalars()
+        for kid in list(first):
+            _add_many(rt, kid, 100)
     with rt.engine.begin() as conn:
         conn.execute(text("ANALYZE run"))
     params = {"id": root, "tenant": "", "max_nodes": TREE_MAX_NODES, "max_depth": TREE_MAX_DEPTH}
     sql = QUERIES["run_tree"].text
-    with rt.engine.connect() as conn:
+    with rt.engine.begin() as conn:  # as RunStore.run_tree runs it
+        conn.execute(QUERIES["run_tree_plan"])
         plan = conn.execute(text(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}"), params).scalar_one()
     plan = plan if isinstance(plan, list) else json.loads(plan)
-    read: list[tuple[str, int]] = []
+    read: list[tuple[str, str, int]] = []  # node type, index, rows (all loops)
     sorted_run_rows: list[dict[str, Any]] = []
 
     def reads_run(node: dict[str, Any]) -> bool:
@@ -190,17 +202,23 @@ def test_the_statement_reads_a_bounded_number_of_rows(rt: Runtime) -> None:
 
     def walk(node: dict[str, Any]) -> None:
         if node.get("Relation Name") == "run":
-            read.append((node["Node Type"], int(node["Actual Rows"]) * int(node["Actual Loops"])))
+            # rows per loop, averaged and rounded by EXPLAIN: within one row a loop
+            rows = int(node["Actual Rows"]) * int(node["Actual Loops"])
+            read.append((node["Node Type"], node.get("Index Name", ""), rows))
         if node["Node Type"] == "Sort" and reads_run(node):
             sorted_run_rows.append(node)
         for sub in node.get("Plans", []):
             walk(sub)
 
     walk(plan[0]["Plan"])
-    assert read, plan
-    # 1 (the run) + 200 (the root's children, of 2,000) + 201 (counting children, 1 each)
-    assert sum(rows for _, rows in read) <= 2 * TREE_MAX_NODES + 10, read
+    assert {kind for kind, _, _ in read} <= {"Index Scan", "Index Only Scan"}, read
+    # the walk: 200 of the root's 2,000 children, in order, and no level further down
+    walked = [n for kind, index, n in read if (kind, index) == ("Index Scan", WALK_INDEX)]
+    assert walked == [TREE_MAX_NODES], read
     assert sorted_run_rows == [], "children come in order from the index, never sorted"
+    # the children counted, up to 201 a run (201 runs): the root's 201, the ten's 100 each
+    [counted] = [n for kind, _, n in read if kind == "Index Only Scan"]
+    assert counted <= TREE_MAX_NODES + 1 + 10 * 100 + (TREE_MAX_NODES + 1), read
     rows = rt.store.run_tree(root, "", max_nodes=TREE_MAX_NODES, max_depth=TREE_MAX_DEPTH)
     tree = tree_json(root, rows)
     assert len(tree["nodes"]) == TREE_MAX_NODES
