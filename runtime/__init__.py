@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from runtime.agents import Agent, AgentRegistry, Subagent
     from runtime.engine.driver import Driver, Outcome, StepResult
     from runtime.mcp import McpServer, ToolPolicy
+    from runtime.pipeline.usage import record_usage
     from runtime.tools import Tool, ToolContext, tool
 
 _HOME = {
@@ -28,6 +29,7 @@ _HOME = {
     "Tool": "runtime.tools",
     "ToolContext": "runtime.tools",
     "tool": "runtime.tools",
+    "record_usage": "runtime.pipeline.usage",
 }
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "Tool",
     "ToolContext",
     "ToolPolicy",
+    "record_usage",
     "tool",
 ]
 

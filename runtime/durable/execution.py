@@ -18,6 +18,7 @@ import functools
 import hashlib
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -107,6 +108,7 @@ class Execution:
             if "/" not in s.step_key and s.kind is not RowKind.COMPENSATION
         ]
         self._next_seq = task.next_seq
+        self._seq_lock = threading.Lock()
         self.counters: dict[tuple[str, str], int] = {}
         self.calls = 0
         self.stack: list[Frame] = []
@@ -200,9 +202,10 @@ class Execution:
             )
 
     def take_seq(self) -> int:
-        seq = self._next_seq
-        self._next_seq += 1
-        return seq
+        with self._seq_lock:  # a step's code may report model calls from its own thread
+            seq = self._next_seq
+            self._next_seq += 1
+            return seq
 
     def end(self, result: StepResult) -> NoReturn:
         """End the task: nothing else may run in it, even if user code catches this."""
@@ -337,6 +340,7 @@ class Execution:
             timeout_seconds=options.timeout,
             attempt=attempt,
             input_hash=input_hash,
+            take_seq=self.take_seq,
         )
         self.stack.append(frame)
         try:

@@ -36,6 +36,7 @@ from runtime import native
 from runtime.durable.api import Billed, Steps
 from runtime.durable.errors import ApprovalRejected, NonDeterministicReplay
 from runtime.llm.live_call import LiveCall, ModelCallCancelled
+from runtime.pipeline import usage
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +144,14 @@ def idempotency_key() -> str | None:
     return _unit_key.get()
 
 
-def _keyed(awaitable_of: Callable[[], Awaitable[Any]], key: str | None) -> Awaitable[Any]:
+def _keyed(
+    awaitable_of: Callable[[], Awaitable[Any]], key: str | None, recorder: usage.StepUsage | None
+) -> Awaitable[Any]:
     async def run() -> Any:
         _unit_key.set(key)
         _current.set(None)  # what the unit's body runs is part of the unit, not steps of its own
-        return await awaitable_of()
+        with usage.carry(recorder):  # the model calls it makes count with the unit's step
+            return await awaitable_of()
 
     return run()
 
@@ -363,7 +367,7 @@ class Bridge:
         if billing is None:
             return self.steps.run(
                 item.name,
-                lambda: on_loop(_keyed(item.body, self.steps.key)),
+                lambda: on_loop(_keyed(item.body, self.steps.key, usage.current())),
                 type=Any,
                 idempotent=item.policy.idempotent,
             )

@@ -36,11 +36,22 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents import Agent, FunctionTool, Handoff, ModelBehaviorError, RunConfig, Runner, handoff
+from agents import (
+    Agent,
+    FunctionTool,
+    Handoff,
+    ModelBehaviorError,
+    RunConfig,
+    RunHooks,
+    Runner,
+    handoff,
+)
 from agents.items import ModelResponse, TResponseOutputItem
 from agents.mcp import MCPServer
+from agents.models.default_models import get_default_model
 from agents.models.interface import Model, ModelProvider
 from agents.models.multi_provider import MultiProvider
+from agents.run import AgentRunner, get_default_agent_runner, set_default_agent_runner
 from agents.usage import Usage as SdkUsage
 from mcp.types import CallToolResult, GetPromptResult, ListPromptsResult
 from mcp.types import Tool as MCPTool
@@ -67,6 +78,7 @@ from runtime.frameworks.bridge import (
     current_live,
     prompt_of,
 )
+from runtime.pipeline import usage
 
 
 def idempotent(tool: FunctionTool) -> FunctionTool:
@@ -453,6 +465,111 @@ class Graph:
         return dataclasses.replace(given, on_invoke_handoff=on_invoke_handoff)
 
 
+# -- runs inside a step: counted with it ----------------------------------------------------------
+
+
+def sdk_usage(u: SdkUsage) -> Usage:
+    """The SDK's ``Usage`` of one response as this runtime counts it (cache reads apart)."""
+    cached = int(u.input_tokens_details.cached_tokens or 0)
+    return Usage(
+        input_tokens=max(0, int(u.input_tokens) - cached),
+        output_tokens=int(u.output_tokens),
+        cache_read_input_tokens=cached,
+    )
+
+
+def _named(model: Any, run_config: RunConfig | None) -> str:
+    if isinstance(model, DurableModel):
+        return _model_name(model.inner, model.name)
+    if isinstance(model, Model):
+        return _model_name(model, "")
+    if isinstance(model, str) and model:
+        return model
+    if run_config is not None and run_config.model is not None:
+        return _named(run_config.model, None)
+    return get_default_model()
+
+
+class CountingHooks(RunHooks[Any]):
+    """The hooks of a run made inside a step's code (``agent.as_tool``, a ``Runner.run`` in a
+    function tool): each model response counts with the step (``runtime.record_usage``),
+    priced as the model of the agent that made it; the caller's own hooks are called as
+    they would be."""
+
+    def __init__(self, inner: RunHooks[Any] | None, run_config: RunConfig | None) -> None:
+        self.inner = inner
+        self.run_config = run_config
+
+    async def on_llm_start(self, *args: Any, **kwargs: Any) -> None:
+        if self.inner is not None:
+            await self.inner.on_llm_start(*args, **kwargs)
+
+    async def on_llm_end(self, context: Any, agent: Any, response: ModelResponse) -> None:
+        if usage.current() is not None:
+            usage.record_usage(
+                _named(getattr(agent, "model", None), self.run_config),
+                sdk_usage(response.usage),
+                request_id=response.request_id or response.response_id,
+            )
+        if self.inner is not None:
+            await self.inner.on_llm_end(context, agent, response)
+
+    async def on_agent_start(self, *args: Any, **kwargs: Any) -> None:
+        if self.inner is not None:
+            await self.inner.on_agent_start(*args, **kwargs)
+
+    async def on_agent_end(self, *args: Any, **kwargs: Any) -> None:
+        if self.inner is not None:
+            await self.inner.on_agent_end(*args, **kwargs)
+
+    async def on_handoff(self, *args: Any, **kwargs: Any) -> None:
+        if self.inner is not None:
+            await self.inner.on_handoff(*args, **kwargs)
+
+    async def on_tool_start(self, *args: Any, **kwargs: Any) -> None:
+        if self.inner is not None:
+            await self.inner.on_tool_start(*args, **kwargs)
+
+    async def on_tool_end(self, *args: Any, **kwargs: Any) -> None:
+        if self.inner is not None:
+            await self.inner.on_tool_end(*args, **kwargs)
+
+
+def _nested(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A run's options, counted with the step whose code makes it (``None``: not in a step's
+    code, or the run is one of ours, whose model calls are steps of their own)."""
+    if current_bridge() is not None or usage.current() is None:
+        return kwargs
+    hooks = kwargs.get("hooks")
+    if isinstance(hooks, CountingHooks):
+        return kwargs
+    return {**kwargs, "hooks": CountingHooks(hooks, kwargs.get("run_config"))}
+
+
+class CountingRunner(AgentRunner):
+    """The SDK's default runner (``Runner.run``, ``Runner.run_streamed``), which also counts
+    a run made inside a step's code with that step; any other run is the given runner's."""
+
+    def __init__(self, inner: AgentRunner) -> None:
+        self.inner = inner
+
+    async def run(self, starting_agent: Any, input: Any, **kwargs: Any) -> Any:
+        return await self.inner.run(starting_agent, input, **_nested(kwargs))
+
+    def run_streamed(self, starting_agent: Any, input: Any, **kwargs: Any) -> Any:
+        return self.inner.run_streamed(starting_agent, input, **_nested(kwargs))
+
+    def run_sync(self, starting_agent: Any, input: Any, **kwargs: Any) -> Any:
+        return self.inner.run_sync(starting_agent, input, **_nested(kwargs))
+
+
+def count_nested_runs() -> None:
+    """Install :class:`CountingRunner` as the SDK's default runner (once per process)."""
+    current = get_default_agent_runner()
+    if not isinstance(current, CountingRunner):
+        set_default_agent_runner(CountingRunner(current))
+
+
 # -- the run ---------------------------------------------------------------------------------------
 
 
@@ -535,6 +652,7 @@ def adapt(agent: Agent[Any], **options: Any) -> DurableAgent:
     ``model_provider`` (resolves models given by name; the SDK's default otherwise),
     ``max_turns``."""
     chosen = Options(**options)
+    count_nested_runs()
     graph = Graph()
     durable = graph.copy(agent)
     asks = "approval_role" in options or any(

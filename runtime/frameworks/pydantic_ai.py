@@ -21,9 +21,10 @@ Step names are a persistence format (pinned in ``tests/frameworks``): ``model.re
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, assert_never
 
@@ -57,6 +58,7 @@ from pydantic_ai.durable_exec._operation_names import DurableInvocationName
 from pydantic_ai.mcp import CallToolFunc, MCPToolset
 from pydantic_ai.messages import (
     AgentStreamEvent,
+    ModelResponse,
     PartDeltaEvent,
     PartStartEvent,
     TextPart,
@@ -64,6 +66,7 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models import Model
 from pydantic_ai.models.function import FunctionModel
+from pydantic_ai.usage import RunUsage
 from pydantic_core import to_jsonable_python
 
 from db.records import Usage
@@ -83,6 +86,7 @@ from runtime.frameworks.bridge import (
     prompt_of,
     tool_executor,
 )
+from runtime.pipeline import usage
 
 Config = dict[str, Any]
 """A unit's policy as Pydantic AI resolves it: ``{"idempotent": bool}``; a tool overrides it
@@ -146,6 +150,11 @@ def usage_of(response: Any) -> Usage:
         cache_creation_input_tokens=cache_write,
         cache_read_input_tokens=cache_read,
     )
+
+
+def run_usage(u: RunUsage) -> Usage:
+    """A ``RunUsage`` (or a delta of one) as this runtime counts it."""
+    return usage_of({"usage": to_jsonable_python(u)})
 
 
 def billed(response: Any) -> Billed:
@@ -266,6 +275,60 @@ class DarDurability(BaseDurabilityCapability[Any]):
         # request's unit (Temporal publishes it from there too): text deltas go to the run's
         # event stream, then on to the capability's own handler, if it has one.
         return functools.partial(forward_text, handler=super()._model_stream_event_handler())
+
+    async def after_model_request(
+        self, ctx: RunContext[Any], *, request_context: Any, response: ModelResponse
+    ) -> ModelResponse:
+        # A request of an agent carrying this capability that runs inside a step's code (an
+        # agent a tool delegates to): not a step of its own, it counts with the step, the
+        # moment it is answered, priced as the model that answered it.
+        if current_bridge() is None and usage.current() is not None:
+            usage.record_usage(
+                response.model_name or self.model_name_of(ctx),
+                usage_of(to_jsonable_python(response, fallback=repr)),
+                request_id=response.provider_response_id,
+            )
+        return await super().after_model_request(
+            ctx, request_context=request_context, response=response
+        )
+
+    @staticmethod
+    def model_name_of(ctx: RunContext[Any]) -> str:
+        return str(getattr(ctx.model, "model_name", "") or "")
+
+    @contextlib.contextmanager
+    def _durable_run_context_scope(self, ctx: RunContext[Any]) -> Iterator[RunContext[Any]]:
+        # Inside a tool's (or an MCP call's) step: what the run's usage grew by while it ran
+        # (an agent it delegated to with ``usage=ctx.usage``) counts with the step, less what
+        # was reported with its model already (an agent carrying this capability, or the
+        # tool's own ``record_usage``). Pydantic AI's ``RunUsage`` does not say which model:
+        # that remainder is charged at the highest known rate.
+        recorder = usage.current()
+        with super()._durable_run_context_scope(ctx) as scoped:
+            if recorder is None or current_bridge() is not None:
+                yield scoped
+                return
+            before, reported = copy.copy(scoped.usage), recorder.recorded
+            try:
+                yield scoped
+            finally:
+                grown = run_usage(scoped.usage - before)
+                now = recorder.recorded
+                rest = Usage(
+                    max(0, grown.input_tokens - (now.input_tokens - reported.input_tokens)),
+                    max(0, grown.output_tokens - (now.output_tokens - reported.output_tokens)),
+                    max(
+                        0,
+                        grown.cache_creation_input_tokens
+                        - (now.cache_creation_input_tokens - reported.cache_creation_input_tokens),
+                    ),
+                    max(
+                        0,
+                        grown.cache_read_input_tokens
+                        - (now.cache_read_input_tokens - reported.cache_read_input_tokens),
+                    ),
+                )
+                usage.record_usage("", rest)
 
     def get_default_run_id(self) -> str | None:
         bridge = current_bridge()

@@ -41,6 +41,7 @@ from typing import Any
 
 from db.records import NewStep, Step, StepStatus
 from runtime import native
+from runtime.pipeline import usage
 from runtime.pipeline.checkpoint import StepResult, Task
 from runtime.pipeline.faults import crash_point
 from runtime.pipeline.kinds import KINDS, Found, Policy, StepKind
@@ -71,6 +72,9 @@ class Effect:
     context_key: str | None = None
     """The key within the run the code sees (``ctx.key``; ``ctx.idempotency_key`` is
     ``<run id>/<it>``); the step key if unset."""
+    take_seq: Callable[[], int] | None = None
+    """Where the rows of model calls its code reports get their seqs (``record_usage``:
+    :mod:`runtime.pipeline.usage`); past the run's log if unset."""
 
     @property
     def policy(self) -> Policy:
@@ -147,14 +151,19 @@ def run_effect(task: Task, effect: Effect, found: Found) -> Verdict:
     if deferred is None:
         task.start(row)
     crash_point("after_tool_start")
-    verdict = _run(task, effect, context, deferred)
-    crash_point("after_tool_effect")
-    if (
-        isinstance(verdict, Raised)
-        and isinstance(verdict.error, OutcomeUnknown)
-        and not effect.reruns
-    ):
-        return _answer_lost(task, effect, context, verdict.error)
+    # model calls its code makes itself are reported to this recorder (runtime.record_usage)
+    recorder = usage.StepUsage(
+        task, effect.key, effect.attempt, effect.take_seq or usage.seq_after(task, effect.seq)
+    )
+    with usage.carry(recorder):
+        verdict = _run(task, effect, context, deferred)
+        crash_point("after_tool_effect")
+        if (
+            isinstance(verdict, Raised)
+            and isinstance(verdict.error, OutcomeUnknown)
+            and not effect.reruns
+        ):
+            return _answer_lost(task, effect, context, verdict.error)
     return verdict
 
 

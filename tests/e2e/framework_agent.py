@@ -10,6 +10,8 @@ server over stdio, ledger ``DAR_TEST_MCP_LEDGER``.
 - ``oa-e2e`` (OpenAI Agents SDK): a slow idempotent function tool ``pack`` and the MCP
   server ``notes``.
 - ``oa-approve`` (OpenAI Agents SDK): ``refund``, which needs approval.
+- ``fw-delegate`` (Pydantic AI) and ``oa-delegate`` (OpenAI Agents SDK): an idempotent tool
+  ``draft`` that has a writer agent draft (a model call inside the tool), then is slow.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ import sys
 import time
 
 from agents import Agent as SdkAgent
-from agents import OpenAIResponsesModel, function_tool
+from agents import OpenAIResponsesModel, Runner, function_tool
 from agents.mcp import MCPServerStdio
 from fastmcp.client.transports import StdioTransport
 from openai import AsyncOpenAI
-from pydantic_ai import Agent
+from pydantic_ai import Agent, RunContext
 from pydantic_ai.mcp import MCPToolset
 from pydantic_ai.models.anthropic import AnthropicModel
 from pydantic_ai.providers.anthropic import AnthropicProvider
@@ -32,6 +34,7 @@ from pydantic_ai.providers.anthropic import AnthropicProvider
 from runtime import AgentRegistry
 from runtime.frameworks import idempotency_key
 from runtime.frameworks.openai_agents import idempotent
+from runtime.frameworks.pydantic_ai import DarDurability
 from tests.mcp.support import COUNTING
 
 DELAY = 4.0
@@ -121,5 +124,40 @@ def register(registry: AgentRegistry) -> None:
             model=OpenAIResponsesModel("gpt-test", openai_client=client),
             tools=[idempotent(function_tool(_pack, name_override="pack"))],
             mcp_servers=[sdk_notes],
+        )
+    )
+
+    writer = Agent(model, name="fw-writer", capabilities=[DarDurability()])
+    delegating = Agent(model, name="fw-delegate")
+
+    @delegating.tool(metadata={"dar": {"idempotent": True}})
+    async def draft(ctx: RunContext[None], topic: str) -> str:
+        """Have the writer draft a paragraph (then slowly file it; safe to repeat)."""
+        result = await writer.run(f"Draft a paragraph on {topic}.", usage=ctx.usage)
+        _note("draft", slow=True)
+        return result.output
+
+    registry.register(delegating)
+
+    sdk_writer = SdkAgent(
+        name="oa-writer",
+        instructions="Write.",
+        model=OpenAIResponsesModel("gpt-test", openai_client=client),
+    )
+
+    @idempotent
+    @function_tool(name_override="draft")
+    async def sdk_draft(topic: str) -> str:
+        """Have the writer draft a paragraph (then slowly file it; safe to repeat)."""
+        result = await Runner.run(sdk_writer, f"Draft a paragraph on {topic}.")
+        _note("draft", slow=True)
+        return str(result.final_output)
+
+    registry.register(
+        SdkAgent(
+            name="oa-delegate",
+            instructions="Delegate.",
+            model=OpenAIResponsesModel("gpt-test", openai_client=client),
+            tools=[sdk_draft],
         )
     )

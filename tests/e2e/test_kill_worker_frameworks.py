@@ -78,6 +78,12 @@ def answer(body: dict[str, Any]) -> Reply:
             if not done
             else text("refunded")
         )
+    if "draft" in tools:
+        if not done:
+            return tool_uses([("toolu_draft", "draft", {"topic": "tides"})])
+        return text("filed")
+    if not tools:  # the writer a tool delegates to
+        return text("Tides rise twice a day.", usage={"input_tokens": 120, "output_tokens": 30})
     return text("?")
 
 
@@ -90,6 +96,12 @@ def sdk_answer(path: str, body: dict[str, Any]) -> Turn:
         if isinstance(i, dict) and i.get("type") == "function_call_output"
     }
     tools = {t.get("name") for t in body.get("tools") or []}
+    if not tools:  # the writer a tool delegates to
+        return Turn(text="Tides rise twice a day.", input_tokens=90, output_tokens=25)
+    if "draft" in tools:
+        if "call_draft" not in outputs:
+            return Turn(calls=(("call_draft", "draft", {"topic": "tides"}),))
+        return Turn(text="filed", input_tokens=40)
     if "refund" in tools:
         if "call_refund" not in outputs:
             return Turn(calls=(("call_refund", "refund", {"order": "A-7"}),))
@@ -444,5 +456,53 @@ def test_sigkill_at_each_step_kind_of_an_agents_sdk_run(
         counted = run.tokens_used + run.unrecorded_tokens
         print(f"billed {openai_fake.billed_tokens}, recorded {run.tokens_used}, counted {counted}")
         assert counted >= openai_fake.billed_tokens, "the cut call counted (estimated)"
+    finally:
+        watch.close()
+
+
+@pytest.mark.parametrize(
+    ("agent", "model_key", "tool_key"),
+    [("fw-delegate", "model.request", "tool.draft:0"), ("oa-delegate", "model", "tool.draft:0")],
+    ids=["pydantic-ai", "agents-sdk"],
+)
+def test_sigkill_in_a_tool_after_its_nested_agent_answered(
+    stack: DevStack,
+    fake: FakeMessagesApi,
+    openai_fake: FakeOpenAiApi,
+    tmp_path: Path,
+    agent: str,
+    model_key: str,
+    tool_key: str,
+) -> None:
+    """The tool has a writer agent draft (a model call the tool makes itself), then the
+    worker is killed inside the tool. The writer's call was billed and is counted (with the
+    tool's step); the idempotent tool runs again on the other worker and its writer's call is
+    counted too; the recorded model calls are not made again. Tokens counted = billed."""
+    watch = Watch(stack, agent, "Draft about tides")
+    tool_ledger = tmp_path / "tool.jsonl"
+    billing = fake if agent.startswith("fw") else openai_fake
+    try:
+        _wait_marker(watch, Path(f"{tool_ledger}.calling"), "draft")
+        watch.kill_holder()
+
+        run = watch.end()
+        assert run.status is RunStatus.SUCCEEDED, run.error
+        assert run.result == "filed"
+        steps = watch.steps()
+        assert [s.step_key for s in steps] == [
+            "agent:0",
+            f"{model_key}:0",
+            tool_key,
+            f"{tool_key}/usage:0",
+            f"{tool_key}/usage:1",
+            f"{model_key}:1",
+        ]
+        drafts = _ledger(tool_ledger, "draft")
+        assert [d["key"] for d in drafts] == [f"{run.id}/{tool_key}"] * 2, "re-run, same key"
+        assert billing.calls == 4, "two model calls of the run, the writer's twice"
+        assert run.unrecorded_tokens == 0
+        assert run.tokens_used == billing.billed_tokens, "every billed token, once"
+        nested = [s for s in steps if "/usage:" in s.step_key]
+        assert all(s.model for s in nested), "priced as the writer's model"
     finally:
         watch.close()

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("agents")
 
-from agents import Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, function_tool
+from agents import Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool
 from agents.mcp import MCPServerStdio
 from openai import AsyncOpenAI
 from pydantic import BaseModel
@@ -282,3 +282,83 @@ def test_a_cancel_aborts_the_sdks_streamed_model_call_in_flight(
     assert done.status is RunStatus.CANCELLED, done.error
     assert took < 10, f"the call was not aborted ({took:.1f}s)"
     assert [s.step_key for s in rt.store.steps(run.id)] == ["agent:0"], "nothing recorded"
+
+
+PRICES = {
+    MODEL: {"input": 2, "output": 8, "cache_write": 0, "cache_read": 0.5},
+    "gpt-inner": {"input": 0.4, "output": 1.6, "cache_write": 0, "cache_read": 0.1},
+    "gpt-closer": {"input": 1, "output": 4, "cache_write": 0, "cache_read": 0.25},
+    "claude-opus-4": {"input": 15, "output": 75, "cache_write": 18.75, "cache_read": 1.5},
+}
+
+
+def test_runs_inside_tools_and_handed_off_agents_are_billed_as_their_models(
+    rt: Runtime, fake: FakeOpenAiApi, client: AsyncOpenAI
+) -> None:
+    """``agent.as_tool`` and a plain ``Runner.run`` inside a function tool: their model calls
+    are the tool's work (no steps of their own) and count with the tool's step, priced as the
+    nested agent's model; a handed-off agent's calls are steps of their own, priced as its
+    model. The run's tokens and cost are what the fake billed."""
+    rt.pricing = type(rt.pricing).from_json(json.dumps(PRICES))
+    inner = OpenAIResponsesModel("gpt-inner", openai_client=client)
+    researcher = Agent(name="researcher", instructions="Research.", model=inner)
+    summariser = Agent(name="summariser", instructions="Summarise.", model=inner)
+
+    @function_tool
+    async def summarise(text: str) -> str:
+        """Summarise a text."""
+        result = await Runner.run(summariser, text)
+        return str(result.final_output)
+
+    closer = Agent(
+        name="closer",
+        instructions="Close.",
+        model=OpenAIResponsesModel("gpt-closer", openai_client=client),
+    )
+    desk = Agent(
+        name="research-desk",
+        instructions="Help.",
+        model=OpenAIResponsesModel(MODEL, openai_client=client),
+        tools=[researcher.as_tool("research", "Research a topic."), summarise],
+        handoffs=[closer],
+    )
+    rt.agents.register(desk)
+    fake.then_calls(("call_r", "research", {"input": "tides"}))
+    fake.then_text("Tides rise twice a day.", input_tokens=100, output_tokens=30)  # researcher
+    fake.then_calls(("call_s", "summarise", {"text": "Tides rise twice a day."}))
+    fake.then_text("Twice daily.", input_tokens=50, output_tokens=10, cached_tokens=20)
+    fake.then_calls(("call_h", "transfer_to_closer", {}))
+    fake.then_text("Tides: twice daily.", input_tokens=40, output_tokens=8)  # closer
+
+    run, dispatch = rt.submit("research-desk", "Tell me about tides.")
+    drive_to_end(rt.driver(), dispatch)
+
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.result == "Tides: twice daily."
+    steps = rt.store.steps(run.id)
+    assert [s.step_key for s in steps] == [
+        "agent:0",
+        "model:0",
+        "tool.research:0",
+        "tool.research:0/usage:0",
+        "model:1",
+        "tool.summarise:0",
+        "tool.summarise:0/usage:0",
+        "model:2",
+        "handoff.closer:0",
+        "model:3",
+    ]
+    rows = {s.step_key: s for s in steps}
+    assert fake.calls == 6
+    assert done.tokens_used == fake.billed_tokens == 15 * 3 + 130 + 60 + 48
+    assert (rows["tool.research:0/usage:0"].model, rows["tool.research:0/usage:0"].usage) == (
+        "gpt-inner",
+        Usage(100, 30),
+    )
+    assert rows["tool.summarise:0/usage:0"].usage == Usage(30, 10, 0, 20), "cache reads apart"
+    assert (rows["model:3"].model, rows["model:3"].usage) == ("gpt-closer", Usage(40, 8))
+    billed = {k: s for k, s in rows.items() if s.usage.total}
+    assert done.cost_usd == sum(rt.pricing.cost(str(s.model), s.usage) for s in billed.values())
+    assert rows["model:3"].cost_usd == rt.pricing.cost("gpt-closer", Usage(40, 8))
+    assert rows["tool.research:0/usage:0"].cost_usd == rt.pricing.cost("gpt-inner", Usage(100, 30))

@@ -9,7 +9,9 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,10 +31,12 @@ from runtime.engine.bootstrap import Runtime
 from runtime.engine.fork import ForkRequest, fork_run
 from runtime.frameworks import adapt, idempotency_key
 from runtime.frameworks.bridge import on_loop
+from runtime.frameworks.pydantic_ai import DarDurability
+from runtime.testing.testkit import SimulatedCrash
 from tasks.celery_app import make_celery
 from tests.fakes.messages_api import FakeMessagesApi, slow, text
 from tests.mcp.support import COUNTING, Ledger
-from tests.support import drive_to_end
+from tests.support import drive_to_end, expire_lease
 
 MODEL = "claude-test-model"
 
@@ -426,3 +430,109 @@ def test_a_fork_of_a_framework_run_replays_the_copied_steps_and_asks_the_model_a
         "model.request:1",
     ]
     assert done.tokens_used == 15, "the fork pays for its own request only"
+
+
+PRICES = {
+    MODEL: {"input": 3, "output": 15, "cache_write": 3.75, "cache_read": 0.3},
+    "claude-opus-4": {"input": 15, "output": 75, "cache_write": 18.75, "cache_read": 1.5},
+}
+
+
+def _writer(model: AnthropicModel, *, durable: bool) -> PydanticAgent[None, str]:
+    """An agent a tool delegates to: a plain one, or one carrying this runtime's capability
+    (each of its requests is then reported with its own model)."""
+    capabilities = [DarDurability()] if durable else []
+    return PydanticAgent(model, name="writer", capabilities=capabilities)
+
+
+def _delegating(
+    model: AnthropicModel, writer: PydanticAgent[None, str], *, crash_once: bool = False
+) -> tuple[PydanticAgent[None, str], list[str]]:
+    drafted: list[str] = []
+    agent = PydanticAgent(model, name="editor")
+
+    @agent.tool(metadata={"dar": {"idempotent": True}})
+    async def draft(ctx: RunContext[None], topic: str) -> str:
+        """Have the writer draft a paragraph."""
+        result = await writer.run(f"Draft a paragraph on {topic}.", usage=ctx.usage)
+        drafted.append(result.output)
+        if crash_once and len(drafted) == 1:
+            raise SimulatedCrash("the worker dies after the writer answered")
+        return result.output
+
+    return agent, drafted
+
+
+def _usage_rows(rt: Runtime, run_id: object) -> list[Any]:
+    return [s for s in rt.store.steps(run_id) if "/usage:" in s.step_key]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("durable", [False, True], ids=["plain-writer", "writer-with-capability"])
+def test_a_tool_that_delegates_to_another_agent_counts_its_requests_with_the_tool_step(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel, durable: bool
+) -> None:
+    """Agent delegation (``writer.run(..., usage=ctx.usage)`` in a tool): the writer's request
+    is not a step of its own (it is the tool's work) but it is billed; it counts with the
+    tool's step, so the run's tokens are what the fake billed."""
+    rt.pricing = type(rt.pricing).from_json(json.dumps(PRICES))
+    agent, drafted = _delegating(model, _writer(model, durable=durable))
+    rt.agents.register(agent)
+    inner = {"input_tokens": 200, "output_tokens": 60}
+    fake.then_tool_use("toolu_1", "draft", {"topic": "tides"})
+    fake.then_text("Tides rise twice a day.", usage=inner)
+    fake.then_text("Here is the draft.")
+    run, dispatch = rt.submit("editor", "Write about tides.")
+    drive_to_end(rt.driver(), dispatch)
+
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert drafted == ["Tides rise twice a day."]
+    assert fake.calls == 3
+    assert done.tokens_used == fake.billed_tokens == 15 + 260 + 15
+    [row] = _usage_rows(rt, run.id)
+    assert row.step_key == "tool.draft:0/usage:0"
+    assert row.usage == Usage(input_tokens=200, output_tokens=60)
+    outer = rt.pricing.cost(MODEL, Usage(input_tokens=10, output_tokens=5))
+    if durable:  # reported with the model that answered: priced as it
+        assert (row.model, row.request_id) == (MODEL, "msg_fake_0002")
+        assert row.cost_usd == rt.pricing.cost(MODEL, row.usage)
+    else:  # a RunUsage says no model: charged at the highest known rate
+        assert row.model is None
+        assert row.cost_usd == rt.pricing.cost("", row.usage) > rt.pricing.cost(MODEL, row.usage)
+    assert done.cost_usd == 2 * outer + row.cost_usd
+
+
+def test_a_delegating_tool_run_again_after_a_crash_counts_both_writer_requests(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel
+) -> None:
+    """The worker dies inside the tool after the writer answered (billed): that request was
+    counted the moment it was answered; the idempotent tool runs again, its second request
+    counts too; the first model request is not made again."""
+    rt.pricing = type(rt.pricing).from_json(json.dumps(PRICES))
+    agent, drafted = _delegating(model, _writer(model, durable=True), crash_once=True)
+    rt.agents.register(agent)
+    fake.then_tool_use("toolu_1", "draft", {"topic": "tides"})
+    fake.then_text("First draft.", usage={"input_tokens": 200, "output_tokens": 60})
+    fake.then_text("Second draft.", usage={"input_tokens": 210, "output_tokens": 70})
+    fake.then_text("Here is the draft.")
+    run, dispatch = rt.submit("editor", "Write about tides.")
+    with pytest.raises(SimulatedCrash):  # agent:0, model.request:0, then inside tool.draft:0
+        drive_to_end(rt.driver(), dispatch)
+    assert rt.store.get_run(run.id).tokens_used == 15 + 260, "counted before the crash"
+    expire_lease(rt.engine, run.id)
+    again = rt.store.get_run(run.id)
+    drive_to_end(rt.driver(), Dispatch(run.id, again.dispatch_token))
+
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert drafted == ["First draft.", "Second draft."]
+    assert fake.calls == 4, "the first model request was not made again"
+    assert done.tokens_used == fake.billed_tokens == 15 + 260 + 280 + 15
+    assert [(r.step_key, r.usage.total) for r in _usage_rows(rt, run.id)] == [
+        ("tool.draft:0/usage:0", 260),
+        ("tool.draft:0/usage:1", 280),
+    ]
+    assert done.cost_usd == sum(
+        (rt.pricing.cost(MODEL, Usage(b.input_tokens, b.output_tokens)) for b in fake.billed),
+        Decimal(0),
+    )
