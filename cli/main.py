@@ -597,6 +597,42 @@ def _diff(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tree(args: argparse.Namespace) -> int:
+    """``dar tree RUN``: the run tree it belongs to, from the root, indented by level."""
+    run_id = resolve_run_id(args.api, args.run_id)
+    tree = _call(lambda: client(args.api).tree(run_id))
+    shown: dict[str, int] = {}
+    for n in tree["nodes"]:
+        if n["parentRunId"]:
+            shown[n["parentRunId"]] = shown.get(n["parentRunId"], 0) + 1
+    rows = []
+    for n in tree["nodes"]:
+        mark = "  <- this run" if n["id"] == run_id else ""
+        missing = n["childCount"] - shown.get(n["id"], 0)
+        more = ""
+        if missing > 0:
+            more = f" (+{missing}{'+' if n['childCount'] > tree['maxNodes'] else ''} not shown)"
+        rows.append(
+            [
+                "  " * n["depth"] + n["id"][:8],
+                n["agent"],
+                n["status"],
+                n["tokensUsed"],
+                f"${n['costUsd']:.4f}",
+                f"{n['childCount']}{more}{mark}",
+            ]
+        )
+    if tree["nodes"][0]["parentRunId"]:
+        print(f"(the tree goes further up: {tree['nodes'][0]['parentRunId']} is above)")
+    print(_table(["RUN", "AGENT", "STATUS", "TOKENS", "COST", "CHILDREN"], rows))
+    if tree["truncated"]:
+        print(
+            f"a large tree: the first {tree['maxNodes']} runs breadth-first from the root "
+            f"(at most {tree['maxDepth']} levels) and this run's line"
+        )
+    return 0
+
+
 def _approvals(args: argparse.Namespace) -> int:
     items = [
         a.raw for a in _call(lambda: client(args.api).approvals(status=args.status, role=args.role))
@@ -926,6 +962,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = api_command("diff", _diff, "compare two runs step by step (a fork and its original)")
     p.add_argument("a", help=run_help)
     p.add_argument("b", help=run_help)
+
+    p = api_command("tree", _tree, "the run tree a run belongs to, from its root (child runs)")
+    p.add_argument("run_id", help=run_help)
 
     p = api_command("approvals", _approvals, "list approvals")
     p.add_argument(

@@ -485,6 +485,12 @@ class Client:
         result: dict[str, Any] = self.request("GET", f"/api/runs/{a}/diff/{b}")
         return result
 
+    def tree(self, run_id: str) -> dict[str, Any]:
+        """The tree of child runs the run belongs to, from its root down (the JSON of
+        ``GET /api/runs/{id}/tree``: ``nodes`` depth first, each with its ``depth``)."""
+        result: dict[str, Any] = self.request("GET", f"/api/runs/{run_id}/tree")
+        return result
+
     # -- approvals ------------------------------------------------------------------------
 
     def approvals(self, *, status: str = "PENDING", role: str | None = None) -> list[Approval]:

@@ -16,7 +16,7 @@ from werkzeug.serving import make_server
 
 from api import create_app
 from cli.main import build_parser, main, version
-from db.records import Dispatch, RunStatus
+from db.records import Dispatch, NewRun, RunStatus
 from examples.order_refund import build as build_refund
 from runtime.engine.bootstrap import Runtime
 from tasks.celery_app import make_celery
@@ -259,3 +259,26 @@ def test_dar_send_posts_a_message_through_the_client(
     code, out, err = dar(capsys, "send", "--policy", "interrupt", run_id[:8], "Stop.", "--api", api)
     assert (code, err) == (0, "")
     assert out.endswith("the model call in flight, if any, is interrupted and made again with it\n")
+
+
+def test_dar_tree_prints_every_level_from_the_root(
+    api: str, runtime: Runtime, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def add(parent: uuid.UUID | None, agent: str) -> uuid.UUID:
+        new = NewRun(agent, "x", "demo", 10, 1000, 60, parent_run_id=parent)
+        return runtime.store.create_run(new)[0].id
+
+    root = add(None, "boss")
+    middle = add(root, "lead")
+    leaf = add(middle, "worker")
+    code, out, err = dar(capsys, "tree", str(leaf)[:8], "--api", api)
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["RUN", "AGENT", "STATUS"]
+    assert [line.split()[:2] for line in lines[1:]] == [
+        [str(root)[:8], "boss"],
+        [str(middle)[:8], "lead"],
+        [str(leaf)[:8], "worker"],
+    ]
+    assert [len(line) - len(line.lstrip()) for line in lines[1:]] == [0, 2, 4], "by level"
+    assert lines[3].endswith("<- this run")
