@@ -442,6 +442,7 @@ def test_the_run_page_draws_the_whole_tree_and_links_each_run(tab: Tab, console:
     page.locator("body[data-status='SUCCEEDED']").wait_for()
     check_tree(grand[1])
     tab.shot("run-tree")
+    assert page.locator("#message-panel").is_hidden(), "no message box for a durable function"
 
     # The tree's links: the root's page, whose timeline links each of its children.
     page.locator(f"#run-tree li[data-run-id='{root}'] > .node a").click()

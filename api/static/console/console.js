@@ -715,7 +715,9 @@ function runPage() {
     renderTimeline(run, steps, forkPanel ? forkPanel.open : null);
     renderConversation(conversation);
     await renderFamily(run);
-    $("#message-panel").hidden = !me.can.submit
+    // messages go to agent-loop runs: none for a durable function's (the API answers 409)
+    const noMessages = JSON.parse(body.dataset.noMessages || "[]");
+    $("#message-panel").hidden = !me.can.submit || noMessages.includes(run.agent)
       || ["FAILED", "CANCELLED", "TIMED_OUT"].includes(run.status);
     const approvalPanel = $("#approval-panel");
     if (run.status === "WAITING") {
