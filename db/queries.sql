@@ -1225,14 +1225,17 @@ WHERE h.root_run_id = :root AND r.id = h.run_id
 -- tree_spend --
 -- What a run tree has spent: the root's counters (its children's tokens are added to them
 -- with their results) and those of each descendant whose parent has not recorded its result
--- yet (its step in the parent still PENDING); the holds of the other live runs' calls in
--- flight, and the holds of this run's earlier leases (calls lost with their worker: spent).
+-- yet (its step in the parent still PENDING); of a descendant whose result was recorded and
+-- that went on since (a message continued it), what it spent beyond the recorded step (its
+-- tokens unrecorded by then counted twice: never less than the truth). The holds of the
+-- other live runs' calls in flight, and the holds of this run's earlier leases (calls lost
+-- with their worker: spent).
 WITH RECURSIVE tree AS (
-    SELECT id, parent_run_id, tokens_used + unrecorded_tokens AS spent,
+    SELECT id, parent_run_id, idempotency_key, tokens_used + unrecorded_tokens AS spent,
            cost_usd + unrecorded_cost_usd AS cost, 0 AS depth
     FROM run WHERE id = :root
     UNION ALL
-    SELECT c.id, c.parent_run_id, c.tokens_used + c.unrecorded_tokens,
+    SELECT c.id, c.parent_run_id, c.idempotency_key, c.tokens_used + c.unrecorded_tokens,
            c.cost_usd + c.unrecorded_cost_usd, t.depth + 1
     FROM run c JOIN tree t ON c.parent_run_id = t.id
     WHERE t.depth < 64
@@ -1243,6 +1246,15 @@ WITH RECURSIVE tree AS (
         WHERE s.run_id = t.parent_run_id AND s.status = 'PENDING'
           AND s.response ->> 'runId' = CAST(t.id AS text)
     )
+    UNION ALL
+    SELECT GREATEST(t.spent - (s.input_tokens + s.output_tokens
+                               + s.cache_creation_input_tokens + s.cache_read_input_tokens), 0),
+           GREATEST(t.cost - s.cost_usd, 0)
+    FROM tree t JOIN run_step s
+      ON s.run_id = t.parent_run_id AND s.status IN ('DONE', 'ERROR')
+     AND s.step_key = substr(t.idempotency_key,
+                             length('child:' || CAST(t.parent_run_id AS text) || '/') + 1)
+    WHERE t.id <> :root
 ), held AS (
     SELECT h.run_id, h.lease_epoch, h.tokens, h.cost_usd FROM budget_hold h
     WHERE h.root_run_id = :root

@@ -743,6 +743,37 @@ def test_a_run_with_no_parent_asks_nothing_of_the_tree(
     assert len(asked) == 4, "one hold and one release per child call"
 
 
+def test_a_child_continued_after_its_result_still_spends_from_the_tree(
+    rt: Runtime, client: FlaskClient
+) -> None:
+    """A child whose result the parent recorded takes a message and continues: what it
+    spends from then on is not in the parent's counters, and still counts against the
+    tree's budget, which ends it once the tree is spent."""
+    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
+    drive_tree(rt, dispatch)
+    assert rt.store.get_run(run.id).tokens_used == 4 * STEP_TOKENS
+    kid = children(rt, run.id)[0].id
+    with rt.engine.begin() as conn:  # the tree has room for one more step
+        conn.execute(
+            sql("UPDATE run SET token_budget = :b WHERE id = :id"),
+            {"b": 5 * STEP_TOKENS - 50, "id": run.id},
+        )
+
+    def continue_child(text_: str) -> Any:
+        sent = client.post(f"/api/runs/{kid}/messages", json={"text": text_})
+        assert sent.status_code == 202, sent.get_data(as_text=True)
+        drive_tree(rt, Dispatch(kid, rt.store.get_run(kid).dispatch_token))
+        return rt.store.get_run(kid)
+
+    first = continue_child("and initech?")
+    assert first.status is RunStatus.SUCCEEDED, first.error
+    assert first.tokens_used == 2 * STEP_TOKENS
+    second = continue_child("and hooli?")
+    assert second.status is RunStatus.FAILED
+    assert "token budget of the run tree exhausted: 1500 of 1450" in (second.error or "")
+    assert rt.store.get_run(run.id).tokens_used == 4 * STEP_TOKENS, "the parent's stay"
+
+
 def test_a_fork_of_the_lead_reuses_its_completed_sub_agents(
     rt: Runtime, client: FlaskClient, fake: FakeMessagesApi
 ) -> None:
