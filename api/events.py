@@ -5,7 +5,8 @@ Two sources, one order:
 - durable events (``run.status``, ``step.started``, ``step.finished``, ``approval.requested``,
   ``approval.decided``, ``run.finished``) are rows of ``run_event`` in PostgreSQL, numbered
   per run in commit order (migration 0010). Their id is ``<run tag>.<n>``;
-- live events (``text.delta``, ``text.retract``) ride a Redis stream
+- live events (``text.delta``, ``text.retract``, and those code publishes with
+  ``steps.live_event``: a framework agent's tool calls, outputs, handoffs) ride a Redis stream
   (:mod:`runtime.observe.live_channel`). Their id is ``<run tag>.<base>.<redis id>``, ``base``
   being the last durable event when the model attempt began, so a delta sorts after that event and
   before the next.
@@ -160,6 +161,12 @@ def durable_event(row: RowMapping) -> tuple[str, dict[str, Any]]:
 
 
 def live_event(entry: LiveEntry) -> tuple[str, dict[str, Any]]:
+    if entry.type not in ("text.delta", "text.retract"):  # steps.live_event: its JSON data
+        try:
+            payload = json.loads(entry.text)
+        except ValueError:
+            payload = None
+        return entry.type, payload if isinstance(payload, dict) else {"value": payload}
     data: dict[str, Any] = {"key": entry.key, "attempt": entry.attempt}
     if entry.type == "text.delta":
         data["text"] = entry.text

@@ -300,11 +300,13 @@ def openapi_document(
                 "get": {
                     "summary": "The run as Server-Sent Events: run.status, step.started, "
                     "step.finished, approval.requested, approval.decided, text.delta, "
-                    "text.retract, run.finished. Every event has an id; send the last one "
-                    "seen as Last-Event-ID (or ?after=) to resume exactly after it. A comment "
-                    "line every DAR_EVENTS_HEARTBEAT_SECONDS keeps proxies open; the server "
-                    "closes after DAR_EVENTS_IDLE_SECONDS without an event or "
-                    "DAR_EVENTS_MAX_SECONDS in all (reconnect with Last-Event-ID)",
+                    "text.retract, run.finished, a framework agent's agent.updated, "
+                    "agent.tool_called, agent.tool_output, agent.handoff, and what a durable "
+                    "function publishes with steps.live_event. Every event has an id; send "
+                    "the last one seen as Last-Event-ID (or ?after=) to resume exactly after "
+                    "it. A comment line every DAR_EVENTS_HEARTBEAT_SECONDS keeps proxies "
+                    "open; the server closes after DAR_EVENTS_IDLE_SECONDS without an event "
+                    "or DAR_EVENTS_MAX_SECONDS in all (reconnect with Last-Event-ID)",
                     "operationId": "runEvents",
                     "parameters": [
                         RUN_ID,

@@ -29,6 +29,8 @@ from runtime.tools import Reconciled, ToolContext, idempotency_key
 T = TypeVar("T")
 
 TIMEOUT_POLICIES = ("FAIL", "REJECT", "APPROVE")
+LIVE_EVENT_NAME = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+")
+RESERVED_EVENTS = frozenset({"text", "run", "step", "approval"})
 Reconcile = Callable[[ToolContext], Reconciled | None]
 
 
@@ -283,6 +285,8 @@ class Engine(Protocol):
 
     def current_context(self) -> ToolContext | None: ...
 
+    def live_event(self, name: str, data: dict[str, Any], once: str) -> None: ...
+
     @property
     def run_id(self) -> uuid.UUID: ...
 
@@ -456,6 +460,22 @@ class Steps:
         """The running step's context: ``cancelled`` once past its timeout, ``remaining()``
         for the timeouts of the calls it makes."""
         return self._engine.current_context()
+
+    def live_event(self, name: str, data: dict[str, Any], *, once: str) -> None:
+        """Publish the event ``name`` with ``data`` (JSON) on the run's event stream
+        (``GET /api/runs/{id}/events``, next to the text deltas), at most once per run for
+        each ``once`` id: the code that publishes it replays on every task, the event goes
+        out the first time. Live, not durable: best effort (Redis), as text deltas are.
+        ``name``: dotted lowercase words (``progress.stage``); ``text.*``, ``run.*``,
+        ``step.*`` and ``approval.*`` are the runtime's own."""
+        if not LIVE_EVENT_NAME.fullmatch(name) or name.split(".", 1)[0] in RESERVED_EVENTS:
+            raise ValueError(
+                f"live event name {name!r}: use dotted lowercase words (progress.stage), not "
+                "text.*, run.*, step.* or approval.*"
+            )
+        if not isinstance(data, dict):
+            raise TypeError("a live event's data is a dict (sent as a JSON object)")
+        self._engine.live_event(name, data, str(once))
 
     def run(
         self,

@@ -145,6 +145,25 @@ class Execution:
     def current_context(self) -> ToolContext | None:
         return self.stack[-1].context if self.stack else None
 
+    def live_event(self, name: str, data: dict[str, Any], once: str) -> None:
+        live = self.task.services.live
+        if live is None or self.yielded is not None:
+            return
+        try:
+            text = json.dumps(data, separators=(",", ":"), ensure_ascii=False, default=str)
+            base = self.task.store.run_event_seq(self.run_id) or 0
+        except Exception as e:  # best effort: never the run's failure
+            log.warning("run=%s live event %s not published: %s", self.task.rid, name, e)
+            return
+        fields: dict[str, str | int] = {
+            "type": name,
+            "key": once,
+            "attempt": 0,
+            "base": base,
+            "text": text,
+        }
+        live.publish_once(self.run_id, once, fields)
+
     # -- the whole function -----------------------------------------------------------------
 
     def run(self) -> StepResult:

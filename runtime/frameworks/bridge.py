@@ -325,6 +325,12 @@ class Bridge:
         self._counts[what] = n + 1
         return n
 
+    def event(self, name: str, data: dict[str, Any]) -> None:
+        """A framework's run event (a tool called, its output, a handoff) out to the run's
+        event stream, as a live event: the n-th of the run, published the first time the
+        framework's code gets there (it replays on every task)."""
+        self.steps.live_event(name, data, once=f"fw.{self.count('event')}")
+
     async def on_driver(self, fn: Callable[[Steps], Any]) -> Any:
         """Call ``fn(steps)`` on the driver thread (``steps.approval(...)``, which may end the
         task) and return its result to the framework."""

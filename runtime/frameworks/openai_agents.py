@@ -28,6 +28,7 @@ nothing, and continues with the decision.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -465,6 +466,53 @@ class Graph:
         return dataclasses.replace(given, on_invoke_handoff=on_invoke_handoff)
 
 
+# -- the run's events ------------------------------------------------------------------------------
+
+OUTPUT_CHARS = 4000
+"""A tool output on the event stream is cut at this many characters (the step has it whole)."""
+
+
+class StreamHooks(RunHooks[Any]):
+    """The run's events, as ``Runner.run_streamed``'s ``StreamEvent``s name them, out to the
+    run's event stream (``GET /api/runs/{id}/events``): ``agent.updated``,
+    ``agent.tool_called``, ``agent.tool_output``, ``agent.handoff``. Each once per run, the
+    first time the SDK's code gets there."""
+
+    def __init__(self, bridge: Bridge) -> None:
+        self.bridge = bridge
+
+    async def on_agent_start(self, context: Any, agent: Any) -> None:
+        self.bridge.event("agent.updated", {"agent": agent.name})
+
+    async def on_tool_start(self, context: Any, agent: Any, tool: Any) -> None:
+        arguments = getattr(context, "tool_arguments", None)
+        with contextlib.suppress(ValueError):
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        self.bridge.event(
+            "agent.tool_called",
+            {
+                "agent": agent.name,
+                "tool": getattr(tool, "name", str(tool)),
+                "callId": getattr(context, "tool_call_id", None),
+                "arguments": arguments,
+            },
+        )
+
+    async def on_tool_end(self, context: Any, agent: Any, tool: Any, result: object) -> None:
+        self.bridge.event(
+            "agent.tool_output",
+            {
+                "agent": agent.name,
+                "tool": getattr(tool, "name", str(tool)),
+                "callId": getattr(context, "tool_call_id", None),
+                "output": str(result)[:OUTPUT_CHARS],
+            },
+        )
+
+    async def on_handoff(self, context: Any, from_agent: Any, to_agent: Any) -> None:
+        self.bridge.event("agent.handoff", {"from": from_agent.name, "to": to_agent.name})
+
+
 # -- runs inside a step: counted with it ----------------------------------------------------------
 
 
@@ -603,7 +651,12 @@ async def _run(agent: Agent[Any], prompt: str, options: Options, bridge: Bridge)
         given: Any = prompt
         while True:
             result = await Runner.run(
-                agent, given, context=context, run_config=config, max_turns=options.max_turns
+                agent,
+                given,
+                context=context,
+                run_config=config,
+                max_turns=options.max_turns,
+                hooks=StreamHooks(bridge),
             )
             if not result.interruptions:
                 return result.final_output

@@ -8,10 +8,12 @@ fails or slows a model call for long (after an error it is left alone for a few 
 
 Keys, per run: ``dar:live:<run>`` a stream capped near ``DAR_LIVE_MAXLEN`` entries of
 ``text.delta`` / ``text.retract`` (fields ``type, key, attempt, base, text``);
-``dar:live-attempts:<run>`` the attempt counter per step key; ``dar:cancel:<run>`` set by
-``POST /cancel``; ``dar:interrupt:<run>`` set by a message posted with ``policy:
-"interrupt"`` (it aborts the agent loop's model call in flight only, never a tool, and is
-consumed by the worker that acts on it). All expire a day after their last write.
+``dar:live-attempts:<run>`` the attempt counter per step key; ``dar:live-once:<run>`` the
+ids of the other live events published (``steps.live_event``: each once per run);
+``dar:cancel:<run>`` set by ``POST /cancel``; ``dar:interrupt:<run>`` set by a message
+posted with ``policy: "interrupt"`` (it aborts the agent loop's model call in flight only,
+never a tool, and is consumed by the worker that acts on it). All expire a day after their
+last write.
 
 A delta's ``base`` is the run's last durable event number when its attempt began: clients
 order it after that event and before the next one.
@@ -50,6 +52,10 @@ def cancel_key(run_id: uuid.UUID) -> str:
 
 def interrupt_key(run_id: uuid.UUID) -> str:
     return f"dar:interrupt:{run_id}"
+
+
+def once_key(run_id: uuid.UUID) -> str:
+    return f"dar:live-once:{run_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +144,24 @@ class LiveChannel:
             self.redis.xadd(stream_key(run_id), fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
         except redis.RedisError as e:
             self._failed("XADD", e)
+
+    def publish_once(self, run_id: uuid.UUID, once: str, fields: dict[str, str | int]) -> bool:
+        """Publish ``fields`` unless an entry with the id ``once`` was published for the run
+        before (a replay of the code that publishes it). ``False``: not published."""
+        if not self._available():
+            return False
+        try:
+            if not self.redis.sadd(once_key(run_id), once):
+                return False
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(stream_key(run_id), fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
+            pipe.expire(once_key(run_id), TTL_SECONDS)
+            pipe.expire(stream_key(run_id), TTL_SECONDS)
+            pipe.execute()
+        except redis.RedisError as e:
+            self._failed("XADD", e)
+            return False
+        return True
 
     def next_attempt(self, run_id: uuid.UUID, key: str, base: int) -> int:
         """Number a new attempt of step ``key``; when an earlier attempt exists (a retry, or

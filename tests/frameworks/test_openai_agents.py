@@ -21,7 +21,9 @@ from agents.mcp import MCPServerStdio
 from openai import AsyncOpenAI
 from pydantic import BaseModel
 
+import api
 from db.records import ApprovalStatus, RunStatus, StepStatus, Usage
+from runtime.client import parse_sse
 from runtime.engine.bootstrap import Runtime
 from runtime.frameworks import idempotency_key
 from runtime.frameworks.bridge import on_loop
@@ -362,3 +364,51 @@ def test_runs_inside_tools_and_handed_off_agents_are_billed_as_their_models(
     assert done.cost_usd == sum(rt.pricing.cost(str(s.model), s.usage) for s in billed.values())
     assert rows["model:3"].cost_usd == rt.pricing.cost("gpt-closer", Usage(40, 8))
     assert rows["tool.research:0/usage:0"].cost_usd == rt.pricing.cost("gpt-inner", Usage(100, 30))
+
+
+def test_the_runs_tool_calls_outputs_and_handoffs_reach_its_event_stream(
+    rt: Runtime, fake: FakeOpenAiApi, client: AsyncOpenAI, tmp_path: Path
+) -> None:
+    """What ``Runner.run_streamed``'s ``StreamEvent``s tell (the agent changing, a tool
+    called, its output, a handoff), read from ``GET /api/runs/{id}/events``: each once, in the
+    order they happened, although the SDK's code replays on every task; among the steps'
+    durable events (a tool's call after the model step that asked for it)."""
+    model = OpenAIResponsesModel(MODEL, openai_client=client)
+    rt.agents.register(desk(model, Ledger(tmp_path / "ledger.jsonl")))
+    script(fake)
+    run, dispatch = rt.submit("desk", "Where is A-7? Note that they asked.")
+    drive_to_end(rt.driver(), dispatch)
+    assert rt.store.get_run(run.id).status is RunStatus.SUCCEEDED
+
+    app = api.create_app(runtime=rt)
+    app.config["TESTING"] = True
+    resp = app.test_client().get(f"/api/runs/{run.id}/events")
+    assert resp.status_code == 200, resp.get_data(as_text=True)
+    events = list(parse_sse(resp.get_data(as_text=True).splitlines()))
+    told = [
+        (e.name, e.data.get("agent") or e.data.get("from"), e.data.get("tool") or e.data.get("to"))
+        for e in events
+        if e.name.startswith("agent.")
+    ]
+    assert told == [
+        ("agent.updated", "desk", None),
+        ("agent.tool_called", "desk", "lookup"),
+        ("agent.tool_called", "desk", "carrier"),
+        ("agent.tool_output", "desk", "lookup"),
+        ("agent.tool_output", "desk", "carrier"),
+        ("agent.tool_called", "desk", "add_note"),
+        ("agent.tool_output", "desk", "add_note"),
+        ("agent.handoff", "desk", "closer"),
+        ("agent.updated", "closer", None),
+    ], told
+    called = next(e for e in events if e.name == "agent.tool_called")
+    assert called.data["arguments"] == {"order": "A-7"}
+    assert called.data["callId"] == "call_a"
+    output = next(e for e in events if e.name == "agent.tool_output")
+    assert output.data["output"] == "A-7 shipped"
+    names = [e.name for e in events]
+    model_done = next(
+        i for i, e in enumerate(events) if e.name == "step.finished" and e.data["key"] == "model:0"
+    )
+    assert names.index("agent.tool_called") > model_done, "after the step that asked for it"
+    assert len({e.id for e in events}) == len(events)
