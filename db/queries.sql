@@ -1229,7 +1229,11 @@ WHERE h.root_run_id = :root AND r.id = h.run_id
 -- that went on since (a message continued it), what it spent beyond the recorded step (its
 -- tokens unrecorded by then counted twice: never less than the truth). The holds of the
 -- other live runs' calls in flight, and the holds of this run's earlier leases (calls lost
--- with their worker: spent).
+-- with their worker: spent). A hold of another run is a call in flight (`in_flight`: the
+-- rule that a call may start alone waits for it) only while that run runs under the hold's
+-- lease: once the run is taken again (or parked), its call was lost, held (counted) until
+-- that run's next call, never waited for (two children whose calls were lost together
+-- would each wait for the other's, which only the other's next call releases).
 WITH RECURSIVE tree AS (
     SELECT id, parent_run_id, idempotency_key, tokens_used + unrecorded_tokens AS spent,
            cost_usd + unrecorded_cost_usd AS cost, 0 AS depth
@@ -1256,7 +1260,9 @@ WITH RECURSIVE tree AS (
                              length('child:' || CAST(t.parent_run_id AS text) || '/') + 1)
     WHERE t.id <> :root
 ), held AS (
-    SELECT h.run_id, h.lease_epoch, h.tokens, h.cost_usd FROM budget_hold h
+    SELECT h.run_id, h.lease_epoch, h.tokens, h.cost_usd,
+           r.status = 'RUNNING' AND r.lease_epoch = h.lease_epoch AS live
+    FROM budget_hold h JOIN run r ON r.id = h.run_id
     WHERE h.root_run_id = :root
 )
 SELECT root.token_budget, root.cost_budget_usd,
@@ -1268,7 +1274,7 @@ SELECT root.token_budget, root.cost_budget_usd,
             WHERE run_id = :id AND lease_epoch < :epoch) AS cost,
        (SELECT COALESCE(SUM(tokens), 0) FROM held WHERE run_id <> :id) AS held,
        (SELECT COALESCE(SUM(cost_usd), 0) FROM held WHERE run_id <> :id) AS held_cost,
-       (SELECT COUNT(*) FROM held WHERE run_id <> :id) AS in_flight
+       (SELECT COUNT(*) FROM held WHERE run_id <> :id AND live) AS in_flight
 FROM run root WHERE root.id = :root;
 
 -- hold_tree_budget --

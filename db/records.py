@@ -309,7 +309,8 @@ class TreeSpend:
     """The worst cases of the other runs' model calls in flight."""
     held_cost: Decimal
     in_flight: int
-    """How many of the other runs' model calls are in flight."""
+    """How many of the other runs' model calls are in flight (held under their run's
+    current lease: a hold of an earlier lease, or of a parked run, is a lost call)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -363,6 +363,15 @@ MUTANTS = (
         "a recorded call's hold, its worker dead before the release, counted beside its tokens",
     ),
     Mutant(
+        "tree-lost-call-waited-for",
+        "db/queries.sql",
+        "(SELECT COUNT(*) FROM held WHERE run_id <> :id AND live) AS in_flight",
+        "(SELECT COUNT(*) FROM held WHERE run_id <> :id) AS in_flight",
+        (T + "test_subagents.py::test_two_calls_lost_together_do_not_wedge_each_other",),
+        "a sibling's lost call counted as in flight: two children lost together wait for each "
+        "other until their deadline",
+    ),
+    Mutant(
         "run-tree-walk-not-cut",
         "db/queries.sql",
         "FROM (SELECT * FROM down LIMIT :max_nodes + 1) d",

@@ -591,6 +591,62 @@ def test_a_call_lost_with_its_worker_does_not_wedge_the_tree(
     print(f"lost call: budget {STEP_TOKENS + held + held // 2}, tree {done.tokens_used}")
 
 
+def test_two_calls_lost_together_do_not_wedge_each_other(
+    rt: Runtime, fake: FakeMessagesApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both children's worker dies in their model calls (one worker running the two side by
+    side, killed): both holds stay. Once a child is taken again, its lost call's hold is no
+    call in flight for its sibling (it is counted, never waited for): else each child, taken
+    again, waits for the other's lost call, which only that child's own next call releases,
+    and the tree waits on its timers until its deadline."""
+    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
+    driver = rt.driver()
+    first = driver.drive(run.id, dispatch.token)
+    assert first.dispatch is not None
+    a, b = driver.drive(run.id, first.dispatch.token).wakes
+
+    def dies(request: Any) -> Any:
+        raise Crash()
+
+    monkeypatch.setattr(rt.llm, "send", dies)
+    for d in (a, b):
+        with pytest.raises(Crash):
+            driver.drive(d.run_id, d.token)
+    monkeypatch.undo()
+    lost = holds(rt)
+    assert {h[0] for h in lost} == {a.run_id, b.run_id}
+    held = max(h[2] for h in lost)
+    # Room for the lead's call, both lost calls and half a call more: neither child's next
+    # call fits beside its sibling's lost one, and the tree is not spent.
+    budget = STEP_TOKENS + 2 * held + held // 2
+    with rt.engine.begin() as conn:
+        conn.execute(
+            sql("UPDATE run SET token_budget = :b WHERE id = :id"), {"b": budget, "id": run.id}
+        )
+    for d in (a, b):
+        expire_lease(rt.engine, d.run_id)
+    queue = [
+        d for d in rt.store.redispatch_due(redispatch_after=0) if d.run_id in (a.run_id, b.run_id)
+    ]
+    assert len(queue) == 2
+    for _ in range(40):
+        if not queue:
+            break
+        d = queue.pop(0)
+        time.sleep(d.delay_seconds)
+        result = driver.drive(d.run_id, d.token)
+        if result.dispatch is not None:
+            queue.append(result.dispatch)
+        queue += result.wakes
+    statuses = {k.id: k.status for k in children(rt, run.id)}
+    waits = {k: rt.store.get_run(k).wait_reason for k in (a.run_id, b.run_id)}
+    assert all(RunStatus(s).terminal for s in statuses.values()), f"wedged: {waits}"
+    assert fake.calls > 1, "a child called the model again"
+    done = rt.store.get_run(run.id)
+    assert done.status.terminal, done.status
+    assert holds(rt) == []
+
+
 def test_a_sub_agent_must_be_registered_and_its_tool_name_free() -> None:
     registry = AgentRegistry()
     registry.register(Agent("lead", "lead", subagents=("nobody",)))
