@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from db.errors import DatabaseUnavailable, LeaseLost
 from db.records import NewStep, StepStatus, Usage
 from db.records import StepKind as RowKind
 from runtime.pipeline.checkpoint import Task
@@ -83,7 +84,16 @@ class StepUsage:
                 latency_ms=0,
                 request_id=request_id,
             )
-            task.record_child(row)
+            try:
+                task.record_child(row)
+            except (LeaseLost, DatabaseUnavailable):
+                # refused (the run was taken over) or not written (the database away past
+                # the lease): billed whoever holds the run now, so counted as the run's
+                # unrecorded tokens, unless a try did write the row (as record_billed does)
+                task.store.record_unrecorded_usage(
+                    task.run_id, usage, cost, unless_step=(row.step_key, task.claim.epoch)
+                )
+                raise
             s = task.spent
             task.spent = Usage(
                 s.input_tokens + usage.input_tokens,

@@ -7,7 +7,9 @@ from __future__ import annotations
 from decimal import Decimal
 
 import pytest
+from sqlalchemy import text
 
+from db.errors import LeaseLost
 from db.records import RunStatus, StepKind, StepStatus, Usage
 from runtime import record_usage
 from runtime.agents import Agent
@@ -201,3 +203,35 @@ def test_a_tool_of_the_agent_loop_reports_the_model_call_it_made(runtime: Runtim
     assert [(s.step_key, s.model, s.usage) for s in rows] == [
         ("tool:toolu_r/usage:0", INNER, INNER_USAGE)
     ]
+
+
+def test_a_report_fenced_out_by_a_takeover_is_still_counted(runtime: Runtime) -> None:
+    """The run was taken over while the step's code ran (its worker's lease lapsed): the
+    report's row is refused with the rest of the step, and the call it reports was billed
+    whoever holds the run now, so it is counted as the run's unrecorded tokens, as a model
+    call of the engine's own whose checkpoint is fenced out is."""
+
+    def taken_over() -> str:
+        with runtime.engine.begin() as conn:  # what another worker's claim does to the row
+            conn.execute(
+                text(
+                    "UPDATE run SET lease_epoch = lease_epoch + 1, locked_by = 'other'"
+                    " WHERE id = :id"
+                ),
+                {"id": run.id},
+            )
+        return _inner_call()
+
+    @durable_agent("taken")
+    def fn(_: object, steps: Steps) -> str:
+        return steps.run("ask", taken_over, type=str)
+
+    runtime.agents.register(fn)
+    run, dispatch = runtime.submit("taken", {})
+    with pytest.raises(LeaseLost):
+        runtime.driver().drive(run.id, dispatch.token)
+    done = runtime.store.get_run(run.id)
+    cost = runtime.pricing.cost(INNER, INNER_USAGE)
+    assert (done.tokens_used, done.unrecorded_tokens) == (0, 340), "billed: counted"
+    assert done.unrecorded_cost_usd == cost
+    assert not [s for s in runtime.store.steps(run.id) if "/usage:" in s.step_key]
