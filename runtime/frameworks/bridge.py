@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import logging
 import queue
+import random
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +38,9 @@ from db.records import Usage
 from runtime import native
 from runtime.durable.api import Billed, Steps
 from runtime.durable.errors import ApprovalRejected, NonDeterministicReplay
+from runtime.llm.base import LlmError
 from runtime.llm.live_call import LiveCall, ModelCallCancelled
+from runtime.llm.retry import RetryLater, RetryPolicy, classify, current_prior_attempts
 from runtime.pipeline import usage
 
 log = logging.getLogger(__name__)
@@ -191,6 +196,93 @@ def _call_live(body: Callable[[], Awaitable[Any]], live: LiveCall | None) -> Any
 
 async def _nothing() -> None:
     return None
+
+
+POLICY = RetryPolicy()
+"""How a framework's failed model request is tried again, after its own client's retries: as
+the runtime's own model calls are (``runtime.llm.retry``)."""
+
+
+def http_error(e: BaseException) -> LlmError | None:
+    """A framework's failed model request as this runtime's :class:`LlmError`: the HTTP status
+    (``status_code`` of the framework's or its SDK's error; -1 for a transport error) and the
+    response's ``retry-after`` and rate-limit headers, found along the exception's chain.
+    ``None``: not an HTTP or transport failure (the framework's own error)."""
+    chain: list[BaseException] = []
+    cur: BaseException | None = e
+    while cur is not None and all(cur is not seen for seen in chain):
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    status = next(
+        (c.status_code for c in chain if isinstance(getattr(c, "status_code", None), int)),  # type: ignore[attr-defined]
+        None,
+    )
+    if status is None and any(_transport_error(c) for c in chain):
+        status = -1
+    if status is None:
+        return None
+    headers: dict[str, str] = {}
+    for c in chain:
+        found = getattr(getattr(c, "response", None), "headers", None)
+        if found is not None:
+            headers = {str(k).lower(): str(v) for k, v in found.items()}
+            break
+    retry_after: float | None = None
+    with contextlib.suppress(ValueError):
+        if "retry-after-ms" in headers:
+            retry_after = float(headers["retry-after-ms"]) / 1000
+        elif "retry-after" in headers:
+            retry_after = float(headers["retry-after"])
+    message = str(e)
+    return LlmError(
+        message,
+        status=int(status),
+        retry_after=retry_after,
+        request_id=headers.get("request-id") or headers.get("x-request-id"),
+        retryable=classify(int(status), message=message),
+        rate_limits=tuple((k, v) for k, v in headers.items() if "ratelimit" in k),
+    )
+
+
+def _transport_error(e: BaseException) -> bool:
+    """An ``httpx`` transport error (connect, read, timeout): what both frameworks' SDKs
+    raise beneath their own connection errors. (By name: the engine imports no HTTP client.)"""
+    return any(
+        c.__name__ == "TransportError" and c.__module__.startswith("httpx") for c in type(e).__mro__
+    )
+
+
+def _retried(request: Callable[[], Any]) -> Any:
+    """A framework's model request with this runtime's retry rules around it: rate limited or
+    overloaded (429, 529), the run waits on a durable timer (no attempt counted, the limit
+    learned from the headers); a retryable failure (5xx, I/O) is tried again, a short wait in
+    place and a long one on a durable timer, up to the attempts of ``POLICY`` across timers;
+    anything else is the framework's error, as it raised it."""
+    attempt = current_prior_attempts()
+    while True:
+        try:
+            return request()
+        except ModelCallCancelled:
+            raise
+        except Exception as e:
+            error = http_error(e)
+            if error is None or not error.retryable:
+                raise
+            if error.back_pressure:
+                wait = max(1.0, error.retry_after or POLICY.long_wait_threshold)
+                raise RetryLater(error, wait, attempts=attempt) from e
+            made = attempt + 1
+            if made >= POLICY.max_attempts:
+                raise
+            wait = random.uniform(0.0, POLICY.backoff_ceiling(attempt))
+            wait = max(wait, error.retry_after or 0.0)
+            if wait > POLICY.long_wait_threshold:
+                raise RetryLater(error, wait, attempts=made) from e
+            log.info(
+                "framework model request failed (HTTP %d); retrying in %.2fs", error.status, wait
+            )
+            time.sleep(wait)
+            attempt = made
 
 
 def prompt_of(value: Any) -> str:
@@ -379,7 +471,7 @@ class Bridge:
             )
 
         def call(live: LiveCall | None) -> Billed:
-            return billing.billed(_call_live(item.body, live))
+            return billing.billed(_retried(lambda: _call_live(item.body, live)))
 
         return self.steps.model_call(item.name, call, prompt=billing.prompt, model=billing.model)
 

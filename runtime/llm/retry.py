@@ -46,6 +46,11 @@ def reset_prior_attempts(token: contextvars.Token[int]) -> None:
     _prior_attempts.reset(token)
 
 
+def current_prior_attempts() -> int:
+    """The attempts earlier tasks made for the model step in flight (:func:`prior_attempts`)."""
+    return _prior_attempts.get()
+
+
 # 429 rate limited, 500/502/503/504 server side, 529 overloaded, -1 I/O error or timeout.
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504, 529, -1})
 

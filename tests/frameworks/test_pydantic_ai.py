@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 pytest.importorskip("pydantic_ai")
 
+from anthropic import AsyncAnthropic
 from fastmcp.client.transports import StdioTransport
 from pydantic import BaseModel
 from pydantic_ai import Agent as PydanticAgent
@@ -27,14 +29,18 @@ from pydantic_ai.providers.anthropic import AnthropicProvider
 
 import api
 from db.records import ApprovalStatus, Dispatch, RunStatus, StepStatus, Usage
+from runtime.config import Settings
 from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Outcome
 from runtime.engine.fork import ForkRequest, fork_run
 from runtime.frameworks import adapt, idempotency_key
 from runtime.frameworks.bridge import on_loop
 from runtime.frameworks.pydantic_ai import DarDurability
+from runtime.llm.scripted import ScriptedLlm
+from runtime.observe.metrics import Metrics
 from runtime.testing.testkit import SimulatedCrash
 from tasks.celery_app import make_celery
-from tests.fakes.messages_api import FakeMessagesApi, slow, text
+from tests.fakes.messages_api import FakeMessagesApi, RateLimit, slow, text
 from tests.mcp.support import COUNTING, Ledger
 from tests.support import drive_to_end, expire_lease
 
@@ -536,3 +542,143 @@ def test_a_delegating_tool_run_again_after_a_crash_counts_both_writer_requests(
         (rt.pricing.cost(MODEL, Usage(b.input_tokens, b.output_tokens)) for b in fake.billed),
         Decimal(0),
     )
+
+
+# -- flow control, concurrency keys, deadline, metrics: as for any step ------------------------
+
+
+def _built(settings: Settings, llm: ScriptedLlm, **changes: Any) -> Iterator[Runtime]:
+    rt = Runtime.build(replace(settings, strict_replay=True, **changes), llm=llm, pool_size=5)
+    try:
+        yield rt
+    finally:
+        rt.close()
+
+
+def test_a_framework_model_request_not_admitted_waits_on_a_durable_timer(
+    settings: Settings, llm: ScriptedLlm, fake: FakeMessagesApi, model: AnthropicModel
+) -> None:
+    """DAR_MODEL_LIMITS admits a framework's model request as it admits ours: the second
+    run's request is not made; the run waits holding nothing, the limit named."""
+    limits = json.dumps({"claude-*": {"requestsPerMinute": 1}})
+    for rt in _built(settings, llm, model_limits_json=limits):
+        rt.agents.register(PydanticAgent(model, name="limited"))
+        fake.then_text("first").then_text("second")
+        first, d1 = rt.submit("limited", "one")
+        second, d2 = rt.submit("limited", "two")
+        drive_to_end(rt.driver(), d1)
+        assert rt.store.get_run(first.id).status is RunStatus.SUCCEEDED
+        outcomes = drive_to_end(rt.driver(), d2)
+
+        assert Outcome.WAITING in outcomes
+        waiting = rt.store.get_run(second.id)
+        assert waiting.wait_reason == f"rate limit: requests/min for {MODEL}"
+        assert waiting.locked_by is None, "it holds no lease while it waits"
+        assert fake.calls == 1, "the request was not made"
+        assert [s.step_key for s in rt.store.steps(second.id)] == ["agent:0"]
+
+
+def test_a_429_from_the_api_parks_the_framework_run_on_a_timer_instead_of_failing_it(
+    settings: Settings, llm: ScriptedLlm
+) -> None:
+    """The framework's client gets a 429 (its own retries off): the model request is not
+    recorded as failed, the run waits on a durable timer as for our own calls, and flow
+    control has learned the limit from the answer's headers."""
+    limited = {"claude-*": RateLimit(requests_per_minute=1)}
+    with FakeMessagesApi(api_key="test", rate_limits=limited, default_responder=True) as fake:
+        client = AsyncAnthropic(base_url=fake.url, api_key="test", max_retries=0)
+        model = AnthropicModel(MODEL, provider=AnthropicProvider(anthropic_client=client))
+        try:
+            for rt in _built(settings, llm):
+                rt.agents.register(PydanticAgent(model, name="throttled"))
+                first, d1 = rt.submit("throttled", "one")
+                second, d2 = rt.submit("throttled", "two")
+                drive_to_end(rt.driver(), d1)
+                assert rt.store.get_run(first.id).status is RunStatus.SUCCEEDED
+                outcomes = drive_to_end(rt.driver(), d2)
+
+                assert Outcome.WAITING in outcomes
+                waiting = rt.store.get_run(second.id)
+                assert waiting.status is RunStatus.RUNNING, waiting.error
+                assert "429" in (waiting.wait_reason or ""), waiting.wait_reason
+                assert (waiting.model_attempts, waiting.claims_without_progress) == (0, 0)
+                assert fake.rate_limited == 1
+                assert [s.step_key for s in rt.store.steps(second.id)] == ["agent:0"]
+                third, d3 = rt.submit("throttled", "three")
+                assert Outcome.WAITING in drive_to_end(rt.driver(), d3)
+                assert rt.store.get_run(third.id).wait_reason == (
+                    f"rate limit: requests/min for {MODEL}"
+                ), "learned from the 429's headers: not asked again"
+                assert fake.rate_limited == 1
+        finally:
+            on_loop(client.close())
+
+
+def test_a_concurrency_key_holds_framework_runs_out_of_their_steps(
+    settings: Settings, llm: ScriptedLlm, fake: FakeMessagesApi, model: AnthropicModel
+) -> None:
+    """With one run of a key in a step at a time, a second run of the key waits (holding
+    nothing) while the first is inside its model request, then goes on."""
+    for rt in _built(settings, llm, key_concurrency=1, key_recheck_seconds=30):
+        rt.agents.register(PydanticAgent(model, name="keyed"))
+        fake.then(slow(text("slow answer"), chunk=4, interval=0.3)).then_text("quick answer")
+        first, d1 = rt.submit("keyed", "one", concurrency_key="acme")
+        second, d2 = rt.submit("keyed", "two", concurrency_key="acme")
+        step = rt.driver().drive(d1.run_id, d1.token)  # agent:0
+        assert step.dispatch is not None
+        worker = threading.Thread(
+            target=drive_to_end, args=(rt.driver(), step.dispatch), daemon=True
+        )
+        worker.start()
+        deadline = time.monotonic() + 30
+        while fake.calls < 1:
+            assert time.monotonic() < deadline, "the first run's request never started"
+            time.sleep(0.05)
+        held = rt.driver().drive(d2.run_id, d2.token)
+        assert held.outcome is Outcome.WAITING
+        waiting = rt.store.get_run(second.id)
+        assert waiting.wait_reason == "concurrency key acme: 1 of 1 in steps", waiting.wait_reason
+        assert rt.store.steps(second.id) == []
+        worker.join(timeout=60)
+        assert rt.store.get_run(first.id).status is RunStatus.SUCCEEDED
+        again = rt.store.get_run(second.id)
+        drive_to_end(rt.driver(), Dispatch(again.id, again.dispatch_token))
+        assert rt.store.get_run(second.id).status is RunStatus.SUCCEEDED
+        assert fake.calls == 2
+
+
+def test_a_framework_run_past_its_deadline_makes_no_further_request(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel
+) -> None:
+    rt.agents.register(PydanticAgent(model, name="late"))
+    fake.then_text("never asked")
+    run, dispatch = rt.submit("late", "hello", timeout_seconds=1)
+    step = rt.driver().drive(run.id, dispatch.token)  # agent:0
+    assert step.dispatch is not None
+    time.sleep(1.5)
+    drive_to_end(rt.driver(), step.dispatch)
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.TIMED_OUT, (done.status, done.error)
+    assert fake.calls == 0
+
+
+def test_a_framework_runs_tokens_and_cost_reach_the_metrics_by_model(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel
+) -> None:
+    """The Prometheus counters count a framework's requests, and a delegate's inside a tool,
+    by model, as the run's counters do."""
+    rt.pricing = type(rt.pricing).from_json(json.dumps(PRICES))
+    agent, _ = _delegating(model, _writer(model, durable=True))
+    rt.agents.register(agent)
+    fake.then_tool_use("toolu_1", "draft", {"topic": "tides"})
+    fake.then_text("Tides rise twice a day.", usage={"input_tokens": 200, "output_tokens": 60})
+    fake.then_text("Here is the draft.")
+    metrics = Metrics(CollectorRegistry())
+    run, dispatch = rt.submit("editor", "Write about tides.")
+    drive_to_end(rt.driver(metrics=metrics), dispatch)
+
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert metrics.tokens.labels(MODEL, "input")._value.get() == 10 + 200 + 10
+    assert metrics.tokens.labels(MODEL, "output")._value.get() == 5 + 60 + 5
+    assert metrics.cost.labels(MODEL)._value.get() == pytest.approx(float(done.cost_usd))
