@@ -63,6 +63,7 @@ from pydantic_ai.messages import (
     PartStartEvent,
     TextPart,
     TextPartDelta,
+    ToolCallPart,
 )
 from pydantic_ai.models import Model
 from pydantic_ai.models.function import FunctionModel
@@ -87,6 +88,9 @@ from runtime.frameworks.bridge import (
     tool_executor,
 )
 from runtime.pipeline import usage
+
+OUTPUT_CHARS = 4000
+"""A tool output on the event stream is cut at this many characters (the step has it whole)."""
 
 Config = dict[str, Any]
 """A unit's policy as Pydantic AI resolves it: ``{"idempotent": bool}``; a tool overrides it
@@ -275,6 +279,42 @@ class DarDurability(BaseDurabilityCapability[Any]):
         # request's unit (Temporal publishes it from there too): text deltas go to the run's
         # event stream, then on to the capability's own handler, if it has one.
         return functools.partial(forward_text, handler=super()._model_stream_event_handler())
+
+    async def before_tool_execute(
+        self, ctx: RunContext[Any], *, call: ToolCallPart, tool_def: Any, args: Any
+    ) -> Any:
+        # the run's tool calls and results on its event stream (what Pydantic AI's
+        # FunctionToolCallEvent / FunctionToolResultEvent tell), each once per run
+        bridge = current_bridge()
+        if bridge is not None:
+            bridge.event(
+                "agent.tool_called",
+                {
+                    "agent": self.agent.name if self.agent is not None else None,
+                    "tool": call.tool_name,
+                    "callId": call.tool_call_id,
+                    "arguments": call.args_as_dict(),
+                },
+            )
+        return await super().before_tool_execute(ctx, call=call, tool_def=tool_def, args=args)
+
+    async def after_tool_execute(
+        self, ctx: RunContext[Any], *, call: ToolCallPart, tool_def: Any, args: Any, result: Any
+    ) -> Any:
+        bridge = current_bridge()
+        if bridge is not None:
+            bridge.event(
+                "agent.tool_output",
+                {
+                    "agent": self.agent.name if self.agent is not None else None,
+                    "tool": call.tool_name,
+                    "callId": call.tool_call_id,
+                    "output": str(result)[:OUTPUT_CHARS],
+                },
+            )
+        return await super().after_tool_execute(
+            ctx, call=call, tool_def=tool_def, args=args, result=result
+        )
 
     async def after_model_request(
         self, ctx: RunContext[Any], *, request_context: Any, response: ModelResponse

@@ -29,6 +29,7 @@ from pydantic_ai.providers.anthropic import AnthropicProvider
 
 import api
 from db.records import ApprovalStatus, Dispatch, RunStatus, StepStatus, Usage
+from runtime.client import parse_sse
 from runtime.config import Settings
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Outcome
@@ -682,3 +683,57 @@ def test_a_framework_runs_tokens_and_cost_reach_the_metrics_by_model(
     assert metrics.tokens.labels(MODEL, "input")._value.get() == 10 + 200 + 10
     assert metrics.tokens.labels(MODEL, "output")._value.get() == 5 + 60 + 5
     assert metrics.cost.labels(MODEL)._value.get() == pytest.approx(float(done.cost_usd))
+
+
+def test_the_runs_tool_calls_and_results_reach_its_event_stream(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel
+) -> None:
+    """What Pydantic AI's FunctionToolCallEvent / FunctionToolResultEvent tell, read from
+    ``GET /api/runs/{id}/events``: each once (the agent's code replays on every task), after
+    the model step that asked for the tool."""
+    agent = PydanticAgent(model, name="teller")
+
+    @agent.tool_plain
+    def lookup(order: str) -> str:
+        """Look an order up."""
+        return f"{order} shipped"
+
+    @agent.tool_plain
+    def carrier(order: str) -> str:
+        """The carrier of an order."""
+        return "DHL"
+
+    rt.agents.register(agent)
+    fake.then_tool_use("toolu_1", "lookup", {"order": "A-7"})
+    fake.then_tool_use("toolu_2", "carrier", {"order": "A-7"})
+    fake.then_text("A-7 shipped with DHL.")
+    run, dispatch = rt.submit("teller", "Where is A-7?")
+    drive_to_end(rt.driver(), dispatch)
+    assert rt.store.get_run(run.id).status is RunStatus.SUCCEEDED
+
+    app = api.create_app(runtime=rt)
+    app.config["TESTING"] = True
+    resp = app.test_client().get(f"/api/runs/{run.id}/events")
+    assert resp.status_code == 200, resp.get_data(as_text=True)
+    events = list(parse_sse(resp.get_data(as_text=True).splitlines()))
+    told = [(e.name, e.data["tool"]) for e in events if e.name.startswith("agent.")]
+    assert told == [
+        ("agent.tool_called", "lookup"),
+        ("agent.tool_output", "lookup"),
+        ("agent.tool_called", "carrier"),
+        ("agent.tool_output", "carrier"),
+    ]
+    called = next(e for e in events if e.name == "agent.tool_called")
+    assert called.data == {
+        "agent": "teller",
+        "tool": "lookup",
+        "callId": "toolu_1",
+        "arguments": {"order": "A-7"},
+    }
+    assert next(e for e in events if e.name == "agent.tool_output").data["output"] == "A-7 shipped"
+    asked = next(
+        i
+        for i, e in enumerate(events)
+        if e.name == "step.finished" and e.data["key"] == "model.request:0"
+    )
+    assert [e.name for e in events].index("agent.tool_called") > asked
