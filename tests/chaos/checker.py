@@ -158,8 +158,14 @@ class Evidence:
     non_idempotent_tools: frozenset[str] = frozenset()
     """Tools whose interruption may legitimately park a run NEEDS_ATTENTION."""
     lease_losses: Mapping[uuid.UUID, int] = field(default_factory=dict)
-    """Lease losses found in the workers' logs, per run (reported, and for runs no fault
-    hit they allow a repeat each: a live worker can lose a lease it could not renew)."""
+    """Lease losses found in the workers' logs, per run (reported, and each allows a repeat
+    unless a fault that hit the run explains it: a live worker can lose a lease it could not
+    renew)."""
+    lease_loss_times: Mapping[uuid.UUID, Sequence[tuple[str, float]]] | None = None
+    """The same losses as (worker, ``time.time()`` of the log line), when known: a loss no
+    fault that hit the run explains allows a repeat even when faults hit it (a SIGSTOP whose
+    attribution missed the run). Without them, a run some fault hit gets no allowance for
+    its logged losses."""
     durable: DurableSpec = field(default_factory=DurableSpec)
     effects: list[EffectRow] = field(default_factory=list)
     approvals: list[ApprovalRow] = field(default_factory=list)
@@ -446,6 +452,29 @@ def _faults_on(ev: Evidence, run_id: uuid.UUID) -> list[Fault]:
     return [f for f in ev.faults if run_id in f.repeat_runs]
 
 
+LOSS_LOGGED_WITHIN_SECONDS = 5.0
+"""A worker that was stopped, or cut off from PostgreSQL, logs the leases it lost within a
+few heartbeats of running again."""
+
+
+def _explains(f: Fault, worker: str, at: float) -> bool:
+    """Whether fault ``f`` (which hit the run) explains a lease loss ``worker`` logged at
+    ``at``: a fault that leaves the worker alive but unable to renew (stopped: that worker;
+    PostgreSQL away: any worker) and ended shortly before. A killed worker logs nothing."""
+    alive = (f.kind == "sigstop_past_lease" and f.target == worker) or f.target == "postgres"
+    end = f.until if f.until is not None else f.at
+    return alive and f.at - 1.0 <= at <= end + LOSS_LOGGED_WITHIN_SECONDS
+
+
+def _unexplained_losses(ev: Evidence, run_id: uuid.UUID, faults: list[Fault]) -> int:
+    """The run's logged lease losses that no fault on it explains: each may have cut a call
+    between response and checkpoint, as a fault would."""
+    times = ev.lease_loss_times.get(run_id) if ev.lease_loss_times is not None else None
+    if times is None:
+        return ev.lease_losses.get(run_id, 0) if not faults else 0
+    return sum(1 for worker, at in times if not any(_explains(f, worker, at) for f in faults))
+
+
 def _check_model_calls(
     ev: Evidence, run: Run, steps: list[Step], calls: list[ModelCall]
 ) -> list[Violation]:
@@ -511,7 +540,7 @@ def _check_model_calls(
     answered = [c for c in calls if c.status == 200]
     repeats = len(answered) - len(model_steps)
     faults = _faults_on(ev, run.id)
-    losses = ev.lease_losses.get(run.id, 0) if not faults else 0
+    losses = _unexplained_losses(ev, run.id, faults)
     allowed = len(faults) + losses
     if repeats > allowed:
         turns = Counter(sum(1 for m in c.messages if m.get("role") == "assistant") for c in calls)
@@ -569,7 +598,7 @@ def _check_fencing(ev: Evidence, run: Run, steps: list[Step]) -> list[Violation]
         if s.worker not in ev.known_workers:
             out.append(Violation(FENCING, run.id, f"seq={s.seq} written by {s.worker!r}"))
     faults = _faults_on(ev, run.id)
-    losses = ev.lease_losses.get(run.id, 0) if not faults else 0
+    losses = _unexplained_losses(ev, run.id, faults)
     if run.status.terminal:
         wasted = run.lease_epoch - len(steps) - 1
         if wasted > len(faults) + losses:
@@ -1057,7 +1086,7 @@ def _durable_billed(
                           f"{call.request_id}'s")
             )  # fmt: skip
     faults = _faults_on(ev, run.id)
-    allowed = len(faults) + (ev.lease_losses.get(run.id, 0) if not faults else 0)
+    allowed = len(faults) + _unexplained_losses(ev, run.id, faults)
     repeats = len(answered) - len(recorded)
     if repeats > allowed:
         out.append(

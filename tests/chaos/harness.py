@@ -1215,8 +1215,10 @@ class Campaign:
             audits = [AuditRow(r.run_id, r.approval_id, r.action) for r in conn.execute(AUDITS)]
         steps = {r.id: self.store.steps(r.id) for r in runs}
         losses: dict[uuid.UUID, int] = {}
-        for _, run_id, _, _ in self.genuine_lease_losses(runs, steps):
+        loss_times: dict[uuid.UUID, list[tuple[str, float]]] = {}
+        for worker, run_id, at, _ in self.genuine_lease_losses(runs, steps):
             losses[run_id] = losses.get(run_id, 0) + 1
+            loss_times.setdefault(run_id, []).append((worker, at))
         return Evidence(
             runs=runs,
             steps=steps,
@@ -1225,6 +1227,7 @@ class Campaign:
             faults=list(self.faults),
             known_workers=frozenset(f"worker-{letter}" for letter in self.stack.specs),
             lease_losses=losses,
+            lease_loss_times=loss_times,
             effects=effects,
             approvals=approvals,
             audits=audits,

@@ -310,6 +310,56 @@ def test_a_repeat_paid_for_by_a_fault_and_its_unrecorded_tokens_pass() -> None:
     assert check(ev) == []
 
 
+def _stopped(at: float, until: float, worker: str = "worker-A") -> Fault:
+    return Fault("sigstop_past_lease", worker, at, repeat_runs=frozenset({RUN_ID}), until=until)
+
+
+def _paid(ev: Evidence) -> Evidence:
+    """``ev`` with its repeated calls' tokens counted as the run's unrecorded tokens."""
+    extra = sum(c.usage_total for c in ev.calls[2:])
+    return dataclasses.replace(ev, runs=[make_run(unrecorded_tokens=extra)])
+
+
+def test_a_lease_loss_no_fault_explains_pays_for_a_repeat_beside_a_fault() -> None:
+    """Stopped twice, the harness attributed only the first stop to the run (its lease was
+    not renewed within the window the harness looks at): the second stop's lease loss,
+    logged by the worker when it ran again, pays for the second repeat."""
+    ev = _paid(repeat_turn_2(repeat_turn_2(good_evidence())))
+    ev = dataclasses.replace(
+        ev,
+        faults=[_stopped(100.0, 110.0)],
+        lease_losses={RUN_ID: 2},
+        lease_loss_times={RUN_ID: [("worker-A", 110.5), ("worker-B", 150.2)]},
+    )
+    assert check(ev) == []
+
+
+def test_a_lease_loss_a_fault_explains_pays_for_nothing_more() -> None:
+    """The stop's own lease loss (logged by the stopped worker just after SIGCONT) is the
+    fault's, not a second allowance: two repeats for one stop still fail."""
+    ev = _paid(repeat_turn_2(repeat_turn_2(good_evidence())))
+    ev = dataclasses.replace(
+        ev,
+        faults=[_stopped(100.0, 110.0)],
+        lease_losses={RUN_ID: 1},
+        lease_loss_times={RUN_ID: [("worker-A", 110.5)]},
+    )
+    assert checker.MODEL_REPEATS in {v.invariant for v in check(ev)}
+
+
+def test_a_repeat_with_neither_a_fault_nor_a_lease_loss_still_fails() -> None:
+    ev = dataclasses.replace(
+        _paid(repeat_turn_2(good_evidence())), lease_losses={}, lease_loss_times={}
+    )
+    assert checker.MODEL_REPEATS in {v.invariant for v in check(ev)}
+    # nor does another worker's loss of another run pay for it
+    other = uuid.uuid4()
+    ev = dataclasses.replace(
+        ev, lease_losses={other: 1}, lease_loss_times={other: [("worker-B", 10.0)]}
+    )
+    assert checker.MODEL_REPEATS in {v.invariant for v in check(ev)}
+
+
 def test_a_non_idempotent_tool_may_park_the_run() -> None:
     ev = replace_step(
         dataclasses.replace(good_evidence(), runs=[make_run(status=RunStatus.NEEDS_ATTENTION)]),
