@@ -203,8 +203,10 @@ class Refusal:
 # concurrent, 5-6 cost (input, output), 7 lease id, 8 lease ttl s, 9 waiter id, 10 waiter
 # priority, 11 waiter grace s, 12 the waiter's concurrency key ('' for none), 13 the spacing
 # in ms between one key's waiters, 14 the run ('' for none), 15 the call's estimate
-# ('input:output' tokens, then ':epoch:step key' when the caller names its step). KEYS 6: the
-# runs' calls in flight (hash run -> 'lease:' .. ARGV 15).
+# ('input:output' tokens, then ':epoch:step key' when the caller names its step), 16 how long
+# a 'charged:' marker is kept (s). KEYS 6: the runs' calls in flight (hash run -> 'lease:' ..
+# ARGV 15, and 'charged:' .. lease -> the estimate counted as lost, for that call's settle),
+# 7: when each 'charged:' marker is erased (zset lease -> time).
 #
 # A new waiter's score is -priority * 1e13 + its arrival in ms. A keyed waiter arrives, in
 # this order, no earlier than its key's virtual clock, which each waiter of the key pushes
@@ -227,6 +229,14 @@ if ARGV[14] ~= '' then
     local sep = string.find(prev, ':', 1, true)
     local lease = string.sub(prev, 1, sep - 1)
     redis.call('HSET', KEYS[6], 'charged:' .. lease, string.sub(prev, sep + 1))
+    -- the marker waits for a settle that never comes when the call's worker is dead (the
+    -- usual case): markers past their time (ARGV 16 s) are erased as a new one is made
+    for _, old in ipairs(redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', now)) do
+      redis.call('HDEL', KEYS[6], 'charged:' .. old)
+    end
+    redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now)
+    redis.call('ZADD', KEYS[7], now + tonumber(ARGV[16]), lease)
+    redis.call('EXPIRE', KEYS[7], math.ceil(tonumber(ARGV[16])) + 60)
   end
 end
 local dims = {'requests', 'input', 'output'}
@@ -447,6 +457,13 @@ class FailOpenAlarm:
             )
 
 
+CHARGED_MARKER_SECONDS = 3600.0
+"""How long the note that a call's estimate was counted as lost is kept for that call's own
+settle (its worker was fenced out, not dead, and may still answer; the settle then takes the
+estimate back). When its worker is dead the settle never comes: the note is erased after this
+long, as the next one is made."""
+
+
 class FlowControl:
     """Admission against fleet-wide model limits held in Redis (see the module docstring)."""
 
@@ -458,10 +475,12 @@ class FlowControl:
         lease_seconds: float,
         metrics: Metrics | None = None,
         prefix: str = "dar:flow",
+        charged_marker_seconds: float = CHARGED_MARKER_SECONDS,
     ) -> None:
         self.client = client
         self.limits = limits
         self.lease_seconds = lease_seconds
+        self.charged_marker_seconds = charged_marker_seconds
         self.metrics = metrics
         self.prefix = prefix
         self._admit = client.register_script(_ADMIT)
@@ -489,6 +508,7 @@ class FlowControl:
             f"{base}:due",
             f"{base}:vclock",
             f"{base}:calls",
+            f"{base}:charged",
         ]
 
     def admit(
@@ -539,6 +559,7 @@ class FlowControl:
                     run,
                     f"{input_tokens}:{max_tokens}"
                     + (f":{step[1]}:{step[0]}" if step is not None else ""),
+                    self.charged_marker_seconds,
                 ],
             )
         except _redis_error() as e:

@@ -281,3 +281,34 @@ def test_flow_control_can_be_turned_off(settings: Settings) -> None:
         assert rt.flow_control() is None
     finally:
         rt.close()
+
+
+def test_the_note_of_a_call_counted_as_lost_is_erased_in_time(
+    rclient: redis.Redis, prefix: str
+) -> None:
+    """A run's call whose worker died is counted as lost by the run's next admission, which
+    leaves a note for that call's settle (in case its worker was only fenced out). A dead
+    worker never settles: the note is erased once its time is up, as the next one is made,
+    not kept for as long as the model's calls keep its hash alive (a leak under load)."""
+    flow = FlowControl(rclient, (), lease_seconds=60, prefix=prefix, charged_marker_seconds=1)
+    calls = flow._keys(flow.limit(MODEL))[5]
+
+    def lose_a_call(run: str) -> str:
+        first = flow.admit(MODEL, 100, 50, waiter=run, run=run, step=("model:1", 1))
+        assert first is not None
+        assert not isinstance(first, Refusal)
+        # its worker dies in the call; the run's next admission finds its record
+        second = flow.admit(MODEL, 100, 50, waiter=run, run=run, step=("model:1", 2))
+        assert second is not None
+        assert not isinstance(second, Refusal)
+        assert second.lost is not None
+        assert second.lost.total == 150
+        assert rclient.hexists(calls, f"charged:{first.lease}")
+        return first.lease
+
+    early = lose_a_call("run-1")
+    time.sleep(1.2)
+    late = lose_a_call("run-2")
+    assert not rclient.hexists(calls, f"charged:{early}"), "an expired note was kept"
+    assert rclient.hexists(calls, f"charged:{late}"), "a note in its time was erased"
+    assert 0 < rclient.ttl(calls.replace(":calls", ":charged")) <= 61
