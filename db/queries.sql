@@ -51,6 +51,28 @@ SET status = 'RUNNING', locked_by = :worker,
 FROM target WHERE r.id = target.id
 RETURNING r.*, now() AS db_now;
 
+-- claim_run_to_end --
+-- claim_run, for the worker that has just handed the run on with :token after a step that
+-- ended its conversation, to end the run itself instead of sending the message: the same
+-- claim, only when no message was posted to the run meanwhile (delivering one is a step of
+-- its own, for the message to carry to any worker).
+WITH target AS (
+    SELECT id FROM run
+    WHERE id = :id AND dispatch_token = :token
+      AND status IN ('QUEUED', 'RUNNING') AND run_at <= now()
+      AND (locked_until IS NULL OR locked_until < now())
+      AND messages_pending = 0
+    FOR UPDATE
+)
+UPDATE run r
+SET status = 'RUNNING', locked_by = :worker,
+    locked_until = now() + make_interval(secs => :lease_seconds),
+    lease_epoch = r.lease_epoch + 1,
+    claims_without_progress = r.claims_without_progress + 1,
+    updated_at = now()
+FROM target WHERE r.id = target.id
+RETURNING r.*, now() AS db_now;
+
 -- claim_next_run --
 -- Claim whichever run is due, for a driver that polls instead of taking messages: QUEUED
 -- rows, and RUNNING rows whose lease has lapsed. Concurrent claimers skip each other's rows.
@@ -227,6 +249,7 @@ RETURNING *;
 -- A run about to end SUCCEEDED with a message posted meanwhile (messages_pending) goes on
 -- instead: it stays RUNNING, unheld and due, for the reaper's next sweep to send (a message
 -- is never left behind by the end of its conversation).
+-- Returns the run as it ends (no second read of it to log and count its end).
 UPDATE run
 SET status = CASE WHEN :status = 'NEEDS_ATTENTION' AND cancel_requested THEN 'CANCELLED'
                   WHEN :status = 'SUCCEEDED' AND messages_pending > 0 THEN 'RUNNING'
@@ -245,7 +268,7 @@ SET status = CASE WHEN :status = 'NEEDS_ATTENTION' AND cancel_requested THEN 'CA
                          ELSE dispatched_at END,
     updated_at = now()
 WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING'
-RETURNING status;
+RETURNING *;
 
 -- begin_stop --
 -- A run the engine stops early (its worker kept dying) keeps the reason on the row while its

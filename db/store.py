@@ -64,6 +64,7 @@ from db.steplog import StepLogCache
 
 _HOT = (
     "claim_run",
+    "claim_run_to_end",
     "list_steps",
     "list_steps_since",
     "record_step",
@@ -626,6 +627,18 @@ class RunStore:
         )
         return self._claimed(row, worker)
 
+    def claim_to_end(
+        self, run_id: uuid.UUID, token: uuid.UUID, worker: str, lease_s: float
+    ) -> Claim | None:
+        """:meth:`claim`, by the worker that handed the run on with ``token`` after a step
+        that ended its conversation, to end it without a message; ``None`` also when a
+        message was posted to the run meanwhile (its delivery is a step: send ``token``)."""
+        row = self._fast.one(
+            "claim_run_to_end",
+            {"id": run_id, "token": token, "worker": worker, "lease_seconds": lease_s},
+        )
+        return self._claimed(row, worker)
+
     def claim_next(self, worker: str, lease_s: float) -> Claim | None:
         """Claim any due run (QUEUED, or RUNNING with a lapsed lease)."""
         with self._statement() as conn:
@@ -1077,8 +1090,9 @@ class RunStore:
         *,
         result: Any = None,
         error: str | None = None,
-    ) -> None:
-        """End the run (or park it NEEDS_ATTENTION) and release the lease. Fenced."""
+    ) -> Run:
+        """End the run (or park it NEEDS_ATTENTION) and release the lease; the run as it
+        ends. Fenced."""
         self.step_logs.forget(claim.run_id)
         row = self._fast.one(
             "finish_run",
@@ -1091,6 +1105,7 @@ class RunStore:
         )
         if row is None:
             raise LeaseLost(claim.run_id, "finish refused by the fence")
+        return _run(row)
 
     # -- control ------------------------------------------------------------------------
 

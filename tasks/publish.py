@@ -57,7 +57,10 @@ class DrivePublisher:
         )
         self._task = task
         self._origin = f"gen{os.getpid()}@{socket.gethostname()}"
-        self._app = app
+        # Celery puts the sending thread's id (a uuid3 made once per thread) in reply_to,
+        # for replies no one sends here (no result backend). Under the gevent pool every
+        # task is a new "thread" and made a new one for each message: one per process.
+        self._reply_to = app.thread_oid
 
     @staticmethod
     def usable(app: Celery) -> bool:
@@ -107,7 +110,7 @@ class DrivePublisher:
             },
             "properties": {
                 "correlation_id": task_id,
-                "reply_to": self._app.thread_oid,
+                "reply_to": self._reply_to,
                 "delivery_mode": 2,
                 "delivery_info": {"exchange": "", "routing_key": self.queue},
                 "priority": 0,

@@ -25,7 +25,13 @@ from runtime.observe.tracing import Span, step_span
 from runtime.pipeline import effects, kinds, mcpcall, modelcall
 from runtime.pipeline.checkpoint import Outcome, StepResult, Task
 from runtime.pipeline.faults import crash_point
-from runtime.pipeline.replay import Conversation, model_step_key, replay, tool_step_key
+from runtime.pipeline.replay import (
+    FINISHING_STOPS,
+    Conversation,
+    model_step_key,
+    replay,
+    tool_step_key,
+)
 from runtime.tools import ToolContext, ToolInputError, render_output
 
 log = logging.getLogger(__name__)
@@ -384,7 +390,11 @@ def _model_step(
                 "gen_ai.usage.cache_read.input_tokens": response.usage.cache_read_input_tokens,
             }
         )
-    return StepResult(Outcome.CONTINUE, dispatch=outcome.dispatch)
+    # no tool to run and a finishing stop: what is left of this run is its end, no step
+    ends = response.stop_reason in FINISHING_STOPS and not any(
+        isinstance(b, dict) and b.get("type") == "tool_use" for b in response.content or ()
+    )
+    return StepResult(Outcome.CONTINUE, dispatch=outcome.dispatch, ends_next=ends)
 
 
 # -- tool step ------------------------------------------------------------------------------

@@ -66,6 +66,9 @@ class StepResult:
     status: RunStatus | None = None
     wakes: tuple[Dispatch, ...] = ()
     """Runs woken because this step freed their concurrency-key slot: send these too."""
+    ends_next: bool = False
+    """The step's answer ended the conversation: the run's next task only ends it (the
+    executor may do that at once, see :meth:`runtime.engine.driver.Driver.drive`)."""
 
 
 @dataclass(frozen=True)
@@ -411,16 +414,16 @@ class Task:
         self, status: RunStatus, *, result: Any = None, error: str | None = None
     ) -> StepResult:
         """End the run with ``status`` (or park it NEEDS_ATTENTION), releasing the lease."""
-        self.durably(
+
+        def earlier() -> Earlier[Run] | None:
+            ended = self._released(lambda r: r.status is not RunStatus.RUNNING)
+            return Earlier(ended) if ended is not None else None
+
+        run = self.durably(
             f"the run's end ({status})",
             lambda: self.store.finish(self.claim, status, result=result, error=error),
-            lambda: (
-                Earlier(None)
-                if self._released(lambda r: r.status is not RunStatus.RUNNING)
-                else None
-            ),
+            earlier,
         )
-        run = self.durably("-", lambda: self.store.get_run(self.claim.run_id))
         if run.finished_at is not None:
             if self.services.metrics is not None:
                 took = (run.finished_at - run.created_at).total_seconds()

@@ -19,6 +19,7 @@ from db.records import Dispatch, RunStatus, StepKind
 from runtime.durable import Steps, durable_agent
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Outcome
+from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import tool
 from tasks.celery_app import make_celery
@@ -136,7 +137,9 @@ def test_a_run_about_to_succeed_with_a_message_pending_goes_on(
     refused as an end, the run stays due, and the message is delivered, not lost."""
     llm.then_text("first").then_text("second")
     run, dispatch = submit(rt.store, "hello")
-    last = step(rt, dispatch)
+    separate = rt.driver()
+    separate.end_in_place = False  # the run's end as a task of its own, from its message
+    last = separate.drive(dispatch.run_id, dispatch.token).dispatch
     assert last is not None
     claim = rt.store.claim(run.id, last.token, "worker-A", 30)
     assert claim is not None
@@ -149,6 +152,34 @@ def test_a_run_about_to_succeed_with_a_message_pending_goes_on(
     done = rt.store.get_run(run.id)
     assert (done.status, done.result) == (RunStatus.SUCCEEDED, "second")
     assert [k for k, _ in kinds(rt, run.id)] == ["MODEL", "MESSAGE", "MODEL"]
+
+
+def test_a_message_posted_during_the_last_model_call_is_delivered_not_ended_over(
+    rt: Runtime, llm: ScriptedLlm
+) -> None:
+    """The answer ends the conversation, but a message was posted while the call was in
+    flight: the worker does not end the run in the same task (the end's claim is refused
+    while a message is pending); the message goes out, and its delivery is the next step."""
+    run, dispatch = submit(rt.store, "hello")
+
+    class PostsDuringTheCall:
+        def send(self, request: LlmRequest) -> LlmResponse:
+            if len(request.messages) == 1:
+                rt.store.post_message(run.id, "wait, one more thing")
+            return llm.send(request)
+
+    llm.then_text("first").then_text("second")
+    driver = rt.driver()
+    driver.llm = PostsDuringTheCall()
+    result = driver.drive(dispatch.run_id, dispatch.token)
+    assert result.outcome is Outcome.CONTINUE
+    assert result.dispatch is not None
+    assert rt.store.get_run(run.id).status is RunStatus.RUNNING
+    to_end(rt, result.dispatch)
+    done = rt.store.get_run(run.id)
+    assert (done.status, done.result) == (RunStatus.SUCCEEDED, "second")
+    assert [k for k, _ in kinds(rt, run.id)] == ["MODEL", "MESSAGE", "MODEL"]
+    assert done.lease_epoch == 4, "one claim per step, and one for the end"
 
 
 def test_content_blocks_policies_and_refusals(

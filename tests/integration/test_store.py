@@ -257,5 +257,6 @@ def test_a_claim_that_meets_a_database_outage_sends_its_message_again_soon(
     assert runtime.store.get_run(run.id).status is RunStatus.QUEUED
     llm.then_text("done")
     again = runtime.driver(worker="worker-A").drive(run.id, result.dispatch.token)
-    assert again.outcome is Outcome.CONTINUE  # the model step ran and was checkpointed
+    # the model step ran and was checkpointed; its answer ended the run, there and then
+    assert again.outcome is Outcome.FINISHED
     assert [s.step_key for s in runtime.store.steps(run.id)] == ["model:1"]
