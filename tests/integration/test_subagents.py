@@ -769,7 +769,7 @@ def test_a_hold_left_by_a_worker_that_died_after_recording_its_call_is_swept(
     [row] = rt.store.steps(a.run_id)
     assert (held_run, row.lease_epoch, row.step_key) == (a.run_id, epoch, "model:1")
     nxt = driver.drive(b.run_id, b.token)  # b's call is admitted: a's hold is swept
-    assert nxt.outcome is Outcome.CONTINUE
+    assert nxt.outcome is Outcome.FINISHED  # its answer ended b, in the same task
     assert holds(rt) == []
 
 
