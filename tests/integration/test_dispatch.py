@@ -115,7 +115,7 @@ def test_stale_message_after_redispatch_is_dropped(
     assert queued[1] != str(dispatch.token)
     # The "lost" message turns up after all: stale, it runs nothing.
     assert celery_app.tasks[DRIVE_RUN].run(str(run.id), str(dispatch.token)) == "DROPPED"
-    assert celery_app.tasks[DRIVE_RUN].run(*queued) == "CONTINUE"
+    assert celery_app.tasks[DRIVE_RUN].run(*queued) == "FINISHED"  # its answer ended it
     assert llm.requests
     assert len(llm.requests) == 1
 
@@ -132,7 +132,7 @@ def test_reaper_redispatches_a_run_whose_worker_died(
     assert celery_app.tasks[REAP].run() == 1
     assert celery_app.tasks[REAP].run() == 0, "only once"
     (queued,) = _queued(redis_client, runtime.settings.queue)
-    assert celery_app.tasks[DRIVE_RUN].run(*queued) == "CONTINUE"
+    assert celery_app.tasks[DRIVE_RUN].run(*queued) == "FINISHED"  # its answer ended it
     assert runtime.store.steps(run.id)[0].worker == runtime.settings.worker_name
 
 

@@ -79,7 +79,7 @@ def test_the_worker_serves_its_metrics(worker_app: tuple[Celery, int], llm: Scri
     llm.then_text("hi", 40, 2)
     register_agent(rt.agents)
     run, dispatch = submit(rt.store)
-    assert app.tasks[DRIVE_RUN].run(str(run.id), str(dispatch.token)) == "CONTINUE"
+    assert app.tasks[DRIVE_RUN].run(str(run.id), str(dispatch.token)) == "FINISHED"
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         body = resp.read().decode()
     assert 'dar_tokens_total{direction="input",model="scripted"} 40.0' in body
