@@ -1267,21 +1267,31 @@ WITH RECURSIVE tree AS (
     FROM run c JOIN tree t ON c.parent_run_id = t.id
     WHERE t.depth < 64
 ), counted AS (
-    SELECT t.spent, t.cost FROM tree t
-    WHERE t.id = :root OR EXISTS (
-        SELECT 1 FROM run_step s
-        WHERE s.run_id = t.parent_run_id AND s.status = 'PENDING'
-          AND s.response ->> 'runId' = CAST(t.id AS text)
-    )
-    UNION ALL
-    SELECT GREATEST(t.spent - (s.input_tokens + s.output_tokens
-                               + s.cache_creation_input_tokens + s.cache_read_input_tokens), 0),
-           GREATEST(t.cost - s.cost_usd, 0)
-    FROM tree t JOIN run_step s
-      ON s.run_id = t.parent_run_id AND s.status IN ('DONE', 'ERROR')
-     AND s.step_key = substr(t.idempotency_key,
-                             length('child:' || CAST(t.parent_run_id AS text) || '/') + 1)
-    WHERE t.id <> :root
+    -- each descendant's step in its parent read once, by its key (run_step_key_uk: the
+    -- child's idempotency key is 'child:<parent>/<step key>'); LATERAL keeps it a lookup
+    -- per run, never a scan of every step (this runs under the tree's lock, per call)
+    SELECT CASE WHEN t.id = :root THEN t.spent
+                WHEN s.status = 'PENDING' AND s.response ->> 'runId' = CAST(t.id AS text)
+                  THEN t.spent
+                WHEN s.status IN ('DONE', 'ERROR')
+                  THEN GREATEST(t.spent - (s.input_tokens + s.output_tokens
+                                           + s.cache_creation_input_tokens
+                                           + s.cache_read_input_tokens), 0)
+                ELSE 0 END AS spent,
+           CASE WHEN t.id = :root THEN t.cost
+                WHEN s.status = 'PENDING' AND s.response ->> 'runId' = CAST(t.id AS text)
+                  THEN t.cost
+                WHEN s.status IN ('DONE', 'ERROR') THEN GREATEST(t.cost - s.cost_usd, 0)
+                ELSE 0 END AS cost
+    FROM tree t LEFT JOIN LATERAL (
+        SELECT s.status, s.response, s.input_tokens, s.output_tokens,
+               s.cache_creation_input_tokens, s.cache_read_input_tokens, s.cost_usd
+        FROM run_step s
+        WHERE s.run_id = t.parent_run_id
+          AND s.step_key = substr(t.idempotency_key,
+                                  length('child:' || CAST(t.parent_run_id AS text) || '/') + 1)
+        LIMIT 1  -- unique; and the subquery is not flattened (into a join that scans all)
+    ) s ON true
 ), held AS (
     SELECT h.run_id, h.lease_epoch, h.tokens, h.cost_usd,
            r.status = 'RUNNING' AND r.lease_epoch = h.lease_epoch AS live

@@ -372,6 +372,14 @@ MUTANTS = (
         "other until their deadline",
     ),
     Mutant(
+        "tree-spend-scans-steps",
+        "db/queries.sql",
+        "        LIMIT 1  -- unique; and the subquery is not flattened",
+        "        -- unique; and the subquery is not flattened",
+        (T + "test_subagents.py::test_the_trees_spend_reads_each_childs_step_once",),
+        "every child model call's admission scans every step row under its tree's lock",
+    ),
+    Mutant(
         "run-tree-walk-not-cut",
         "db/queries.sql",
         "FROM (SELECT * FROM down LIMIT :max_nodes + 1) d",

@@ -25,7 +25,8 @@ from flask.testing import FlaskClient
 from sqlalchemy import text as sql
 
 import api
-from db.records import Dispatch, RunStatus, StepKind, StepStatus, Usage
+from db.queries import QUERIES
+from db.records import Dispatch, NewRun, RunStatus, StepKind, StepStatus, Usage
 from db.store import RunStore
 from runtime.agents import Agent, AgentConfigError, AgentRegistry, Subagent
 from runtime.config import Settings
@@ -645,6 +646,75 @@ def test_two_calls_lost_together_do_not_wedge_each_other(
     done = rt.store.get_run(run.id)
     assert done.status.terminal, done.status
     assert holds(rt) == []
+
+
+def test_the_trees_spend_reads_each_childs_step_once(runtime: Runtime) -> None:
+    """Every model call of a child reads its tree's spend under the tree's lock (the tree's
+    admissions wait for each other): with 1,000 children working, each child's step in the
+    parent is read once, by its key, not by scanning every step of the database (or of the
+    parent, for each child)."""
+    n = 1000
+    root, _ = runtime.store.create_run(NewRun("lead", 1, "m", 10, 10**9, 60))
+    other, _ = runtime.store.create_run(NewRun("lead", 1, "m", 10, 10**9, 60))
+    with runtime.engine.begin() as conn:
+        conn.execute(
+            sql(
+                "INSERT INTO run (id, agent, input, model, max_steps, token_budget, "
+                "timeout_seconds, deadline_at, parent_run_id, tenant, dispatch_token, "
+                "idempotency_key, tokens_used) "
+                "SELECT gen_random_uuid(), 'researcher', '1', 'm', 10, "
+                "1000, 60, now() + interval '1 hour', :parent, '', gen_random_uuid(), "
+                "'child:' || :parent || '/tool:' || g, 7 FROM generate_series(1, :n) g"
+            ),
+            {"parent": root.id, "n": n},
+        )
+        conn.execute(
+            sql(
+                "INSERT INTO run_step (run_id, seq, step_key, kind, status, response, attempt, "
+                "lease_epoch) SELECT :parent, row_number() OVER (ORDER BY idempotency_key), "
+                "substr(idempotency_key, length('child:' || :parent || '/') + 1), 'CHILD', "
+                "'PENDING', jsonb_build_object('runId', id), 1, 1 "
+                "FROM run WHERE parent_run_id = :parent"
+            ),
+            {"parent": root.id},
+        )
+        # the rest of a database in use: other runs' steps (a scan of them all costs), in
+        # bulk (no run events: its triggers off for this transaction)
+        conn.execute(sql("SET LOCAL session_replication_role = replica"))
+        conn.execute(
+            sql(
+                "INSERT INTO run_step (run_id, seq, step_key, kind, status, attempt, "
+                "lease_epoch) SELECT :other, g, 'model:' || g, 'MODEL', 'DONE', 1, 1 "
+                "FROM generate_series(1, 100000) g"
+            ),
+            {"other": other.id},
+        )
+        conn.execute(sql("SET LOCAL session_replication_role = origin"))
+        conn.execute(sql("ANALYZE run"))
+        conn.execute(sql("ANALYZE run_step"))
+        kid = conn.execute(
+            sql("SELECT id FROM run WHERE parent_run_id = :p LIMIT 1"), {"p": root.id}
+        ).scalar_one()
+        params = {"id": kid, "epoch": 1, "root": root.id}
+        started = time.perf_counter()
+        spend = conn.execute(QUERIES["tree_spend"], params).mappings().one()
+        ms = (time.perf_counter() - started) * 1000
+        assert spend["spent"] == 7 * n, "every child working is counted"
+        query = QUERIES["tree_spend"].text
+        plan = conn.execute(sql(f"EXPLAIN (ANALYZE, FORMAT JSON) {query}"), params).scalar_one()
+    plan = plan if isinstance(plan, list) else json.loads(plan)
+    read: list[int] = []
+
+    def walk(node: dict[str, Any]) -> None:
+        if node.get("Relation Name") == "run_step":
+            read.append(int(node["Actual Rows"]) * int(node["Actual Loops"]))
+            read.append(int(node.get("Rows Removed by Filter", 0)) * int(node["Actual Loops"]))
+        for sub in node.get("Plans", []):
+            walk(sub)
+
+    walk(plan[0]["Plan"])
+    print(f"tree spend of {n} children working: {ms:.1f} ms, {sum(read)} step rows read")
+    assert sum(read) <= 4 * n, f"run_step rows read: {sum(read)} for {n} children"
 
 
 def test_a_sub_agent_must_be_registered_and_its_tool_name_free() -> None:
