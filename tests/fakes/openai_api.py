@@ -50,6 +50,10 @@ class Turn:
     """Seconds the fake holds the request before answering."""
     interval: float = 0.0
     """Streamed: seconds between two events (the text arrives as it is "produced")."""
+    status: int = 200
+    """Not 200: the request is refused with this status (a 429 with ``retry-after``), not
+    billed."""
+    retry_after: int = 0
 
 
 def _response(turn: Turn, number: int, model: str) -> JsonObj:
@@ -214,6 +218,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(400, error)
         if turn.delay:
             time.sleep(turn.delay)
+        if turn.status != 200:
+            refused = {"error": {"message": "Rate limit reached", "type": "requests"}}
+            retry = {"retry-after": str(turn.retry_after)} if turn.retry_after else {}
+            return self._json(turn.status, refused, retry)
         with fake.lock:
             fake.state.billed.append(turn)
         model = str(body.get("model") or "fake-model")
@@ -230,9 +238,11 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(200, _chat(turn, number, model))
         return self._json(404, {"error": {"message": f"no route {path}"}})
 
-    def _json(self, status: int, obj: JsonObj) -> None:
+    def _json(self, status: int, obj: JsonObj, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(obj).encode()
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(data)))
         self.send_header("x-request-id", f"req_fake_{len(self.server.fake.state.bodies):04d}")

@@ -22,7 +22,7 @@ from openai import AsyncOpenAI
 from pydantic import BaseModel
 
 import api
-from db.records import ApprovalStatus, RunStatus, StepStatus, Usage
+from db.records import ApprovalStatus, Dispatch, RunStatus, StepStatus, Usage
 from runtime.client import parse_sse
 from runtime.engine.bootstrap import Runtime
 from runtime.frameworks import idempotency_key
@@ -412,3 +412,36 @@ def test_the_runs_tool_calls_outputs_and_handoffs_reach_its_event_stream(
     )
     assert names.index("agent.tool_called") > model_done, "after the step that asked for it"
     assert len({e.id for e in events}) == len(events)
+
+
+def test_a_429_parks_the_sdk_run_on_a_timer_and_it_goes_on_when_due(
+    rt: Runtime, fake: FakeOpenAiApi, client: AsyncOpenAI
+) -> None:
+    """The SDK's model call is refused 429 (its client's retries off): the step is not
+    recorded as failed; the run waits on a durable timer for the retry-after; when due, the
+    call is made again and the run ends as if nothing happened, the refusal not billed."""
+    rt.agents.register(
+        Agent(
+            name="patient",
+            instructions="Answer.",
+            model=OpenAIResponsesModel(MODEL, openai_client=client),
+        )
+    )
+    fake.then(Turn(status=429, retry_after=2))
+    fake.then_text("here you are")
+    run, dispatch = rt.submit("patient", "hello")
+    outcomes = drive_to_end(rt.driver(), dispatch)
+    waiting = rt.store.get_run(run.id)
+    assert waiting.status is RunStatus.RUNNING, waiting.error
+    assert "429" in (waiting.wait_reason or ""), waiting.wait_reason
+    assert [s.step_key for s in rt.store.steps(run.id)] == ["agent:0"], "nothing failed"
+    assert outcomes
+
+    time.sleep(2.5)
+    due = rt.store.get_run(run.id)
+    drive_to_end(rt.driver(), Dispatch(run.id, due.dispatch_token))
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.result == "here you are"
+    assert fake.calls == 2
+    assert done.tokens_used == fake.billed_tokens == 15, "the refusal was not billed"
