@@ -266,6 +266,10 @@ SET status = CASE WHEN :status = 'NEEDS_ATTENTION' AND cancel_requested THEN 'CA
                   ELSE run_at END,
     dispatched_at = CASE WHEN :status = 'SUCCEEDED' AND messages_pending > 0 THEN 'epoch'
                          ELSE dispatched_at END,
+    -- going on with a message is progress: the claim that ended it is no failed one (else
+    -- the next claim is taken for a recovery, as in message_arrived)
+    claims_without_progress = CASE WHEN :status = 'SUCCEEDED' AND messages_pending > 0 THEN 0
+                                   ELSE claims_without_progress END,
     updated_at = now()
 WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING'
 RETURNING *;

@@ -182,6 +182,36 @@ def test_a_message_posted_during_the_last_model_call_is_delivered_not_ended_over
     assert done.lease_epoch == 4, "one claim per step, and one for the end"
 
 
+def test_a_message_posted_as_the_run_ends_is_no_recovery(
+    rt: Runtime, llm: ScriptedLlm, client: FlaskClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message posted as the run ends, after the claim that ends it: the run goes on to
+    deliver it, and nothing crashed, so its timeline shows no recovery (the claim that was
+    to end it counted as one without progress, and the next claim took the run for one its
+    worker had died in)."""
+    llm.then_text("first").then_text("second")
+    run, dispatch = submit(rt.store, "hello")
+    real, posted = rt.store.finish, []
+
+    def posting(claim: Any, status: RunStatus, **kw: Any) -> Any:
+        if not posted and status is RunStatus.SUCCEEDED:
+            posted.append(rt.store.post_message(run.id, "wait, one more thing"))
+        return real(claim, status, **kw)
+
+    monkeypatch.setattr(rt.store, "finish", posting)
+    to_end(rt, dispatch)
+    assert posted, "the message came as the run ended"
+    for _ in range(3):  # the reaper sends it on
+        due = [d for d in rt.store.redispatch_due(redispatch_after=0) if d.run_id == run.id]
+        to_end(rt, due[0] if due else None)
+    done = rt.store.get_run(run.id)
+    assert (done.status, done.result) == (RunStatus.SUCCEEDED, "second")
+    assert [k for k, _ in kinds(rt, run.id)] == ["MODEL", "MESSAGE", "MODEL"]
+    timeline = client.get(f"/api/runs/{run.id}/timeline").get_json()
+    recoveries = [t for t in timeline if str(t.get("action", "")).startswith("recovery.")]
+    assert recoveries == [], "a conversation that went on is not a recovery from a crash"
+
+
 def test_content_blocks_policies_and_refusals(
     rt: Runtime, llm: ScriptedLlm, client: FlaskClient
 ) -> None:
