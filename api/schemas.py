@@ -51,11 +51,11 @@ MAX_COMMENT_CHARS = 4000
 MAX_REASON_CHARS = 4000
 RESOLVE_ACTIONS = ("supply_result", "retry", "fail")
 MAX_SEQ = 2_147_483_647
+"""A step's seq is a PostgreSQL integer."""
 # GET /api/runs/{id}/tree: the runs it shows at most (breadth-first from the root; the run
 # itself and its ancestors come on top of these) and the levels below the root it goes down.
 TREE_MAX_NODES = 200
 TREE_MAX_DEPTH = 16
-"""A step's seq is a PostgreSQL integer."""
 
 
 def _text(description: str, *, max_length: int, non_blank: bool = False) -> JsonObj:

@@ -143,11 +143,12 @@ def carry(recorder: StepUsage | None) -> Iterator[None]:
 
 def seq_after(task: Task, seq: int) -> Callable[[], int]:
     """An allocator of seqs past every row of the run's log and past ``seq`` (for a step
-    recorded by a program that allocates no other seq while its body runs)."""
-    state = {"next": max(seq, max((s.seq for s in task.steps), default=0)) + 1}
+    recorded by a program that allocates no other seq while its body runs). The log is
+    scanned at the first report, not per step: most steps report nothing."""
+    state: dict[str, int] = {}
 
     def take() -> int:
-        n = state["next"]
+        n = state.get("next") or max(seq, max((s.seq for s in task.steps), default=0)) + 1
         state["next"] = n + 1
         return n
 

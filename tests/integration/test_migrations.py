@@ -72,3 +72,42 @@ def test_two_processes_migrating_at_once_is_safe(pg_admin_url: str) -> None:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+def test_an_invalid_prebuilt_children_index_is_built_again(pg_admin_url: str) -> None:
+    """Migration 0025's index may be built beforehand with CREATE INDEX CONCURRENTLY; one
+    that failed half way is left invalid under the name, and the migration must not take it
+    for the index (it drops the old one after)."""
+    name = "dar_invalid_index_migrate"
+    admin = create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(pg_admin_url).set(database=name).render_as_string(hide_password=False)
+    engine = make_engine(url)
+    try:
+        upgrade(engine, "0024")
+        with engine.begin() as conn:
+            conn.execute(text("CREATE INDEX run_parent_created_idx ON run (parent_run_id)"))
+            # what a failed concurrent build leaves (the test user is a superuser)
+            conn.execute(
+                text(
+                    "UPDATE pg_index SET indisvalid = false "
+                    "WHERE indexrelid = 'run_parent_created_idx'::regclass"
+                )
+            )
+        upgrade(engine)
+        with engine.connect() as conn:
+            valid, definition = conn.execute(
+                text(
+                    "SELECT i.indisvalid, pg_get_indexdef(i.indexrelid) FROM pg_index i "
+                    "WHERE i.indexrelid = 'run_parent_created_idx'::regclass"
+                )
+            ).one()
+        assert valid
+        assert "created_at" in definition
+    finally:
+        engine.dispose()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

@@ -9,7 +9,8 @@ children for ``GET /api/runs/{id}`` and the cancel cascade).
 
 A plain CREATE INDEX (migrations run in one transaction): it blocks writes to ``run`` while
 it builds, a partial index over child runs only. Build it beforehand with CREATE INDEX
-CONCURRENTLY under the same name and the migration skips it.
+CONCURRENTLY under the same name and the migration skips it (an invalid one, left by a
+failed concurrent build, is dropped and built again).
 
 Revision ID: 0025
 Revises: 0024
@@ -25,6 +26,13 @@ depends_on = None
 
 
 def upgrade() -> None:
+    # A CREATE INDEX CONCURRENTLY that failed leaves an invalid index of that name, which
+    # IF NOT EXISTS would take for the index: drop it and build it here instead.
+    op.execute(
+        "DO $$ BEGIN IF EXISTS (SELECT 1 FROM pg_index "
+        "WHERE indexrelid = to_regclass('run_parent_created_idx') AND NOT indisvalid) "
+        "THEN DROP INDEX run_parent_created_idx; END IF; END $$"
+    )
     op.execute(
         "CREATE INDEX IF NOT EXISTS run_parent_created_idx "
         "ON run (parent_run_id, created_at, id) WHERE parent_run_id IS NOT NULL"
