@@ -106,6 +106,16 @@ def short(run_id: uuid.UUID) -> str:
     return str(run_id)[:8]
 
 
+def plus(a: Usage, b: Usage) -> Usage:
+    """``a`` and ``b`` added up, count by count."""
+    return Usage(
+        a.input_tokens + b.input_tokens,
+        a.output_tokens + b.output_tokens,
+        a.cache_creation_input_tokens + b.cache_creation_input_tokens,
+        a.cache_read_input_tokens + b.cache_read_input_tokens,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Earlier(Generic[T_co]):
     """What a write returned, found after the fact: an earlier try did commit."""

@@ -40,7 +40,7 @@ from runtime.llm.billing import Meter, metering
 from runtime.llm.live_call import ModelCallCancelled, ModelCallInterrupted, live_call
 from runtime.llm.retry import RetryLater, prior_attempts, reset_prior_attempts
 from runtime.pipeline import kinds
-from runtime.pipeline.checkpoint import Earlier, Task
+from runtime.pipeline.checkpoint import Earlier, Task, plus
 from runtime.pipeline.faults import crash_point
 from runtime.pipeline.prompthash import prompt_hash as prompt_hash
 
@@ -534,13 +534,7 @@ def record_billed(
             _settle_answered(task, keep_record=True)
         raise
     _forget(task)  # recorded: no later admission may count it as lost
-    u, r = task.spent, answer.response.usage
-    task.spent = Usage(
-        u.input_tokens + r.input_tokens,
-        u.output_tokens + r.output_tokens,
-        u.cache_creation_input_tokens + r.cache_creation_input_tokens,
-        u.cache_read_input_tokens + r.cache_read_input_tokens,
-    )
+    task.spent = plus(task.spent, answer.response.usage)
     task.spent_cost += answer.cost
     return result
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from db.errors import DatabaseUnavailable, LeaseLost
 from db.records import NewStep, StepStatus, Usage
 from db.records import StepKind as RowKind
-from runtime.pipeline.checkpoint import Task
+from runtime.pipeline.checkpoint import Task, plus
 
 log = logging.getLogger(__name__)
 
@@ -94,21 +94,9 @@ class StepUsage:
                     task.run_id, usage, cost, unless_step=(row.step_key, task.claim.epoch)
                 )
                 raise
-            s = task.spent
-            task.spent = Usage(
-                s.input_tokens + usage.input_tokens,
-                s.output_tokens + usage.output_tokens,
-                s.cache_creation_input_tokens + usage.cache_creation_input_tokens,
-                s.cache_read_input_tokens + usage.cache_read_input_tokens,
-            )
+            task.spent = plus(task.spent, usage)
             task.spent_cost += cost
-            r = self.recorded
-            self.recorded = Usage(
-                r.input_tokens + usage.input_tokens,
-                r.output_tokens + usage.output_tokens,
-                r.cache_creation_input_tokens + usage.cache_creation_input_tokens,
-                r.cache_read_input_tokens + usage.cache_read_input_tokens,
-            )
+            self.recorded = plus(self.recorded, usage)
         if task.services.metrics is not None:
             task.services.metrics.model_call(model or "unknown", usage, cost)
         log.info(
