@@ -1,5 +1,6 @@
 -- Every SQL statement of the system, named once. Loaded by db/queries.py; only db/store.py
--- and db/demo.py use them. Parameters are SQLAlchemy ":name" binds.
+-- and db/demo.py use them. Parameters are SQLAlchemy ":name" binds. A name starting with "_"
+-- is a fragment shared by statements, not a statement: a line {{_name}} stands for it.
 --
 -- The fence: every write a worker makes after claiming is conditioned on
 --   locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING'
@@ -27,6 +28,25 @@ SELECT * FROM run WHERE tenant = :tenant AND idempotency_key = :idempotency_key;
 -- get_run --
 SELECT * FROM run WHERE id = :id;
 
+-- _claim_due --
+-- A fragment, not a statement: a statement's line {{_claim_due}} stands for it. The run of
+-- the drive_run message carrying its current dispatch token, when it is due and no lease on
+-- it is live.
+    WHERE id = :id AND dispatch_token = :token
+      AND status IN ('QUEUED', 'RUNNING') AND run_at <= now()
+      AND (locked_until IS NULL OR locked_until < now())
+
+-- _claim_set --
+-- A fragment, not a statement: a statement's line {{_claim_set}} stands for it. What every
+-- claim writes: the lease to :worker, a new fencing token (lease_epoch), one more claim since
+-- the last checkpoint.
+UPDATE run r
+SET status = 'RUNNING', locked_by = :worker,
+    locked_until = now() + make_interval(secs => :lease_seconds),
+    lease_epoch = r.lease_epoch + 1,
+    claims_without_progress = r.claims_without_progress + 1,
+    updated_at = now()
+
 -- claim_run --
 -- Claim one run for the drive_run message carrying its current dispatch token. A stale or
 -- duplicated message, a run whose lease is live, a timer not yet due: no row. Bumps the
@@ -37,17 +57,10 @@ SELECT * FROM run WHERE id = :id;
 -- look stale. Every transaction on a run row is short, so the wait is too.
 WITH target AS (
     SELECT id FROM run
-    WHERE id = :id AND dispatch_token = :token
-      AND status IN ('QUEUED', 'RUNNING') AND run_at <= now()
-      AND (locked_until IS NULL OR locked_until < now())
+{{_claim_due}}
     FOR UPDATE
 )
-UPDATE run r
-SET status = 'RUNNING', locked_by = :worker,
-    locked_until = now() + make_interval(secs => :lease_seconds),
-    lease_epoch = r.lease_epoch + 1,
-    claims_without_progress = r.claims_without_progress + 1,
-    updated_at = now()
+{{_claim_set}}
 FROM target WHERE r.id = target.id
 RETURNING r.*, now() AS db_now;
 
@@ -58,18 +71,11 @@ RETURNING r.*, now() AS db_now;
 -- its own, for the message to carry to any worker).
 WITH target AS (
     SELECT id FROM run
-    WHERE id = :id AND dispatch_token = :token
-      AND status IN ('QUEUED', 'RUNNING') AND run_at <= now()
-      AND (locked_until IS NULL OR locked_until < now())
+{{_claim_due}}
       AND messages_pending = 0
     FOR UPDATE
 )
-UPDATE run r
-SET status = 'RUNNING', locked_by = :worker,
-    locked_until = now() + make_interval(secs => :lease_seconds),
-    lease_epoch = r.lease_epoch + 1,
-    claims_without_progress = r.claims_without_progress + 1,
-    updated_at = now()
+{{_claim_set}}
 FROM target WHERE r.id = target.id
 RETURNING r.*, now() AS db_now;
 
@@ -84,12 +90,7 @@ WITH next AS (
     FOR UPDATE SKIP LOCKED
     LIMIT 1
 )
-UPDATE run r
-SET status = 'RUNNING', locked_by = :worker,
-    locked_until = now() + make_interval(secs => :lease_seconds),
-    lease_epoch = r.lease_epoch + 1,
-    claims_without_progress = r.claims_without_progress + 1,
-    updated_at = now()
+{{_claim_set}}
 FROM next WHERE r.id = next.id
 RETURNING r.*, now() AS db_now;
 
