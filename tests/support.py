@@ -10,21 +10,26 @@ from decimal import Decimal
 from typing import Any
 
 import redis
+from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 
+import api
 from db.errors import DatabaseUnavailable
 from db.records import Dispatch, NewRun, Run
 from db.store import RunStore
 from runtime.agents import Agent, AgentRegistry
 from runtime.config import Settings
+from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Driver, Outcome
 from runtime.testing.testkit import SimulatedCrash
 from runtime.tools import Tool
+from tasks.celery_app import make_celery
 from tests.fakes.messages_api import FakeMessagesApi
 
 __all__ = [
     "SimulatedCrash",
+    "api_client",
     "drive_to_end",
     "expire_lease",
     "redis_scope",
@@ -127,3 +132,14 @@ def pointed_at(settings: Settings, fake: FakeMessagesApi, **overrides: Any) -> S
             **overrides,
         },
     )
+
+
+@contextlib.contextmanager
+def api_client(rt: Runtime, settings: Settings) -> Iterator[FlaskClient]:
+    """A test client of the REST API over ``rt``, its Celery app (no tasks registered)
+    publishing to ``settings``' broker; the Celery app is closed after."""
+    celery = make_celery(settings, register=False)
+    try:
+        yield api.create_app(runtime=rt, celery=celery).test_client()
+    finally:
+        celery.close()

@@ -11,19 +11,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import Celery
-from flask import Flask
 from flask.testing import FlaskClient
 from sqlalchemy import text
 
-import api
 from db.errors import LeaseLost
 from db.records import Dispatch, NewRun, NewStep, RunStatus, StepKind, StepStatus
 from runtime.durable import ChildRunFailed, Steps, durable_agent
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Outcome
 from runtime.llm.scripted import ScriptedLlm
-from tasks.celery_app import make_celery
+from tests.support import api_client
 
 
 @durable_agent("double")
@@ -69,10 +66,8 @@ def rt(runtime: Runtime) -> Runtime:
 
 @pytest.fixture
 def client(rt: Runtime, settings: Any) -> Iterator[FlaskClient]:
-    celery: Celery = make_celery(settings, register=False)
-    app: Flask = api.create_app(runtime=rt, celery=celery)
-    yield app.test_client()
-    celery.close()
+    with api_client(rt, settings) as c:
+        yield c
 
 
 def drive_tree(rt: Runtime, dispatch: Dispatch, *, follow_wakes: bool = True) -> None:

@@ -9,11 +9,8 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from celery import Celery
-from flask import Flask
 from flask.testing import FlaskClient
 
-import api
 from api.events import durable_event
 from db.records import Dispatch, RunStatus, StepKind
 from runtime.durable import Steps, durable_agent
@@ -22,8 +19,7 @@ from runtime.engine.driver import Outcome
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import tool
-from tasks.celery_app import make_celery
-from tests.support import register_agent, submit
+from tests.support import api_client, register_agent, submit
 
 
 @tool(idempotent=True)
@@ -47,10 +43,8 @@ def rt(runtime: Runtime) -> Runtime:
 
 @pytest.fixture
 def client(rt: Runtime, settings: Any) -> Iterator[FlaskClient]:
-    celery: Celery = make_celery(settings, register=False)
-    app: Flask = api.create_app(runtime=rt, celery=celery)
-    yield app.test_client()
-    celery.close()
+    with api_client(rt, settings) as c:
+        yield c
 
 
 def step(rt: Runtime, dispatch: Dispatch) -> Dispatch | None:

@@ -10,20 +10,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import Celery
-from flask import Flask
 from flask.testing import FlaskClient
 from sqlalchemy import text
 
-import api
 from api.runs import tree_json
 from api.schemas import TREE_MAX_DEPTH, TREE_MAX_NODES
 from db.queries import QUERIES
 from db.records import NewRun
 from runtime.durable import Steps, durable_agent
 from runtime.engine.bootstrap import Runtime
-from tasks.celery_app import make_celery
 from tests.integration.test_child_runs import children_of, drive_tree
+from tests.support import api_client
 
 
 @durable_agent("tree-leaf")
@@ -50,10 +47,8 @@ def rt(runtime: Runtime) -> Runtime:
 
 @pytest.fixture
 def client(rt: Runtime, settings: Any) -> Iterator[FlaskClient]:
-    celery: Celery = make_celery(settings, register=False)
-    app: Flask = api.create_app(runtime=rt, celery=celery)
-    yield app.test_client()
-    celery.close()
+    with api_client(rt, settings) as c:
+        yield c
 
 
 def shape(tree: dict[str, Any]) -> list[tuple[int, str, str]]:
