@@ -19,6 +19,7 @@ from db.errors import DatabaseUnavailable
 from db.records import Dispatch, NewRun, Run
 from db.store import RunStore
 from runtime.agents import Agent, AgentRegistry
+from runtime.client import Event, parse_sse
 from runtime.config import Settings
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Driver, Outcome
@@ -31,6 +32,7 @@ __all__ = [
     "SimulatedCrash",
     "api_client",
     "drive_to_end",
+    "events_over_http",
     "expire_lease",
     "redis_scope",
     "register_agent",
@@ -143,3 +145,12 @@ def api_client(rt: Runtime, settings: Settings) -> Iterator[FlaskClient]:
         yield api.create_app(runtime=rt, celery=celery).test_client()
     finally:
         celery.close()
+
+
+def events_over_http(rt: Runtime, run_id: uuid.UUID) -> list[Event]:
+    """The run's events as ``GET /api/runs/{id}/events`` streams them (answered 200)."""
+    app = api.create_app(runtime=rt)
+    app.config["TESTING"] = True
+    resp = app.test_client().get(f"/api/runs/{run_id}/events")
+    assert resp.status_code == 200, resp.get_data(as_text=True)
+    return list(parse_sse(resp.get_data(as_text=True).splitlines()))

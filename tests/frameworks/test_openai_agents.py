@@ -21,16 +21,14 @@ from agents.mcp import MCPServerStdio
 from openai import AsyncOpenAI
 from pydantic import BaseModel
 
-import api
 from db.records import ApprovalStatus, Dispatch, RunStatus, StepStatus, Usage
-from runtime.client import parse_sse
 from runtime.engine.bootstrap import Runtime
 from runtime.frameworks import idempotency_key
 from runtime.frameworks.bridge import on_loop
 from runtime.frameworks.openai_agents import idempotent
 from tests.fakes.openai_api import FakeOpenAiApi, Turn
 from tests.mcp.support import COUNTING, Ledger
-from tests.support import drive_to_end
+from tests.support import drive_to_end, events_over_http
 
 MODEL = "gpt-test"
 
@@ -380,11 +378,7 @@ def test_the_runs_tool_calls_outputs_and_handoffs_reach_its_event_stream(
     drive_to_end(rt.driver(), dispatch)
     assert rt.store.get_run(run.id).status is RunStatus.SUCCEEDED
 
-    app = api.create_app(runtime=rt)
-    app.config["TESTING"] = True
-    resp = app.test_client().get(f"/api/runs/{run.id}/events")
-    assert resp.status_code == 200, resp.get_data(as_text=True)
-    events = list(parse_sse(resp.get_data(as_text=True).splitlines()))
+    events = events_over_http(rt, run.id)
     told = [
         (e.name, e.data.get("agent") or e.data.get("from"), e.data.get("tool") or e.data.get("to"))
         for e in events

@@ -29,7 +29,6 @@ from pydantic_ai.providers.anthropic import AnthropicProvider
 
 import api
 from db.records import ApprovalStatus, Dispatch, RunStatus, StepStatus, Usage
-from runtime.client import parse_sse
 from runtime.config import Settings
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Outcome
@@ -43,7 +42,7 @@ from runtime.testing.testkit import SimulatedCrash
 from tasks.celery_app import make_celery
 from tests.fakes.messages_api import FakeMessagesApi, RateLimit, slow, text
 from tests.mcp.support import COUNTING, Ledger
-from tests.support import drive_to_end, expire_lease
+from tests.support import drive_to_end, events_over_http, expire_lease
 
 MODEL = "claude-test-model"
 
@@ -711,11 +710,7 @@ def test_the_runs_tool_calls_and_results_reach_its_event_stream(
     drive_to_end(rt.driver(), dispatch)
     assert rt.store.get_run(run.id).status is RunStatus.SUCCEEDED
 
-    app = api.create_app(runtime=rt)
-    app.config["TESTING"] = True
-    resp = app.test_client().get(f"/api/runs/{run.id}/events")
-    assert resp.status_code == 200, resp.get_data(as_text=True)
-    events = list(parse_sse(resp.get_data(as_text=True).splitlines()))
+    events = events_over_http(rt, run.id)
     told = [(e.name, e.data["tool"]) for e in events if e.name.startswith("agent.")]
     assert told == [
         ("agent.tool_called", "lookup"),
