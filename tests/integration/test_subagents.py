@@ -26,13 +26,13 @@ from sqlalchemy import text as sql
 
 import api
 from db.queries import QUERIES
-from db.records import Dispatch, NewRun, RunStatus, StepKind, StepStatus, Usage
+from db.records import Dispatch, NewRun, Run, RunStatus, StepKind, StepStatus, Usage
 from db.store import RunStore
 from runtime.agents import Agent, AgentConfigError, AgentRegistry, Subagent
 from runtime.config import Settings
 from runtime.durable import Steps, durable_agent
 from runtime.engine.bootstrap import Runtime
-from runtime.engine.driver import Outcome
+from runtime.engine.driver import Driver, Outcome, StepResult
 from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import tool
 from tests.fakes.messages_api import (
@@ -216,6 +216,16 @@ def drive_side_by_side(rt: Runtime, first: Dispatch, *, workers: int = 4) -> Non
                 running |= {pool.submit(drive, d) for d in f.result()}
 
 
+def start_two_children(rt: Runtime) -> tuple[Run, Driver, StepResult]:
+    """The lead asked about two customers, driven until it has started its two sub-agents:
+    the lead's run, the driver, and what the starting step returned (a wake per child)."""
+    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
+    driver = rt.driver()
+    first = driver.drive(run.id, dispatch.token)
+    assert first.dispatch is not None
+    return run, driver, driver.drive(run.id, first.dispatch.token)
+
+
 def holds(rt: Runtime) -> list[Any]:
     with rt.engine.connect() as conn:
         return list(conn.execute(sql("SELECT run_id, lease_epoch, tokens FROM budget_hold")))
@@ -316,11 +326,7 @@ def test_a_parent_crash_after_starting_its_children_never_starts_them_twice(
 
 
 def test_cancelling_the_parent_cancels_its_children(rt: Runtime, client: FlaskClient) -> None:
-    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
-    driver = rt.driver()
-    first = driver.drive(run.id, dispatch.token)
-    assert first.dispatch is not None
-    started = driver.drive(run.id, first.dispatch.token)
+    run, driver, started = start_two_children(rt)
     assert started.outcome is Outcome.WAITING
     assert len(started.wakes) == 2
     parked = rt.store.get_run(run.id)
@@ -544,11 +550,7 @@ def test_a_call_lost_with_its_worker_does_not_wedge_the_tree(
     fit beside it, waits on a durable timer. When the lease lapses and the child is taken
     again, the lost call counts as spent, the child calls again alone, and the tree goes
     on to its end with nothing held."""
-    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
-    driver = rt.driver()
-    first = driver.drive(run.id, dispatch.token)
-    assert first.dispatch is not None
-    started = driver.drive(run.id, first.dispatch.token)
+    run, driver, started = start_two_children(rt)
     a, b = started.wakes
     real_send = rt.llm.send
 
@@ -600,11 +602,8 @@ def test_two_calls_lost_together_do_not_wedge_each_other(
     call in flight for its sibling (it is counted, never waited for): else each child, taken
     again, waits for the other's lost call, which only that child's own next call releases,
     and the tree waits on its timers until its deadline."""
-    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
-    driver = rt.driver()
-    first = driver.drive(run.id, dispatch.token)
-    assert first.dispatch is not None
-    a, b = driver.drive(run.id, first.dispatch.token).wakes
+    run, driver, started = start_two_children(rt)
+    a, b = started.wakes
 
     def dies(request: Any) -> Any:
         raise Crash()
@@ -753,11 +752,7 @@ def test_the_walkthroughs_team_hands_the_question_to_the_demo_agent(
 def test_a_childs_unrecorded_tokens_count_against_the_parent(rt: Runtime) -> None:
     """A child billed for a call it could not record (a cut stream, a call lost with its
     worker) counts those tokens too: the parent's guard sees the tree's spend."""
-    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
-    driver = rt.driver()
-    first = driver.drive(run.id, dispatch.token)
-    assert first.dispatch is not None
-    started = driver.drive(run.id, first.dispatch.token)
+    run, _driver, started = start_two_children(rt)
     assert len(started.wakes) == 2
     cut = started.wakes[0].run_id
     rt.store.record_unrecorded_usage(cut, Usage(input_tokens=120, output_tokens=7), Decimal(0))
@@ -822,11 +817,8 @@ def test_a_hold_left_by_a_worker_that_died_after_recording_its_call_is_swept(
     """A child's worker records its call and dies before it releases the call's hold: the
     hold is not counted again beside the recorded tokens; the tree's next admission sweeps
     it (its row was written under the hold's lease)."""
-    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
-    driver = rt.driver()
-    first = driver.drive(run.id, dispatch.token)
-    assert first.dispatch is not None
-    a, b = driver.drive(run.id, first.dispatch.token).wakes
+    _run, driver, started = start_two_children(rt)
+    a, b = started.wakes
 
     def dies(self: RunStore, *args: Any) -> None:
         raise Crash()
@@ -936,11 +928,7 @@ def test_a_fork_of_a_lead_whose_sub_agent_still_works(
     copies only completed steps); a fork from that step copies the answered child's result
     and starts only the other again, as a child of the fork, while the source's own child
     goes on and answers the source alone."""
-    run, dispatch = submit(rt.store, "Overdue tickets of acme and globex?", agent="lead")
-    driver = rt.driver()
-    first = driver.drive(run.id, dispatch.token)
-    assert first.dispatch is not None
-    started = driver.drive(run.id, first.dispatch.token)
+    run, _driver, started = start_two_children(rt)
     a, b = started.wakes
     for wake in drive_one(rt, a):  # child a answers; the lead records its result
         drive_tree(rt, wake)
