@@ -34,6 +34,7 @@ __all__ = [
     "drive_to_end",
     "events_over_http",
     "expire_lease",
+    "fork_over_http",
     "redis_scope",
     "register_agent",
     "submit",
@@ -154,3 +155,10 @@ def events_over_http(rt: Runtime, run_id: uuid.UUID) -> list[Event]:
     resp = app.test_client().get(f"/api/runs/{run_id}/events")
     assert resp.status_code == 200, resp.get_data(as_text=True)
     return list(parse_sse(resp.get_data(as_text=True).splitlines()))
+
+
+def fork_over_http(client: FlaskClient, run_id: uuid.UUID, from_seq: int) -> uuid.UUID:
+    """The id of the fork ``POST /api/runs/{id}/fork`` makes from ``from_seq`` (answered 201)."""
+    response = client.post(f"/api/runs/{run_id}/fork", json={"fromSeq": from_seq})
+    assert response.status_code == 201, response.get_data(as_text=True)
+    return uuid.UUID(response.get_json()["id"])

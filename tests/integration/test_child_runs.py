@@ -20,7 +20,7 @@ from runtime.durable import ChildRunFailed, Steps, durable_agent
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Outcome
 from runtime.llm.scripted import ScriptedLlm
-from tests.support import api_client
+from tests.support import api_client, fork_over_http
 
 
 @durable_agent("double")
@@ -191,9 +191,7 @@ def test_a_fork_of_the_parent_reuses_its_completed_children(
 ) -> None:
     run, dispatch = rt.submit("two-children", {})
     drive_tree(rt, dispatch)
-    response = client.post(f"/api/runs/{run.id}/fork", json={"fromSeq": 2})
-    assert response.status_code == 201, response.get_data(as_text=True)
-    fork_id = uuid.UUID(response.get_json()["id"])
+    fork_id = fork_over_http(client, run.id, 2)
     drive_tree(rt, Dispatch(fork_id, rt.store.get_run(fork_id).dispatch_token))
     fork = rt.store.get_run(fork_id)
     assert (fork.status, fork.result) == (RunStatus.SUCCEEDED, 10)
@@ -213,9 +211,7 @@ def test_a_fork_of_a_parent_whose_child_still_works(rt: Runtime, client: FlaskCl
     refused = client.post(f"/api/runs/{run.id}/fork", json={"fromSeq": row.seq + 1})
     assert refused.status_code == 409, refused.get_data(as_text=True)
     assert "PENDING, not completed" in refused.get_json()["error"]["message"]
-    response = client.post(f"/api/runs/{run.id}/fork", json={"fromSeq": row.seq})
-    assert response.status_code == 201, response.get_data(as_text=True)
-    fork_id = uuid.UUID(response.get_json()["id"])
+    fork_id = fork_over_http(client, run.id, row.seq)
     drive_tree(rt, Dispatch(fork_id, rt.store.get_run(fork_id).dispatch_token))
     fork = rt.store.get_run(fork_id)
     assert (fork.status, fork.result) == (RunStatus.SUCCEEDED, 10)

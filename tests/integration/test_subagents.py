@@ -44,7 +44,7 @@ from tests.fakes.messages_api import (
     text,
     tool_uses,
 )
-from tests.support import expire_lease, submit
+from tests.support import expire_lease, fork_over_http, submit
 
 MODEL = "claude-test-model"
 STEP_TOKENS = 300  # every model call of these tests: 250 in, 50 out
@@ -903,9 +903,7 @@ def test_a_fork_of_the_lead_reuses_its_completed_sub_agents(
     assert rt.store.get_run(run.id).status is RunStatus.SUCCEEDED
     kids = children(rt, run.id)
     before = fake.calls
-    response = client.post(f"/api/runs/{run.id}/fork", json={"fromSeq": 4})
-    assert response.status_code == 201, response.get_data(as_text=True)
-    fork_id = uuid.UUID(response.get_json()["id"])
+    fork_id = fork_over_http(client, run.id, 4)
     drive_tree(rt, Dispatch(fork_id, rt.store.get_run(fork_id).dispatch_token))
     fork = rt.store.get_run(fork_id)
     assert (fork.status, fork.result) == (
@@ -944,9 +942,7 @@ def test_a_fork_of_a_lead_whose_sub_agent_still_works(
     assert "not completed" in refusal
     assert f"waits for child run {b.run_id}" in refusal, "it says which child it waits for"
     assert rows["tool:toolu_a"].seq < pending_seq, "rows in the order the model called them"
-    response = client.post(f"/api/runs/{run.id}/fork", json={"fromSeq": pending_seq})
-    assert response.status_code == 201, response.get_data(as_text=True)
-    fork_id = uuid.UUID(response.get_json()["id"])
+    fork_id = fork_over_http(client, run.id, pending_seq)
     drive_tree(rt, Dispatch(fork_id, rt.store.get_run(fork_id).dispatch_token))
     fork = rt.store.get_run(fork_id)
     assert fork.status is RunStatus.SUCCEEDED, fork.error
