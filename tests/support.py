@@ -11,7 +11,8 @@ from typing import Any
 
 import redis
 from flask.testing import FlaskClient
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 import api
@@ -37,6 +38,7 @@ __all__ = [
     "fork_over_http",
     "redis_scope",
     "register_agent",
+    "scratch_database",
     "submit",
 ]
 
@@ -162,3 +164,19 @@ def fork_over_http(client: FlaskClient, run_id: uuid.UUID, from_seq: int) -> uui
     response = client.post(f"/api/runs/{run_id}/fork", json={"fromSeq": from_seq})
     assert response.status_code == 201, response.get_data(as_text=True)
     return uuid.UUID(response.get_json()["id"])
+
+
+@contextlib.contextmanager
+def scratch_database(admin_url: str, name: str) -> Iterator[str]:
+    """The URL of an empty database ``name`` made afresh (one left by an earlier run is
+    dropped first), dropped again after."""
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import Engine, create_engine, text
-from sqlalchemy.engine import make_url
 
 from db.demo import DEMO_TABLES, SEED_TICKETS, TicketStore, demo_metadata
 from db.engine import make_engine
 from db.migrate import current_revision, head_revision, upgrade
+from tests.support import scratch_database
 
 EXISTS = text("SELECT to_regclass(:t) IS NOT NULL")
 
@@ -22,20 +22,12 @@ EXISTS = text("SELECT to_regclass(:t) IS NOT NULL")
 @pytest.fixture
 def fresh(pg_admin_url: str) -> Iterator[Engine]:
     """An empty database of this test's own (the session's one holds the demo's tables)."""
-    name = f"dar_demo_tables_{os.getpid()}"
-    admin = create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(pg_admin_url).set(database=name).render_as_string(hide_password=False)
-    engine = make_engine(url, pool_size=4)
-    try:
-        yield engine
-    finally:
-        engine.dispose()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with scratch_database(pg_admin_url, f"dar_demo_tables_{os.getpid()}") as url:
+        engine = make_engine(url, pool_size=4)
+        try:
+            yield engine
+        finally:
+            engine.dispose()
 
 
 def tables_present(engine: Engine) -> dict[str, bool]:

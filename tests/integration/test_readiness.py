@@ -16,6 +16,7 @@ from runtime.config import Settings
 from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from tasks.celery_app import make_celery
+from tests.support import scratch_database
 
 
 @pytest.mark.slow  # stops and restarts PostgreSQL: `pytest --all`
@@ -49,24 +50,14 @@ def test_readyz_turns_503_when_postgres_stops_and_200_when_it_returns(settings: 
 
 
 def test_readyz_reports_pending_migrations(settings: Settings, pg_admin_url: str) -> None:
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
-    admin = create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text('DROP DATABASE IF EXISTS "dar_unmigrated" WITH (FORCE)'))
-        conn.execute(text('CREATE DATABASE "dar_unmigrated"'))
-    url = make_url(pg_admin_url).set(database="dar_unmigrated").render_as_string(False)
-    rt = Runtime.build(replace(settings, database_url=url), llm=ScriptedLlm(), pool_size=1)
-    try:
-        client = create_app(
-            runtime=rt, celery=make_celery(rt.settings, register=False)
-        ).test_client()
-        resp = client.get("/readyz")
-        assert resp.status_code == 503
-        assert "dar migrate" in resp.get_json()["problems"]["migrations"]
-    finally:
-        rt.close()
-        with admin.connect() as conn:
-            conn.execute(text('DROP DATABASE IF EXISTS "dar_unmigrated" WITH (FORCE)'))
-        admin.dispose()
+    with scratch_database(pg_admin_url, "dar_unmigrated") as url:
+        rt = Runtime.build(replace(settings, database_url=url), llm=ScriptedLlm(), pool_size=1)
+        try:
+            client = create_app(
+                runtime=rt, celery=make_celery(rt.settings, register=False)
+            ).test_client()
+            resp = client.get("/readyz")
+            assert resp.status_code == 503
+            assert "dar migrate" in resp.get_json()["problems"]["migrations"]
+        finally:
+            rt.close()
