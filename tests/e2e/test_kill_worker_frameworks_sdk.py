@@ -1,0 +1,163 @@
+"""End to end, real processes: the OpenAI Agents SDK half of the framework kill tests, and
+the nested-agent kills of both frameworks (their stacks, fakes and watch live in
+``test_kill_worker_frameworks``). A file of its own so that ``pytest --all`` (which gives
+a file's tests to one process) runs the two halves side by side: together they held one
+test process for ~7 minutes of stack starts, the longest single file of the suite."""
+
+# ruff: noqa: F811 (the fixtures imported below are the tests' parameters)
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cli.devstack import DevStack
+from db.records import RunStatus, StepStatus
+from tests.e2e.test_kill_worker_frameworks import (  # noqa: F401 (fixtures)
+    Watch,
+    _ledger,
+    _wait_marker,
+    assert_retracted_then_shown,
+    fake,
+    openai_fake,
+    stack,
+)
+from tests.fakes.messages_api import FakeMessagesApi
+from tests.fakes.openai_api import FakeOpenAiApi
+from tests.mcp.support import Ledger
+
+
+def test_sigkill_while_an_agents_sdk_run_waits_for_approval(
+    stack: DevStack, openai_fake: FakeOpenAiApi, tmp_path: Path
+) -> None:
+    """A RunState interruption became an approval; the worker that ran the agent up to it is
+    killed while the run waits; the approval continues the run on the other worker from the
+    recorded steps (the SDK's state is rebuilt from them, the model is not asked again)."""
+    watch = Watch(stack, "oa-approve", "Refund A-7")
+    try:
+        watch.until(
+            "the approval", lambda: watch.store.get_run(watch.run_id).status is RunStatus.WAITING
+        )
+        [pending] = watch.store.list_approvals(run_id=watch.run_id)
+        asked = next(s for s in watch.steps() if s.step_key == "model:0")
+        assert asked.worker is not None
+        holder = next(n for n in stack.processes if asked.worker.startswith(n) or n in asked.worker)
+        stack.kill(holder)
+        watch.killed.append(holder)
+
+        status, decided = stack.request("POST", f"/api/approvals/{pending.id}/approve", {})
+        assert status == 200, decided
+        run = watch.end()
+        assert run.status is RunStatus.SUCCEEDED, run.error
+        assert run.result == "refunded"
+        assert [s.step_key for s in watch.steps()] == [
+            "agent:0",
+            "model:0",
+            "approve.refund:0",
+            "tool.refund:0",
+            "model:1",
+        ]
+        assert len(_ledger(tmp_path / "tool.jsonl", "refund")) == 1, "the approved call, once"
+        assert openai_fake.calls == 2, "the recorded call was not made again"
+        assert run.tokens_used == openai_fake.billed_tokens
+    finally:
+        watch.close()
+
+
+def test_sigkill_at_each_step_kind_of_an_agents_sdk_run(
+    stack: DevStack, openai_fake: FakeOpenAiApi, tmp_path: Path
+) -> None:
+    """Killed in its first model call, in its function tool, in its MCP call: the run ends
+    SUCCEEDED with each completed step once."""
+    watch = Watch(stack, "oa-e2e", "Pack A-7 and count the notes")
+    mcp = Ledger(tmp_path / "mcp.jsonl")
+    tool_ledger = tmp_path / "tool.jsonl"
+    try:
+        watch.until("the first model call", lambda: openai_fake.calls >= 1)
+        watch.until("its first text, live", lambda: watch.streamed("model:0"))
+        watch.kill_holder()
+        _wait_marker(watch, Path(f"{tool_ledger}.calling"), "pack")
+        watch.kill_holder()
+        _wait_marker(watch, tmp_path / "mcp.calling", "count_notes")
+        watch.kill_holder()
+
+        run = watch.end()
+        assert run.status is RunStatus.SUCCEEDED, run.error
+        assert run.result == "packed and counted"
+        steps = watch.steps()
+        keys = [s.step_key for s in steps]
+        assert keys == [
+            "agent:0",
+            "mcp.notes.tools:0",
+            "model:0",
+            "tool.pack:0",
+            "mcp.notes.tools:1",
+            "model:1",
+            "mcp.notes.count_notes:0",
+            "mcp.notes.tools:2",
+            "model:2",
+        ], keys
+        assert all(s.status is StepStatus.DONE for s in steps)
+        packs = _ledger(tool_ledger, "pack")
+        assert [p["key"] for p in packs] == [f"{run.id}/tool.pack:0"] * 2, "re-run, same key"
+        counts = mcp.entries("count_notes")
+        assert [c["key"] for c in counts] == [f"{run.id}/mcp.notes.count_notes:0"] * 2
+        assert openai_fake.calls == 4, "the cut call once more; no recorded call repeated"
+        assert_retracted_then_shown(stack, run.id, "model:0")
+        recorded = sum(s.usage.input_tokens + s.usage.output_tokens for s in steps)
+        billed = openai_fake.billed
+        assert recorded == sum(t.input_tokens + t.output_tokens for t in billed[1:])
+        counted = run.tokens_used + run.unrecorded_tokens
+        print(f"billed {openai_fake.billed_tokens}, recorded {run.tokens_used}, counted {counted}")
+        assert counted >= openai_fake.billed_tokens, "the cut call counted (estimated)"
+    finally:
+        watch.close()
+
+
+@pytest.mark.parametrize(
+    ("agent", "model_key", "tool_key"),
+    [("fw-delegate", "model.request", "tool.draft:0"), ("oa-delegate", "model", "tool.draft:0")],
+    ids=["pydantic-ai", "agents-sdk"],
+)
+def test_sigkill_in_a_tool_after_its_nested_agent_answered(
+    stack: DevStack,
+    fake: FakeMessagesApi,
+    openai_fake: FakeOpenAiApi,
+    tmp_path: Path,
+    agent: str,
+    model_key: str,
+    tool_key: str,
+) -> None:
+    """The tool has a writer agent draft (a model call the tool makes itself), then the
+    worker is killed inside the tool. The writer's call was billed and is counted (with the
+    tool's step); the idempotent tool runs again on the other worker and its writer's call is
+    counted too; the recorded model calls are not made again. Tokens counted = billed."""
+    watch = Watch(stack, agent, "Draft about tides")
+    tool_ledger = tmp_path / "tool.jsonl"
+    billing = fake if agent.startswith("fw") else openai_fake
+    try:
+        _wait_marker(watch, Path(f"{tool_ledger}.calling"), "draft")
+        watch.kill_holder()
+
+        run = watch.end()
+        assert run.status is RunStatus.SUCCEEDED, run.error
+        assert run.result == "filed"
+        steps = watch.steps()
+        assert [s.step_key for s in steps] == [
+            "agent:0",
+            f"{model_key}:0",
+            tool_key,
+            f"{tool_key}/usage:0",
+            f"{tool_key}/usage:1",
+            f"{model_key}:1",
+        ]
+        drafts = _ledger(tool_ledger, "draft")
+        assert [d["key"] for d in drafts] == [f"{run.id}/{tool_key}"] * 2, "re-run, same key"
+        assert billing.calls == 4, "two model calls of the run, the writer's twice"
+        assert run.unrecorded_tokens == 0
+        assert run.tokens_used == billing.billed_tokens, "every billed token, once"
+        nested = [s for s in steps if "/usage:" in s.step_key]
+        assert all(s.model for s in nested), "priced as the writer's model"
+    finally:
+        watch.close()
