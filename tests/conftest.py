@@ -101,6 +101,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # Only a bare `pytest` (the testpaths) is the fast tier: a path named on the command
     # line runs what it names.
     if not _fast_tier(config):
+        _slow_files_first(items)
         return
     keep, drop = [], []
     for item in items:
@@ -109,6 +110,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def _slow_files_first(items: list[pytest.Item]) -> None:
+    """Files holding slow-tier tests (stacks, kills, the campaign, the fuzzer) go out first:
+    xdist's loadfile hands files out in collection order, and a slow file handed out last
+    (tests/unit/test_tiers.py, minutes of collections) kept one process busy for minutes
+    after the others ran dry. Deterministic, so every xdist process collects the same order;
+    a file's tests keep their own order."""
+    slow_files = {
+        item.path for item in items if any(item.get_closest_marker(t) for t in FULL_ONLY_TIERS)
+    }
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 @pytest.fixture(scope="session")
