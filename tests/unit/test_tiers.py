@@ -11,12 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import FULL_ONLY_TIERS
+
 ROOT = Path(__file__).resolve().parents[2]
-SLOW_TIERS = "e2e or chaos or fuzz or browser or slow"
+SLOW_TIERS = " or ".join(FULL_ONLY_TIERS)
+
+
+def _nodeid(text: str) -> str:
+    """A test id without its parameters (some are random uuids)."""
+    return re.sub(r"\[.*\]$", "", text)
 
 
 def _collect(*args: str) -> tuple[Counter[str], str]:
-    """Test ids collected (parameters dropped: some are random uuids), and the summary."""
+    """Test ids collected by a `pytest` given ``args``, and its summary line."""
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
         cwd=ROOT,
@@ -25,17 +32,39 @@ def _collect(*args: str) -> tuple[Counter[str], str]:
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ids = Counter(re.sub(r"\[.*\]$", "", t) for t in done.stdout.splitlines() if "::" in t)
+    ids = Counter(_nodeid(t) for t in done.stdout.splitlines() if "::" in t)
     return ids, done.stdout.splitlines()[-1]
 
 
-@pytest.mark.slow  # three collections of the whole suite (minutes on a loaded machine)
+def _whole_suite_here(session: pytest.Session) -> bool:
+    """Whether this session collected every test file (a `pytest --all` with no filter): then
+    its own items are the whole suite, and no second collection is needed to know it."""
+    config = session.config
+    if not config.getoption("--all") or config.option.markexpr or config.option.keyword:
+        return False
+    files = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")}
+    seen = {item.nodeid.split("::")[0] for item in session.items}
+    return files <= seen
+
+
+@pytest.mark.slow  # one or two collections of the whole suite (a minute on a loaded machine)
 @pytest.mark.timeout(900)
-def test_all_runs_every_test_and_plain_pytest_leaves_out_only_the_slow_tiers() -> None:
-    everything, summary = _collect("--all")
-    assert "deselected" not in summary, summary
+def test_all_runs_every_test_and_plain_pytest_leaves_out_only_the_slow_tiers(
+    request: pytest.FixtureRequest,
+) -> None:
+    session = request.session
+    if _whole_suite_here(session):  # CI's `pytest --all`: its items are everything
+        everything = Counter(_nodeid(item.nodeid) for item in session.items)
+        slow = Counter(
+            _nodeid(item.nodeid)
+            for item in session.items
+            if any(item.get_closest_marker(t) for t in FULL_ONLY_TIERS)
+        )
+    else:
+        everything, summary = _collect("--all")
+        assert "deselected" not in summary, summary
+        slow, _ = _collect("--all", "-m", SLOW_TIERS)
     fast, _ = _collect()
-    slow, _ = _collect("--all", "-m", SLOW_TIERS)
     assert fast + slow == everything
     assert not fast & slow
     assert any(t.startswith("tests/unit/") for t in fast)
