@@ -73,6 +73,9 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     ):
         config.option.numprocesses = ALL_WORKERS
         config.option.dist = "loadfile"
+    if config.getoption("--all") and not config.getoption("durations"):
+        # CI's log then says where its minutes went (its limit is 15), run after run.
+        config.option.durations = 25
 
 
 def _fast_tier(config: pytest.Config) -> bool:
