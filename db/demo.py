@@ -8,7 +8,9 @@ migration 0021 drops the ones earlier releases created where they hold nothing o
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     BigInteger,
@@ -25,7 +27,10 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import TIMESTAMP
 from sqlalchemy.exc import DBAPIError
 
+from db.errors import DatabaseUnavailable, database_unavailable
 from db.queries import QUERIES as Q
+
+T = TypeVar("T")
 
 TZ = TIMESTAMP(timezone=True)
 
@@ -75,10 +80,42 @@ SEED_TICKETS: tuple[tuple[int, str, str, str, str | None, str, int], ...] = (
 )
 
 
+RETRY_SECONDS = 3.0
+"""How long a demo tool keeps trying its statement on new connections while the database is
+away (a restart, a failover) before it gives up with :class:`DatabaseUnavailable`: well
+within the tools' 10 s timeout."""
+
+
 class TicketStore:
-    def __init__(self, engine: Engine) -> None:
+    """The demo tools' queries, on the runtime's own database.
+
+    The database away (a restart, a failover, a dropped connection: what the store classifies
+    as unavailable) is not an answer for the model: each call is tried again on a new
+    connection with a short backoff for up to ``retry_seconds`` (safe: reads, and a comment
+    added once per key), then :class:`~db.errors.DatabaseUnavailable` is raised, which the
+    step pipeline does not record as the tool's error: it takes the step up again later
+    (:mod:`runtime.pipeline.effects`, rule 5). Any other error (no such ticket, bad data) is
+    the tool's failure, for the model to see."""
+
+    def __init__(self, engine: Engine, *, retry_seconds: float = RETRY_SECONDS) -> None:
         self.engine = engine
+        self.retry_seconds = retry_seconds
         self._ready = False
+
+    def _retrying(self, call: Callable[[], T]) -> T:
+        give_up = time.monotonic() + self.retry_seconds
+        delay = 0.1
+        while True:
+            try:
+                return call()
+            except DBAPIError as e:
+                if not database_unavailable(e):
+                    raise
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise DatabaseUnavailable.from_error(e) from e
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 1.0)
 
     def setup(self) -> bool:
         """Create the demo's tables where they are missing and seed the tickets into a table
@@ -101,17 +138,12 @@ class TicketStore:
             _insert_seed(conn)
 
     def add_comment(self, ticket_id: int, body: str, *, idempotency_key: str) -> tuple[int, bool]:
-        """Add a comment once per key. Returns ``(comment id, created now)``.
-
-        A connection that dropped under the statement (a failover, a restart) is tried once
-        more on a new one: the key makes the retry safe, and a tool that fails on a blip its
-        database already recovered from would hand the model an error for nothing."""
-        try:
-            return self._add_comment(ticket_id, body, idempotency_key=idempotency_key)
-        except DBAPIError as e:
-            if not e.connection_invalidated:
-                raise
-        return self._add_comment(ticket_id, body, idempotency_key=idempotency_key)
+        """Add a comment once per key. Returns ``(comment id, created now)``: ``created`` is
+        false when the key's comment was already there (an earlier execution of the call, or
+        an earlier try whose commit was not seen: the key makes trying again safe)."""
+        return self._retrying(
+            lambda: self._add_comment(ticket_id, body, idempotency_key=idempotency_key)
+        )
 
     def _add_comment(self, ticket_id: int, body: str, *, idempotency_key: str) -> tuple[int, bool]:
         self.setup()
@@ -130,11 +162,14 @@ class TicketStore:
             return int(existing), False
 
     def count_comments(self, ticket_id: int | None = None) -> int:
-        self.setup()
-        with self.engine.connect() as conn:
-            return int(
-                conn.execute(Q["count_acme_comments"], {"ticket_id": ticket_id}).scalar_one()
-            )
+        def count() -> int:
+            self.setup()
+            with self.engine.connect() as conn:
+                return int(
+                    conn.execute(Q["count_acme_comments"], {"ticket_id": ticket_id}).scalar_one()
+                )
+
+        return self._retrying(count)
 
     def list(
         self,
@@ -152,10 +187,14 @@ class TicketStore:
             "overdue": overdue,
             "limit": limit,
         }
-        self.setup()
-        with self.engine.connect() as conn:
-            rows = conn.execute(Q["list_acme_tickets"], params).mappings().all()
-        return [{**r, "due_at": r["due_at"].isoformat()} for r in rows]
+
+        def read() -> list[dict[str, Any]]:
+            self.setup()
+            with self.engine.connect() as conn:
+                rows = conn.execute(Q["list_acme_tickets"], params).mappings().all()
+            return [{**r, "due_at": r["due_at"].isoformat()} for r in rows]
+
+        return self._retrying(read)
 
 
 def _insert_seed(conn: Connection) -> None:

@@ -156,6 +156,18 @@ MUTANTS = (
         "issue 23 defect 3: a re-run whose answer is lost again recorded as a plain failure",
     ),
     Mutant(
+        "database-away-recorded-as-the-tools-error",
+        "runtime/pipeline/effects.py",
+        "        verdict = _away(effect, _run(task, effect, context, deferred))\n",
+        "        verdict = _run(task, effect, context, deferred)\n",
+        (
+            T + "test_tools_database_away.py::test_a_tool_that_finds_the_database_away_is_taken"
+            "_up_again_not_answered",
+        ),
+        "the chaos campaign's seed 991233: a PostgreSQL restart handed to the model as the "
+        "tool's error, the comment it asked for never added",
+    ),
+    Mutant(
         "pool-connection-left-in-autocommit",
         "db/fastpath.py",
         "                try:\n                    conn.autocommit = False\n",

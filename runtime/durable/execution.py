@@ -375,7 +375,7 @@ class Execution:
         finally:
             if self.stack and self.stack[-1] is frame:
                 self.stack.pop()
-        if isinstance(verdict, effects.InDoubt | effects.StillRunning):
+        if isinstance(verdict, effects.InDoubt | effects.StillRunning | effects.Away):
             self._pause_open_steps()
             with self.engine_call():
                 stopped = effects.unsettled(self.task, verdict)

@@ -25,6 +25,15 @@ compensation. The rule, written once:
    there: when it is idempotent the error is recorded (the caller may call again); else its
    ``reconcile`` hook is asked; else the run stops ``NEEDS_ATTENTION``, the step left
    ``STARTED`` for the operator.
+5. A step whose code raises :class:`~db.errors.DatabaseUnavailable` (it works on the runtime's
+   own database, the demo's tools do, and that database is away: a restart, a failover) is
+   not recorded: its failure is the runtime's, not an answer for the model or the function,
+   and the database that would record it is away too. The task ends as if its worker had
+   crashed there, on a short durable timer (:data:`AWAY_RETRY_SECONDS`): the next task finds
+   the step in doubt (rule 2) when its ``STARTED`` row was written, new when it was not. A
+   run whose step keeps finding the database away stops as any run that keeps stopping its
+   worker (``DAR_MAX_CLAIMS_WITHOUT_PROGRESS``). Any other database error the code raises is
+   its own failure, recorded as such (a tool's own database is not the runtime's).
 
 The caller turns the verdict into its row (:func:`row`: what the row says is the kind's, how
 it is built is written once here) or into the end of the task (:func:`unsettled`: in doubt or
@@ -34,11 +43,13 @@ still running), and records it in the same transaction that hands the lease on.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from db.errors import DatabaseUnavailable
 from db.records import NewStep, Step, StepStatus
 from runtime import native
 from runtime.pipeline import usage
@@ -48,6 +59,10 @@ from runtime.pipeline.kinds import KINDS, Found, Policy, StepKind
 from runtime.tools import OutcomeUnknown, Reconciled, ToolContext
 
 log = logging.getLogger(__name__)
+
+AWAY_RETRY_SECONDS = (1.0, 3.0)
+"""Rule 5: a step whose code found the runtime's database away is tried again after a delay
+drawn from this range (jittered: a fleet's runs do not all come back at once)."""
 
 MAX_RECONCILE_ROUNDS = 3
 """In one task, how many times an effect whose answer was lost is reconciled ("not
@@ -117,7 +132,14 @@ class StillRunning:
     reason: str
 
 
-Verdict = Ran | Raised | WasReconciled | InDoubt | StillRunning
+@dataclass(frozen=True)
+class Away:
+    """Rule 5: the code found the runtime's database away; nothing is recorded."""
+
+    reason: str
+
+
+Verdict = Ran | Raised | WasReconciled | InDoubt | StillRunning | Away
 
 
 def run_effect(task: Task, effect: Effect, found: Found) -> Verdict:
@@ -156,7 +178,7 @@ def run_effect(task: Task, effect: Effect, found: Found) -> Verdict:
         task, effect.key, effect.attempt, effect.take_seq or usage.seq_after(task, effect.seq)
     )
     with usage.carry(recorder):
-        verdict = _run(task, effect, context, deferred)
+        verdict = _away(effect, _run(task, effect, context, deferred))
         crash_point("after_tool_effect")
         if (
             isinstance(verdict, Raised)
@@ -164,6 +186,17 @@ def run_effect(task: Task, effect: Effect, found: Found) -> Verdict:
             and not effect.reruns
         ):
             return _answer_lost(task, effect, context, verdict.error)
+    return verdict
+
+
+def _away(effect: Effect, verdict: Verdict) -> Verdict:
+    """Rule 5: the code raised :class:`DatabaseUnavailable`: not its failure, nothing to
+    record."""
+    if isinstance(verdict, Raised) and isinstance(verdict.error, DatabaseUnavailable):
+        return Away(
+            f"{effect.label}: the runtime's database is away ({verdict.error}); nothing "
+            "recorded; the step is taken up again"
+        )
     return verdict
 
 
@@ -186,7 +219,7 @@ def _answer_lost(
     decided = _reconciled(task, effect, context)
     if decided is not None:
         return decided
-    again = _run(task, effect, context)
+    again = _away(effect, _run(task, effect, context))
     if not (isinstance(again, Raised) and isinstance(again.error, OutcomeUnknown)):
         return again
     if rounds >= MAX_RECONCILE_ROUNDS:
@@ -268,10 +301,15 @@ def _reconciled(task: Task, effect: Effect, context: ToolContext) -> Verdict | N
 
 def unsettled(task: Task, verdict: Verdict) -> StepResult | None:
     """How the task ends when the step's outcome is not known: in doubt, the run stops for
-    an operator; still running past its grace, a timer comes back to decide. ``None``: the
-    verdict is a result or an error, to be recorded (:func:`row`)."""
+    an operator; still running past its grace, a timer comes back to decide; the runtime's
+    database away (rule 5), a timer comes back to run it again. ``None``: the verdict is a
+    result or an error, to be recorded (:func:`row`)."""
     if isinstance(verdict, InDoubt):
         return task.needs_attention(verdict.reason)
+    if isinstance(verdict, Away):
+        delay = random.uniform(*AWAY_RETRY_SECONDS)
+        log.warning("run=%s %s in %.1fs", task.rid, verdict.reason, delay)
+        return task.schedule(delay, verdict.reason)
     if isinstance(verdict, StillRunning):
         log.warning("run=%s %s", task.rid, verdict.reason)
         return task.schedule(task.settings.cancel_grace_seconds, verdict.reason)
