@@ -36,8 +36,9 @@ compensation. The rule, written once:
    its own failure, recorded as such (a tool's own database is not the runtime's).
 
 The caller turns the verdict into its row (:func:`row`: what the row says is the kind's, how
-it is built is written once here) or into the end of the task (:func:`unsettled`: in doubt or
-still running), and records it in the same transaction that hands the lease on.
+it is built is written once here) or into the end of the task (:func:`unsettled`: in doubt,
+still running, or the runtime's database away), and records it in the same transaction that
+hands the lease on.
 """
 
 from __future__ import annotations
