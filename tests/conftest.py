@@ -115,16 +115,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
 
 
+# The longest files of `pytest --all`, longest first (seconds of one process, summed over
+# the file's tests, on CI's two cores, from `--durations`). Handed out first and in this
+# order, the longest are never the last thing a process starts. A stale entry costs minutes
+# of CI, never a result: keep it roughly in step when a file grows past a minute.
+LONGEST_FILES = (
+    "tests/e2e/test_kill_worker_frameworks_sdk.py",
+    "tests/chaos/test_partition.py",
+    "tests/e2e/test_kill_worker_frameworks.py",
+    "tests/integration/test_api_fuzz.py",
+    "tests/e2e/test_readme_commands.py",
+    "tests/chaos/test_pg_restart.py",
+    "tests/e2e/test_rate_limits.py",
+    "tests/e2e/test_startup.py",
+    "tests/e2e/test_kill_worker_mcp.py",
+    "tests/e2e/test_serving.py",
+    "tests/e2e/test_kill_worker.py",
+    "tests/chaos/test_chaos.py",
+)
+
+
 def _slow_files_first(items: list[pytest.Item]) -> None:
-    """Files holding slow-tier tests (stacks, kills, the campaign, the fuzzer) go out first:
-    xdist's loadfile hands files out in collection order, and a slow file handed out last
-    (tests/unit/test_tiers.py, minutes of collections) kept one process busy for minutes
-    after the others ran dry. Deterministic, so every xdist process collects the same order;
-    a file's tests keep their own order."""
+    """The longest files first (:data:`LONGEST_FILES`, in its order), then the other files
+    holding slow-tier tests (stacks, kills, the fuzzer), then the rest: xdist's loadfile
+    hands files out in collection order, and a long file handed out late kept one process
+    busy for minutes after the others ran dry. Deterministic, so every xdist process
+    collects the same order; a file's tests keep their own order."""
     slow_files = {
         item.path for item in items if any(item.get_closest_marker(t) for t in FULL_ONLY_TIERS)
     }
-    items.sort(key=lambda item: item.path not in slow_files)
+    rank = {TESTS_ROOT.parent / name: i for i, name in enumerate(LONGEST_FILES)}
+
+    def order(item: pytest.Item) -> tuple[int, bool]:
+        return rank.get(item.path, len(rank)), item.path not in slow_files
+
+    items.sort(key=order)
 
 
 @pytest.fixture(scope="session")
