@@ -8,15 +8,19 @@ is counted (recorded, or estimated for a call lost with its worker)."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import time
+import urllib.error
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import pytest
+from sqlalchemy import Engine
+from sqlalchemy import text as sql
 
 pytest.importorskip("pydantic_ai")
 pytest.importorskip("agents")
@@ -25,13 +29,15 @@ from cli.devstack import DevStack
 from cli.embedded import free_port
 from db.engine import make_engine
 from db.records import Run, RunStatus, StepStatus
+from db.schema import metadata
 from db.store import RunStore
-from runtime.config import WORKER_POOL, Settings
+from runtime.config import WORKER_POOL
 from runtime.observe.live_channel import LiveChannel
-from tests.fakes.messages_api import FakeMessagesApi, Reply, slow, text, tool_uses
+from tests.fakes.messages_api import Billed, FakeMessagesApi, Reply, slow, text, tool_uses
 from tests.fakes.openai_api import FakeOpenAiApi, Turn
 from tests.mcp.support import Ledger
 
+# The first test's time includes the file's stack start (~30 s under load, up to 120 s).
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
 ENDED = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.NEEDS_ATTENTION, RunStatus.CANCELLED)
@@ -113,58 +119,94 @@ def sdk_answer(path: str, body: dict[str, Any]) -> Turn:
     return Turn(text="packed and counted", input_tokens=50, output_tokens=7)
 
 
-@pytest.fixture
-def fake() -> Iterator[FakeMessagesApi]:
+# One stack per file, shared by its tests: a stack start (gunicorn, two gevent workers loading
+# both frameworks, beat) took 17-36 s and its stop ~7 s per test under CI's load, most of these
+# files' time. A test kills workers; the stack's supervisor restarts them, and the ``stack``
+# fixture waits until every process is back and ready before the next test starts. The fakes
+# and the ledgers are shared too: each test counts what happened since it began (``Tally``,
+# ``NewRows``).
+LEASE_SECONDS = 20
+"""Not the 3 s of the threads-pool tests, nor the 6 s these tests had: on a loaded CI host a
+gevent worker's heartbeat (a greenlet) waited 12 s for the CPU behind a framework run, the
+lease lapsed, and the reaper re-dispatched the run mid-call (handled by the fence, but a model
+call was made again: a count these tests assert). No test here needs a tight lease: a kill
+costs up to one lease before the reaper re-dispatches, well inside the waits of ``Watch``."""
+
+
+@pytest.fixture(scope="module")
+def messages_api() -> Iterator[FakeMessagesApi]:
     with FakeMessagesApi(default_responder=answer) as server:
         yield server
 
 
-@pytest.fixture
-def openai_fake() -> Iterator[FakeOpenAiApi]:
+@pytest.fixture(scope="module")
+def openai_api() -> Iterator[FakeOpenAiApi]:
     with FakeOpenAiApi(responder=sdk_answer) as server:
         yield server
 
 
-@pytest.fixture
-def stack(
-    database_url: str,
+@dataclass(frozen=True)
+class SharedStack:
+    """The file's stack and the files its tests read: the tools' ledger (a slow tool marks
+    itself in ``<ledger>.calling``), the counting MCP server's (``mcp.calling``), and the
+    stack's output."""
+
+    stack: DevStack
+    tool_ledger: Path
+    mcp_ledger: Path
+    log: Path
+
+    @property
+    def tool_marker(self) -> Path:
+        return Path(f"{self.tool_ledger}.calling")
+
+    @property
+    def mcp_marker(self) -> Path:
+        return self.mcp_ledger.with_suffix(".calling")
+
+
+@pytest.fixture(scope="module")
+def shared_stack(
+    test_db: str,
+    _truncator: Engine,
     redis_url: str,
-    settings: Settings,
-    tmp_path: Path,
-    fake: FakeMessagesApi,
-    openai_fake: FakeOpenAiApi,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[DevStack]:
-    env = {
-        "DAR_TEST_FAKE_URL": fake.url,
-        "DAR_TEST_OPENAI_URL": openai_fake.url,
-        "DAR_TEST_TOOL_LEDGER": str(tmp_path / "tool.jsonl"),
-        "DAR_TEST_MCP_LEDGER": str(tmp_path / "mcp.jsonl"),
+    tmp_path_factory: pytest.TempPathFactory,
+    messages_api: FakeMessagesApi,
+    openai_api: FakeOpenAiApi,
+) -> Iterator[SharedStack]:
+    # The session's database as an earlier file of this process left it (the per-test
+    # ``database_url`` empties it for each test, but not after the last one): emptied once.
+    tables = ", ".join(f'"{t.name}"' for t in reversed(metadata.sorted_tables))
+    with _truncator.begin() as conn:
+        conn.execute(sql(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    tmp = tmp_path_factory.mktemp("frameworks")
+    shared_env = {
+        "DAR_TEST_FAKE_URL": messages_api.url,
+        "DAR_TEST_OPENAI_URL": openai_api.url,
+        "DAR_TEST_TOOL_LEDGER": str(tmp / "tool.jsonl"),
+        "DAR_TEST_MCP_LEDGER": str(tmp / "mcp.jsonl"),
     }
-    for name, value in env.items():  # the stack's own preflight loads the agents here
-        monkeypatch.setenv(name, value)
-    log_path = tmp_path / "stack.log"
-    worker_env = {k: v for k, v in os.environ.items() if k != "DAR_WORKER_POOL"}
-    with log_path.open("wb") as log:
+    log_path = tmp / "stack.log"
+    with pytest.MonkeyPatch.context() as mp, log_path.open("wb") as log:
+        for name, value in shared_env.items():  # the stack's own preflight loads the agents
+            mp.setenv(name, value)
+        worker_env = {k: v for k, v in os.environ.items() if k != "DAR_WORKER_POOL"}
         s = DevStack(
-            data_dir=tmp_path,
+            data_dir=tmp,
             port=free_port(),
             workers=2,
             concurrency=20,
             pool=WORKER_POOL,  # as shipped: gevent
             env={
                 **worker_env,
-                "DATABASE_URL": database_url,
+                "DATABASE_URL": test_db,
                 "REDIS_URL": redis_url,
-                "DAR_QUEUE": settings.queue,
-                # Not the 3 s of the threads-pool tests: on a loaded CI host a gevent worker's
-                # heartbeat (a greenlet) waits for the CPU behind a cold worker's first framework
-                # run; a lease lost to that is handled (the fence), but repeats a model call.
-                "DAR_LEASE_SECONDS": "6",
+                "DAR_QUEUE": f"dar-test-fw-{uuid.uuid4().hex[:10]}",
+                "DAR_LEASE_SECONDS": str(LEASE_SECONDS),
                 "DAR_HEARTBEAT_SECONDS": "1",
                 "DAR_REAPER_INTERVAL_SECONDS": "0.5",
                 "DAR_AGENT_MODULES": "tests.e2e.framework_agent",
-                **env,
+                **shared_env,
                 "ANTHROPIC_API_KEY": "",
                 "OPENAI_API_KEY": "",
             },
@@ -172,10 +214,127 @@ def stack(
         )
         try:
             s.start(timeout=120)
-            yield s
+            yield SharedStack(s, tmp / "tool.jsonl", tmp / "mcp.jsonl", log_path)
         finally:
             s.stop()
-            print(log_path.read_text(errors="replace")[-20000:])
+
+
+def settle(stack: DevStack, timeout: float = 120) -> None:
+    """Supervise until every process of the stack runs and is ready (a worker an earlier
+    test killed restarted, after its backoff) and the web answers."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stack.poll()
+        down = [
+            name
+            for name in stack.supervised
+            if (proc := stack.processes.get(name)) is None
+            or proc.poll() is not None
+            or not stack.is_ready(name)
+        ]
+        if not down:
+            with contextlib.suppress(OSError, urllib.error.URLError, ValueError):
+                if stack.request("GET", "/healthz")[0] == 200:
+                    return
+            down = ["web (/healthz)"]
+        assert time.monotonic() < deadline, f"the stack is not back within {timeout:g}s: {down}"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def stack(shared_stack: SharedStack) -> Iterator[DevStack]:
+    """The file's stack, every process up and ready, no slow tool's mark left over; after the
+    test, the stack's output during it (printed: shown when the test failed)."""
+    settle(shared_stack.stack)
+    shared_stack.tool_marker.unlink(missing_ok=True)
+    shared_stack.mcp_marker.unlink(missing_ok=True)
+    start = shared_stack.log.stat().st_size
+    try:
+        yield shared_stack.stack
+    finally:
+        with shared_stack.log.open("rb") as log:
+            log.seek(start)
+            print(log.read().decode(errors="replace")[-20000:])
+
+
+class _Bill(Protocol):
+    @property
+    def input_tokens(self) -> int: ...
+    @property
+    def output_tokens(self) -> int: ...
+
+
+B = TypeVar("B", bound=_Bill, covariant=True)
+
+
+class _Fake(Protocol[B]):
+    @property
+    def calls(self) -> int: ...
+    @property
+    def billed(self) -> Sequence[B]: ...
+
+
+class Tally(Generic[B]):
+    """A shared fake's model calls and bills since this test began (the runs of the earlier
+    tests have ended: nothing of theirs comes after)."""
+
+    def __init__(self, fake: _Fake[B]) -> None:
+        self.fake = fake
+        self._calls = fake.calls
+        self._billed = len(fake.billed)
+
+    @property
+    def calls(self) -> int:
+        return self.fake.calls - self._calls
+
+    @property
+    def billed(self) -> list[B]:
+        return list(self.fake.billed[self._billed :])
+
+    @property
+    def billed_tokens(self) -> int:
+        return sum(b.input_tokens + b.output_tokens for b in self.billed)
+
+
+@pytest.fixture
+def fake(stack: DevStack, messages_api: FakeMessagesApi) -> Tally[Billed]:
+    return Tally(messages_api)
+
+
+@pytest.fixture
+def openai_fake(stack: DevStack, openai_api: FakeOpenAiApi) -> Tally[Turn]:
+    return Tally(openai_api)
+
+
+class NewRows(Ledger):
+    """A shared ledger's rows written since this test began (all of them: a repeated or
+    stray call of this test's run is not filtered out)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._skip = len(super().entries())
+
+    def entries(self, tool: str | None = None) -> list[dict[str, Any]]:
+        rows = super().entries()[self._skip :]
+        return [r for r in rows if tool is None or r["tool"] == tool]
+
+
+@dataclass(frozen=True)
+class Ledgers:
+    tool: NewRows
+    mcp: NewRows
+    tool_marker: Path
+    mcp_marker: Path
+
+
+@pytest.fixture
+def ledgers(stack: DevStack, shared_stack: SharedStack) -> Ledgers:
+    return Ledgers(
+        NewRows(shared_stack.tool_ledger),
+        NewRows(shared_stack.mcp_ledger),
+        shared_stack.tool_marker,
+        shared_stack.mcp_marker,
+    )
 
 
 class Watch:
@@ -223,12 +382,19 @@ class Watch:
         self.killed.append(holder)
 
     def end(self) -> Run:
+        # After a kill: a lease (LEASE_SECONDS) until the reaper re-dispatches, a restarted
+        # worker's boot if the other one is down too, then the rest of the run.
         self.until("the run end", lambda: self.store.get_run(self.run_id).status in ENDED, 180)
         run = self.store.get_run(self.run_id)
         print(f"killed {self.killed}; run {self.run_id} {run.status}")
         return run
 
     def close(self) -> None:
+        """A run a failed test leaves going is cancelled: the next test shares the stack and
+        the fakes."""
+        with contextlib.suppress(Exception):
+            if self.store.get_run(self.run_id).status not in ENDED:
+                self.stack.request("POST", f"/api/runs/{self.run_id}/cancel", {})
         self.engine.dispose()
 
 
@@ -251,28 +417,20 @@ def assert_retracted_then_shown(stack: DevStack, run_id: uuid.UUID, key: str) ->
     ), "the new attempt's text, once"
 
 
-def _ledger(path: Path, tool: str) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
-    return [r for r in rows if r["tool"] == tool]
-
-
 def _wait_marker(watch: Watch, marker: Path, what: str) -> None:
     watch.until(what, lambda: marker.exists() and marker.read_text().find(what) >= 0)
     marker.unlink()
 
 
 def test_sigkill_at_a_model_request_and_a_tool(
-    stack: DevStack, fake: FakeMessagesApi, tmp_path: Path
+    stack: DevStack, fake: Tally[Billed], ledgers: Ledgers
 ) -> None:
     watch = Watch(stack, "fw-e2e", "Pack A-7")
-    tool_ledger = tmp_path / "tool.jsonl"
     try:
         watch.until("the first model request", lambda: fake.calls >= 1)
         watch.until("its first text, live", lambda: watch.streamed("model.request:0"))
         watch.kill_holder()
-        _wait_marker(watch, Path(f"{tool_ledger}.calling"), "pack")
+        _wait_marker(watch, ledgers.tool_marker, "pack")
         watch.kill_holder()
 
         run = watch.end()
@@ -285,7 +443,7 @@ def test_sigkill_at_a_model_request_and_a_tool(
             "model.request:1",
         ]
         assert all(s.status is StepStatus.DONE for s in steps)
-        packs = _ledger(tool_ledger, "pack")
+        packs = ledgers.tool.entries("pack")
         assert [p["key"] for p in packs] == [f"{run.id}/tool.pack:0"] * 2, "re-run, same key"
         assert len({p["pid"] for p in packs}) == 2, "by the other worker"
         assert fake.calls == 3, "the cut request once more; no recorded request repeated"
@@ -300,15 +458,15 @@ def test_sigkill_at_a_model_request_and_a_tool(
 
 
 def test_sigkill_in_an_mcp_call_of_a_pydantic_ai_agent(
-    stack: DevStack, fake: FakeMessagesApi, tmp_path: Path
+    stack: DevStack, fake: Tally[Billed], ledgers: Ledgers
 ) -> None:
     """A function tool and an MCP tool of one answer, then a slow read-only MCP call killed
     mid-way: it runs again (annotated read-only) with the same key; the destructive
     ``add_note`` and the function tool, completed, are not repeated."""
     watch = Watch(stack, "fw-mcp", "Note A-7, then count the notes")
-    mcp = Ledger(tmp_path / "mcp.jsonl")
+    mcp = ledgers.mcp
     try:
-        _wait_marker(watch, tmp_path / "mcp.calling", "count_notes")
+        _wait_marker(watch, ledgers.mcp_marker, "count_notes")
         watch.kill_holder()
 
         run = watch.end()
@@ -329,7 +487,7 @@ def test_sigkill_in_an_mcp_call_of_a_pydantic_ai_agent(
         assert mcp.count("add_note") == 1, "the completed MCP call was not repeated"
         counts = mcp.entries("count_notes")
         assert [c["key"] for c in counts] == [f"{run.id}/mcp.notes.count_notes:0"] * 2
-        assert len(_ledger(tmp_path / "tool.jsonl", "lookup")) == 1
+        assert ledgers.tool.count("lookup") == 1
         assert fake.calls == 3, "no model request repeated"
         recorded = sum(s.usage.input_tokens + s.usage.output_tokens for s in steps)
         assert recorded == fake.billed_tokens == run.tokens_used
@@ -338,7 +496,7 @@ def test_sigkill_in_an_mcp_call_of_a_pydantic_ai_agent(
 
 
 def test_sigkill_while_a_pydantic_ai_run_waits_for_approval(
-    stack: DevStack, fake: FakeMessagesApi, tmp_path: Path
+    stack: DevStack, fake: Tally[Billed], ledgers: Ledgers
 ) -> None:
     """The worker that ran the agent up to its approval is killed while the run waits; the
     approval (REST) continues the run on the other worker from the recorded steps."""
@@ -366,7 +524,7 @@ def test_sigkill_while_a_pydantic_ai_run_waits_for_approval(
             "tool.refund:0",
             "model.request:1",
         ]
-        assert len(_ledger(tmp_path / "tool.jsonl", "refund")) == 1
+        assert ledgers.tool.count("refund") == 1
         assert fake.calls == 2, "the recorded request was not made again"
         assert run.tokens_used == fake.billed_tokens
     finally:

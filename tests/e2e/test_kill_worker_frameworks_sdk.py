@@ -1,35 +1,41 @@
 """End to end, real processes: the OpenAI Agents SDK half of the framework kill tests, and
-the nested-agent kills of both frameworks (their stacks, fakes and watch live in
-``test_kill_worker_frameworks``). A file of its own so that ``pytest --all`` (which gives
-a file's tests to one process) runs the two halves side by side: together they held one
-test process for ~7 minutes of stack starts, the longest single file of the suite."""
+the nested-agent kills of both frameworks (the fixtures, fakes and watch live in
+``test_kill_worker_frameworks``; imported here, they make this file's own stack, fakes and
+ledgers, shared by its tests). A file of its own so that ``pytest --all`` (which gives a
+file's tests to one process) runs the two halves side by side: together they held one test
+process for ~7 minutes of stack starts, the longest single file of the suite."""
 
 # ruff: noqa: F811 (the fixtures imported below are the tests' parameters)
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from cli.devstack import DevStack
 from db.records import RunStatus, StepStatus
-from tests.e2e.test_kill_worker_frameworks import (  # noqa: F401 (fixtures)
+from tests.e2e.test_kill_worker_frameworks import (  # noqa: F401 (fixtures: this file's own stack)
+    Ledgers,
+    Tally,
     Watch,
-    _ledger,
     _wait_marker,
     assert_retracted_then_shown,
     fake,
+    ledgers,
+    messages_api,
+    openai_api,
     openai_fake,
+    shared_stack,
     stack,
 )
-from tests.fakes.messages_api import FakeMessagesApi
-from tests.fakes.openai_api import FakeOpenAiApi
-from tests.mcp.support import Ledger
+from tests.fakes.messages_api import Billed
+from tests.fakes.openai_api import Turn
+
+# The first test's time includes the file's stack start (~30 s under load).
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
 
 def test_sigkill_while_an_agents_sdk_run_waits_for_approval(
-    stack: DevStack, openai_fake: FakeOpenAiApi, tmp_path: Path
+    stack: DevStack, openai_fake: Tally[Turn], ledgers: Ledgers
 ) -> None:
     """A RunState interruption became an approval; the worker that ran the agent up to it is
     killed while the run waits; the approval continues the run on the other worker from the
@@ -58,7 +64,7 @@ def test_sigkill_while_an_agents_sdk_run_waits_for_approval(
             "tool.refund:0",
             "model:1",
         ]
-        assert len(_ledger(tmp_path / "tool.jsonl", "refund")) == 1, "the approved call, once"
+        assert ledgers.tool.count("refund") == 1, "the approved call, once"
         assert openai_fake.calls == 2, "the recorded call was not made again"
         assert run.tokens_used == openai_fake.billed_tokens
     finally:
@@ -66,20 +72,19 @@ def test_sigkill_while_an_agents_sdk_run_waits_for_approval(
 
 
 def test_sigkill_at_each_step_kind_of_an_agents_sdk_run(
-    stack: DevStack, openai_fake: FakeOpenAiApi, tmp_path: Path
+    stack: DevStack, openai_fake: Tally[Turn], ledgers: Ledgers
 ) -> None:
     """Killed in its first model call, in its function tool, in its MCP call: the run ends
     SUCCEEDED with each completed step once."""
     watch = Watch(stack, "oa-e2e", "Pack A-7 and count the notes")
-    mcp = Ledger(tmp_path / "mcp.jsonl")
-    tool_ledger = tmp_path / "tool.jsonl"
+    mcp = ledgers.mcp
     try:
         watch.until("the first model call", lambda: openai_fake.calls >= 1)
         watch.until("its first text, live", lambda: watch.streamed("model:0"))
         watch.kill_holder()
-        _wait_marker(watch, Path(f"{tool_ledger}.calling"), "pack")
+        _wait_marker(watch, ledgers.tool_marker, "pack")
         watch.kill_holder()
-        _wait_marker(watch, tmp_path / "mcp.calling", "count_notes")
+        _wait_marker(watch, ledgers.mcp_marker, "count_notes")
         watch.kill_holder()
 
         run = watch.end()
@@ -99,7 +104,7 @@ def test_sigkill_at_each_step_kind_of_an_agents_sdk_run(
             "model:2",
         ], keys
         assert all(s.status is StepStatus.DONE for s in steps)
-        packs = _ledger(tool_ledger, "pack")
+        packs = ledgers.tool.entries("pack")
         assert [p["key"] for p in packs] == [f"{run.id}/tool.pack:0"] * 2, "re-run, same key"
         counts = mcp.entries("count_notes")
         assert [c["key"] for c in counts] == [f"{run.id}/mcp.notes.count_notes:0"] * 2
@@ -122,9 +127,9 @@ def test_sigkill_at_each_step_kind_of_an_agents_sdk_run(
 )
 def test_sigkill_in_a_tool_after_its_nested_agent_answered(
     stack: DevStack,
-    fake: FakeMessagesApi,
-    openai_fake: FakeOpenAiApi,
-    tmp_path: Path,
+    fake: Tally[Billed],
+    openai_fake: Tally[Turn],
+    ledgers: Ledgers,
     agent: str,
     model_key: str,
     tool_key: str,
@@ -134,10 +139,9 @@ def test_sigkill_in_a_tool_after_its_nested_agent_answered(
     tool's step); the idempotent tool runs again on the other worker and its writer's call is
     counted too; the recorded model calls are not made again. Tokens counted = billed."""
     watch = Watch(stack, agent, "Draft about tides")
-    tool_ledger = tmp_path / "tool.jsonl"
-    billing = fake if agent.startswith("fw") else openai_fake
+    billing: Tally[Billed] | Tally[Turn] = fake if agent.startswith("fw") else openai_fake
     try:
-        _wait_marker(watch, Path(f"{tool_ledger}.calling"), "draft")
+        _wait_marker(watch, ledgers.tool_marker, "draft")
         watch.kill_holder()
 
         run = watch.end()
@@ -152,7 +156,7 @@ def test_sigkill_in_a_tool_after_its_nested_agent_answered(
             f"{tool_key}/usage:1",
             f"{model_key}:1",
         ]
-        drafts = _ledger(tool_ledger, "draft")
+        drafts = ledgers.tool.entries("draft")
         assert [d["key"] for d in drafts] == [f"{run.id}/{tool_key}"] * 2, "re-run, same key"
         assert billing.calls == 4, "two model calls of the run, the writer's twice"
         assert run.unrecorded_tokens == 0
