@@ -73,7 +73,7 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     ):
         config.option.numprocesses = ALL_WORKERS
         config.option.dist = "loadfile"
-    if config.getoption("--all") and not config.getoption("durations"):
+    if config.getoption("--all") and config.getoption("durations") is None:
         # CI's log then says where its minutes went (its limit is 15), run after run.
         config.option.durations = 25
 
