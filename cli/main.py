@@ -835,7 +835,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--concurrency",
             type=int,
             default=None,
-            help="steps per worker process (default: $DAR_WORKER_CONCURRENCY, else 1000)",
+            help="steps per worker process (default: $DAR_WORKER_CONCURRENCY, else 2000)",
         )
         p.add_argument("--data-dir", default=".dar", help=data_dir_help)
         p.add_argument(

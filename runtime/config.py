@@ -20,8 +20,14 @@ greenlet and a socket, so one process holds thousands; tool bodies run on native
 (:mod:`runtime.native`), so a tool blocking in C code does not stall the calls beside it.
 The Procfile, ``compose.yaml``, ``dar dev`` and the bench all use these two values
 (``tests/unit/test_procfile.py`` checks it)."""
-WORKER_CONCURRENCY = 1000
-"""Steps one worker process runs at once, as shipped (``DAR_WORKER_CONCURRENCY``)."""
+WORKER_CONCURRENCY = 2000
+"""Steps one worker process runs at once, as shipped (``DAR_WORKER_CONCURRENCY``). A run's
+step holds a slot for its whole model call, so slots must outnumber the runs in flight: at
+1,000, two processes had exactly the 2,000 slots that 2,000 runs need, a step's next message
+waited ~1.3 s for a slot to free, and the pair ran at 0.89 of the ideal rate; at 2,000, at
+1.00 (``python -m bench defaults``, docs/benchmarks.md). A slot costs nothing until a step
+takes it; a step in flight costs a greenlet and a socket (the worker raises its open-files
+limit to match, :func:`tasks.signals.raise_open_files_limit`)."""
 
 
 class ConfigError(DarError):

@@ -3,6 +3,7 @@ Celery's, and a clean shutdown of the heartbeat."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -16,10 +17,45 @@ from runtime.observe.logctx import configure_logging, set_process_worker
 from runtime.observe.tracing import configure_from_env
 from tasks.drive import stop_worker_state, worker_state
 
+log = logging.getLogger(__name__)
+
+
+def raise_open_files_limit(concurrency: int) -> int:
+    """Raise this process's soft limit of open files towards what ``concurrency`` steps in
+    flight may hold (a socket per model call, with room for the pools, MCP pipes and logs),
+    within the hard limit; say so when the hard limit is lower. Returns the soft limit now.
+
+    Many hosts start processes with a soft limit of 1,024: a worker of the shipped
+    concurrency would hit "Too many open files" on its 1,000th model call in flight."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX host
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = 2 * concurrency + 256
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return soft
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        log.warning(
+            "open files limit %d is below the %d that --concurrency %d may need: raise the "
+            "hard limit (ulimit -Hn; systemd LimitNOFILE=; compose ulimits: nofile) or lower "
+            "DAR_WORKER_CONCURRENCY",
+            hard,
+            needed,
+            concurrency,
+        )
+    return target
+
 
 def connect_signals(app: Celery) -> None:
     @signals.worker_init.connect(weak=False)
-    def _check_config(**_: Any) -> None:
+    def _check_config(sender: Any = None, **_: Any) -> None:
+        concurrency = getattr(sender, "concurrency", None)
+        if isinstance(concurrency, int):
+            raise_open_files_limit(concurrency)
         # Before the worker consumes anything: a worker that cannot load its agents or reach
         # its database would otherwise say "ready." and fail every message it takes. One
         # line and a non-zero exit (SystemExit is not swallowed by Celery's signal dispatch).

@@ -74,7 +74,7 @@ def test_the_worker_defaults_are_defined_once_and_shipped_everywhere() -> None:
     from cli.devstack import DevStack
     from runtime.config import WORKER_CONCURRENCY, WORKER_POOL
 
-    assert (WORKER_POOL, WORKER_CONCURRENCY) == ("gevent", 1000)
+    assert (WORKER_POOL, WORKER_CONCURRENCY) == ("gevent", 2000)
     pool = f"--pool ${{DAR_WORKER_POOL:-{WORKER_POOL}}}"
     concurrency = f"--concurrency ${{DAR_WORKER_CONCURRENCY:-{WORKER_CONCURRENCY}}}"
     worker = _procfile()["worker"]
@@ -98,3 +98,4 @@ def test_the_worker_defaults_are_defined_once_and_shipped_everywhere() -> None:
     assert f"`DAR_WORKER_POOL` | `{WORKER_POOL}`" in readme
     assert f"`DAR_WORKER_CONCURRENCY` | `{WORKER_CONCURRENCY}`" in readme
     assert f"--pool ${{DAR_WORKER_POOL:-{WORKER_POOL}}}" in readme
+    assert f"else {WORKER_CONCURRENCY})" in (ROOT / "cli" / "main.py").read_text(), "dar dev -h"
