@@ -65,6 +65,43 @@ def write(sections: dict[str, Any], out: Path = DOCS) -> list[Path]:
     return written
 
 
+def defaults_by_concurrency(results: list[Path], out: Path = DOCS) -> Path:
+    """(c) with the shipped defaults, one bar per bench result file (``python -m bench
+    defaults`` runs, each at its worker concurrency): the rate against the ideal, and the
+    wait a step spent between model calls (p50, p99)."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = []
+    for path in results:
+        section = json.loads(path.read_text())["sections"]["defaults"]
+        level = section["levels"][0]
+        runs.append((section["concurrency"], level))
+    fig, (rate, wait) = plt.subplots(1, 2, figsize=(8, 3.5))
+    labels = [f"{c}\nrun {i + 1}" for i, (c, _) in enumerate(runs)]
+    rate.bar(labels, [lv["ratio_to_ideal"] for _, lv in runs])
+    rate.axhline(0.9, color="red", linestyle="--", label="target 0.9")
+    rate.set_ylim(0.8, 1.02)
+    rate.set_ylabel("steps/s / ideal (200)")
+    rate.set_xlabel("--concurrency per worker process")
+    rate.legend(loc="lower right")
+    xs = range(len(runs))
+    p50 = [lv["overhead_ms_per_step"]["p50"] for _, lv in runs]
+    p99 = [lv["overhead_ms_per_step"]["p99"] for _, lv in runs]
+    wait.bar([x - 0.2 for x in xs], p50, 0.4, label="p50")
+    wait.bar([x + 0.2 for x in xs], p99, 0.4, label="p99")
+    wait.legend()
+    wait.set_xticks(list(xs), labels)
+    wait.set_ylabel("ms between two model calls")
+    wait.set_xlabel("--concurrency per worker process")
+    fig.suptitle("(c) 2,000 runs x 10 s model, 2 worker processes, shipped defaults", y=0.99)
+    return _save(fig, out / "bench-defaults-concurrency.png")
+
+
 def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -72,3 +109,9 @@ def _save(fig: Any, path: Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(defaults_by_concurrency([Path(p) for p in sys.argv[1:]]))
