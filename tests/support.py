@@ -16,6 +16,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 import api
+from db.engine import make_engine
 from db.errors import DatabaseUnavailable
 from db.records import Dispatch, NewRun, Run
 from db.store import RunStore
@@ -28,6 +29,7 @@ from runtime.testing.testkit import SimulatedCrash
 from runtime.tools import Tool
 from tasks.celery_app import make_celery
 from tests.fakes.messages_api import FakeMessagesApi
+from tests.netproxy import TcpProxy
 
 __all__ = [
     "SimulatedCrash",
@@ -180,3 +182,20 @@ def scratch_database(admin_url: str, name: str) -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@contextlib.contextmanager
+def proxied_engine(database_url: str, **engine_options: Any) -> Iterator[tuple[Engine, TcpProxy]]:
+    """An engine on ``database_url`` through a TCP proxy the test can cut (a partition, a
+    restart seen from the client), and the proxy; both closed after."""
+    url = make_url(database_url)
+    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
+    engine = make_engine(
+        url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False),
+        **engine_options,
+    )
+    try:
+        yield engine, proxy
+    finally:
+        engine.dispose()
+        proxy.close()

@@ -14,7 +14,6 @@ import pytest
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
-from db.engine import make_engine
 from db.errors import DatabaseUnavailable
 from db.records import NewStep, RunStatus, StepKind, StepStatus, Usage
 from db.store import RunStore
@@ -24,7 +23,14 @@ from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.scripted import ScriptedLlm
 from runtime.pipeline import modelcall
 from tests.netproxy import TcpProxy
-from tests.support import SimulatedCrash, drive_to_end, expire_lease, register_agent, submit
+from tests.support import (
+    SimulatedCrash,
+    drive_to_end,
+    expire_lease,
+    proxied_engine,
+    register_agent,
+    submit,
+)
 
 USAGE = Usage(1234, 56)
 MODEL = "claude-test-model"
@@ -32,17 +38,8 @@ MODEL = "claude-test-model"
 
 @pytest.fixture
 def cut_store(database_url: str) -> Iterator[tuple[RunStore, TcpProxy]]:
-    url = make_url(database_url)
-    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
-    engine = make_engine(
-        url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False),
-        pool_size=1,
-        max_overflow=0,
-    )
-    try:
+    with proxied_engine(database_url, pool_size=1, max_overflow=0) as (engine, proxy):
         yield RunStore(engine), proxy
-    finally:
-        engine.dispose()
         proxy.close()
 
 

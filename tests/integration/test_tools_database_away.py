@@ -15,10 +15,9 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Engine
 
 from db.demo import SEED_TICKETS, TicketStore
-from db.engine import make_engine
 from db.errors import DatabaseUnavailable
 from db.records import Dispatch, RunStatus, StepStatus
 from runtime.agentloop.acme import add_comment_tool, list_tickets_tool
@@ -26,7 +25,7 @@ from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Outcome
 from runtime.llm.scripted import ScriptedLlm
 from tests.netproxy import TcpProxy
-from tests.support import register_agent
+from tests.support import proxied_engine, register_agent
 
 OVERDUE = sorted(t[0] for t in SEED_TICKETS if t[2] != "closed" and t[6] < 0)
 
@@ -34,20 +33,11 @@ OVERDUE = sorted(t[0] for t in SEED_TICKETS if t[2] != "closed" and t[6] < 0)
 @pytest.fixture
 def proxied(database_url: str) -> Iterator[tuple[Engine, TcpProxy]]:
     """An engine on the test database through a proxy the test can cut."""
-    url = make_url(database_url)
-    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
-    engine = make_engine(
-        url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False),
-        pool_size=2,
-        max_overflow=0,
-        application_name="dar-demo-tools",
-    )
-    try:
+    with proxied_engine(
+        database_url, pool_size=2, max_overflow=0, application_name="dar-demo-tools"
+    ) as (engine, proxy):
         TicketStore(engine).seed()  # the fixture emptied every table, the tickets too
         yield engine, proxy
-    finally:
-        engine.dispose()
-        proxy.close()
 
 
 def restart(proxy: TcpProxy, down_seconds: float) -> threading.Timer:
