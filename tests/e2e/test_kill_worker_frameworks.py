@@ -381,6 +381,25 @@ class Watch:
         self.stack.kill(holder)
         self.killed.append(holder)
 
+    def approve_after_killing(self, asked_in: str) -> Run:
+        """Wait for the run's approval, kill the worker that made the model step
+        ``asked_in`` (the run holds no lease while it waits), approve over REST and return
+        the run at its end."""
+        self.until(
+            "the approval", lambda: self.store.get_run(self.run_id).status is RunStatus.WAITING
+        )
+        [pending] = self.store.list_approvals(run_id=self.run_id)
+        asked = next(s for s in self.steps() if s.step_key == asked_in)
+        assert asked.worker is not None
+        holder = next(
+            n for n in self.stack.processes if asked.worker.startswith(n) or n in asked.worker
+        )
+        self.stack.kill(holder)
+        self.killed.append(holder)
+        status, decided = self.stack.request("POST", f"/api/approvals/{pending.id}/approve", {})
+        assert status == 200, decided
+        return self.end()
+
     def end(self) -> Run:
         # After a kill: a lease (LEASE_SECONDS) until the reaper re-dispatches, a restarted
         # worker's boot if the other one is down too, then the rest of the run.
@@ -502,19 +521,7 @@ def test_sigkill_while_a_pydantic_ai_run_waits_for_approval(
     approval (REST) continues the run on the other worker from the recorded steps."""
     watch = Watch(stack, "fw-approve", "Refund A-7")
     try:
-        watch.until(
-            "the approval", lambda: watch.store.get_run(watch.run_id).status is RunStatus.WAITING
-        )
-        [pending] = watch.store.list_approvals(run_id=watch.run_id)
-        asked = next(s for s in watch.steps() if s.step_key == "model.request:0")
-        assert asked.worker is not None
-        holder = next(n for n in stack.processes if asked.worker.startswith(n) or n in asked.worker)
-        stack.kill(holder)
-        watch.killed.append(holder)
-
-        status, decided = stack.request("POST", f"/api/approvals/{pending.id}/approve", {})
-        assert status == 200, decided
-        run = watch.end()
+        run = watch.approve_after_killing("model.request:0")
         assert run.status is RunStatus.SUCCEEDED, run.error
         assert run.result == "refunded"
         assert [s.step_key for s in watch.steps()] == [

@@ -42,19 +42,7 @@ def test_sigkill_while_an_agents_sdk_run_waits_for_approval(
     recorded steps (the SDK's state is rebuilt from them, the model is not asked again)."""
     watch = Watch(stack, "oa-approve", "Refund A-7")
     try:
-        watch.until(
-            "the approval", lambda: watch.store.get_run(watch.run_id).status is RunStatus.WAITING
-        )
-        [pending] = watch.store.list_approvals(run_id=watch.run_id)
-        asked = next(s for s in watch.steps() if s.step_key == "model:0")
-        assert asked.worker is not None
-        holder = next(n for n in stack.processes if asked.worker.startswith(n) or n in asked.worker)
-        stack.kill(holder)
-        watch.killed.append(holder)
-
-        status, decided = stack.request("POST", f"/api/approvals/{pending.id}/approve", {})
-        assert status == 200, decided
-        run = watch.end()
+        run = watch.approve_after_killing("model:0")
         assert run.status is RunStatus.SUCCEEDED, run.error
         assert run.result == "refunded"
         assert [s.step_key for s in watch.steps()] == [
