@@ -88,6 +88,11 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
+STDERR_GRACE_SECONDS = 1.0
+"""A server's stderr line read this soon after its last call ended is logged with that call's
+run (the pump is a thread of its own and may read it after the call returned)."""
+
+
 class _StderrPump:
     """Reads a stdio server's stderr on a thread and logs each line."""
 
@@ -138,12 +143,20 @@ class _Connection:
         self.task: asyncio.Task[None] | None = None
         self.last_http_status: int | None = None
         self.runs: list[str] = []
+        self.last_run = "-"
+        self.last_ended = -STDERR_GRACE_SECONDS
         self.stderr: _StderrPump | None = None
         self.broken = False
 
     @property
     def current_run(self) -> str:
-        return self.runs[-1] if self.runs else "-"
+        """The run whose call the server is serving; just after a call, still that run: the
+        pump reads a line the server wrote during the call after the call returned."""
+        if self.runs:
+            return self.runs[-1]
+        if time.monotonic() - self.last_ended < STDERR_GRACE_SECONDS:
+            return self.last_run
+        return "-"
 
     async def open(self, timeout: float) -> None:
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -437,6 +450,7 @@ class McpClients:
                 ) from None
             finally:
                 connection.runs.remove(run)
+                connection.last_run, connection.last_ended = run, time.monotonic()
             return CallResult(result_text(result), bool(result.is_error), result.structured_content)
 
         try:
