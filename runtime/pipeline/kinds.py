@@ -73,6 +73,19 @@ class StepKind(enum.StrEnum):
     """A sub-agent the agent loop's model called as a tool: a child run, waited for."""
 
 
+class Turn(enum.StrEnum):
+    """What a kind's row adds to an agent-loop run's conversation (the replay asks here)."""
+
+    NONE = "none"
+    """Nothing: not part of the conversation (the tool set, a durable function's steps)."""
+    ASSISTANT = "assistant"
+    """The model's answer, as an assistant message."""
+    TOOL_RESULT = "tool_result"
+    """A ``tool_result`` block for the ``tool_use`` of the turn it answers."""
+    USER = "user"
+    """A user turn (a message posted to the run)."""
+
+
 class Before(enum.StrEnum):
     """What is written before the step's code runs."""
 
@@ -119,6 +132,8 @@ class Policy:
     interruptible: bool = False
     """A message posted with ``policy: "interrupt"`` aborts it in flight (its billed tokens
     recorded, its live attempt retracted); the message is delivered and the step made again."""
+    turn: Turn = Turn.NONE
+    """What its row adds to the agent loop's conversation (:func:`turn_of`)."""
 
     @property
     def guarded_as_model(self) -> bool:
@@ -165,6 +180,7 @@ KINDS: dict[StepKind, Policy] = {
         '(`DAR_RETRY_MAX_ATTEMPTS`); a message posted with `policy: "interrupt"` aborts '
         "it (its billed tokens counted) and it is made again after the message",
         interruptible=True,
+        turn=Turn.ASSISTANT,
     ),
     StepKind.LLM_CALL: Policy(
         name="`steps.llm` model call",
@@ -189,6 +205,7 @@ KINDS: dict[StepKind, Policy] = {
         bills=False,
         notes="`@tool(idempotent=True)`: run again with the same key; else `reconcile(ctx)` "
         "decides; else the run stops for an operator",
+        turn=Turn.TOOL_RESULT,
     ),
     StepKind.MCP_TOOL: Policy(
         name="MCP tool",
@@ -204,6 +221,7 @@ KINDS: dict[StepKind, Policy] = {
         "mid-call); destructive or unannotated: a configured `reconcile` decides, else "
         "`NEEDS_ATTENTION`, also when the server died, answered HTTP 5xx or timed out; "
         "`DAR_MCP_TOOLS` (or `McpServer(tools=…)`) overrides per tool",
+        turn=Turn.TOOL_RESULT,
     ),
     StepKind.STEP: Policy(
         name="`steps.run` / `@step`",
@@ -369,6 +387,7 @@ KINDS: dict[StepKind, Policy] = {
         "transaction that records the step, never lost, never twice; a run about to end "
         "`SUCCEEDED` with one pending goes on; a `SUCCEEDED` run that gets one is queued "
         "again",
+        turn=Turn.USER,
     ),
     StepKind.SUBAGENT: Policy(
         name="sub-agent (agent loop)",
@@ -384,6 +403,7 @@ KINDS: dict[StepKind, Policy] = {
         "side by side, each with its share of the parent's remaining budget); the parent "
         "runs the turn's other tools, then waits parked and records each child's result as "
         "it ends",
+        turn=Turn.TOOL_RESULT,
     ),
 }
 
@@ -441,6 +461,20 @@ def look_up(log: Mapping[str, Step], key: str) -> Found:
     """Is the step ``key`` recorded, in doubt, or new? Asked the same way by every kind."""
     row = log.get(key)
     return NEW if row is None else Found(_STATES[row.status], row)
+
+
+_TURNS: dict[RowKind, Turn] = {
+    policy.row: policy.turn for policy in KINDS.values() if policy.turn is not Turn.NONE
+}
+
+
+def turn_of(step: Step) -> Turn:
+    """What the row ``step`` of an agent-loop run adds to its conversation, by its kind. A row
+    recorded inside another step (``<key>/…``: a tool's usage report, ``runtime.record_usage``)
+    adds nothing: it belongs to the step around it."""
+    if "/" in step.step_key:
+        return Turn.NONE
+    return _TURNS.get(step.kind, Turn.NONE)
 
 
 HEADER = (

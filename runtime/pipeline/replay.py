@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from db.records import Step, StepKind, StepStatus
+from runtime.pipeline.kinds import Turn, turn_of
 from runtime.pipeline.lru import TakeOut
 
 JsonObj = dict[str, Any]
@@ -83,12 +84,13 @@ class _Fold:
     last_content: list[JsonObj] = field(default_factory=list)
 
     def add(self, step: Step) -> None:
-        if step.kind is StepKind.TOOLSET:
-            return  # the tools offered, not part of the conversation
-        if step.kind is StepKind.MESSAGE:
+        turn = turn_of(step)  # the kind says what its row is to the conversation
+        if turn is Turn.NONE:
+            return
+        if turn is Turn.USER:
             self._message(step)
             return
-        if step.kind is not StepKind.MODEL:
+        if turn is Turn.TOOL_RESULT:
             if step.kind is StepKind.CHILD and step.status is StepStatus.PENDING:
                 return  # a sub-agent still working: its tool_use stays pending
             if step.status is not StepStatus.STARTED:

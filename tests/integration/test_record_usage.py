@@ -235,3 +235,31 @@ def test_a_report_fenced_out_by_a_takeover_is_still_counted(runtime: Runtime) ->
     assert (done.tokens_used, done.unrecorded_tokens) == (0, 340), "billed: counted"
     assert done.unrecorded_cost_usd == cost
     assert not [s for s in runtime.store.steps(run.id) if "/usage:" in s.step_key]
+
+
+def test_a_tool_reporting_its_model_call_hands_the_model_one_result_per_tool_use(
+    runtime: Runtime,
+) -> None:
+    """The report's row (``tool:<id>/usage:0``) is recorded inside the tool's step: it is no
+    tool result of the conversation. Taken for one, the next request carried a
+    ``tool_result`` with ``tool_use_id: null``, which the Messages API refuses (400) and the
+    run failed (issue 35, U1)."""
+
+    @tool
+    def summarise(text: str, ctx: ToolContext) -> str:
+        """Summarise with a model of the tool's own."""
+        record_usage(INNER, Usage(input_tokens=300, output_tokens=40))
+        return "short"
+
+    llm = runtime.llm
+    assert isinstance(llm, ScriptedLlm)
+    llm.then_tool_use("toolu_s", "summarise", {"text": "long"}).then_text("done")
+    runtime.agents.register(Agent(name="summariser", system_prompt="Help.", tools=(summarise,)))
+    run, dispatch = runtime.submit("summariser", "summarise this")
+    drive_to_end(runtime.driver(), dispatch)
+
+    assert runtime.store.get_run(run.id).status is RunStatus.SUCCEEDED
+    last = llm.requests[-1].messages[-1]
+    assert last["role"] == "user"
+    results = [b for b in last["content"] if b.get("type") == "tool_result"]
+    assert [(b["tool_use_id"], b["content"]) for b in results] == [("toolu_s", "short")]
