@@ -16,6 +16,7 @@ from api.schemas import message_schema, validate
 from api.state import state
 from api.validation import idempotency_key, json_body
 from db.errors import InvalidTransition, RunNotFound
+from db.records import RunStatus
 from runtime.agents import Agent
 from tasks.dispatch import send_drive
 
@@ -48,7 +49,7 @@ def post_message(run_id: str) -> tuple[Response, int]:
     content: Any = body["text"] if "text" in body else body["content"]
     principal = current_principal()
     try:
-        message_id, created, reopened = s.runtime.store.post_message(
+        message_id, created, dispatch = s.runtime.store.post_message(
             run.id,
             content,
             idempotency_key=idempotency_key(request),
@@ -59,12 +60,12 @@ def post_message(run_id: str) -> tuple[Response, int]:
     except InvalidTransition as e:
         raise ApiError(409, str(e), code="run_finished") from None
     live = s.runtime.live
+    reopened = dispatch is not None and run.status is RunStatus.SUCCEEDED
     if policy == "interrupt" and created and live is not None and not reopened:
         # After the commit: the model call in flight is aborted and made again with the
         # message (a tool in flight is not: the message follows its result, as enqueued).
         live.request_interrupt(run.id)
-    dispatch = reopened or (s.runtime.store.wake(run.id) if created else None)
-    if dispatch is not None:  # after the commit: a finished or parked run goes now
+    if dispatch is not None:  # queued again, or woken from its parking, with the commit
         send_drive(s.celery, s.runtime.store, dispatch)
     after = load_run(run.id)
     return (

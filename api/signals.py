@@ -41,7 +41,7 @@ def send_signal(run_id: str, name: str) -> tuple[Response, int]:
         )
     principal = current_principal()
     try:
-        signal_id, created = s.runtime.store.post_signal(
+        signal_id, created, woken = s.runtime.store.post_signal(
             run.id,
             name,
             body.get("payload"),
@@ -52,8 +52,7 @@ def send_signal(run_id: str, name: str) -> tuple[Response, int]:
         raise ApiError(404, str(e), code="not_found") from None
     except InvalidTransition as e:
         raise ApiError(409, str(e), code="run_finished") from None
-    woken = s.runtime.store.wake(run.id)  # after the commit: a run parked on its wait goes now
-    if woken is not None:
+    if woken is not None:  # woken with the signal's commit: a run parked on its wait goes now
         send_drive(s.celery, s.runtime.store, woken)
     return (
         jsonify({"runId": str(run.id), "name": name, "signalId": signal_id, "new": created}),

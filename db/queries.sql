@@ -1108,6 +1108,11 @@ UPDATE schedule SET next_tick_at = :next_tick_at WHERE id = :id;
 -- after the lock wakes the parked run (wake_run waits for the lock, then sees it parked).
 SELECT id, tenant, status FROM run WHERE id = :id FOR UPDATE;
 
+-- lock_runs_in_order --
+-- Two runs' rows locked in one order (by id), for a transaction that writes both (a signal
+-- sent and its target woken): two such transactions queue, they never deadlock.
+SELECT id FROM run WHERE id = ANY(:ids) ORDER BY id FOR UPDATE;
+
 -- pending_signal --
 -- The oldest signal of this name the run has not consumed yet.
 SELECT id, payload FROM run_signal

@@ -1211,16 +1211,6 @@ class RunStore:
             conn.execute(Q["run_tree_plan"])  # index scans only: see queries.sql
             return [dict(r) for r in conn.execute(Q["run_tree"], params).mappings()]
 
-    def start_child(
-        self, claim: Claim, step: NewStep, child: NewRun, child_id: uuid.UUID, recheck: float
-    ) -> Dispatch:
-        """``steps.child``: insert the child run, record the parent's ``PENDING`` step and
-        park the parent (a timer of ``recheck`` seconds, woken sooner when the child ends),
-        in one transaction: the child exists exactly when its step does. Returns the
-        child's first drive_run message. Fenced."""
-        reason = f"{step.step_key} waiting for child run {str(child_id)[:8]}"
-        return self.start_children(claim, [(step, child, child_id)], recheck, reason)[0]
-
     def start_children(
         self,
         claim: Claim,
@@ -1517,14 +1507,12 @@ class RunStore:
         return {r.id: int(r.event_seq) for r in rows}
 
     def wake(self, run_id: uuid.UUID, *, send: bool = True) -> Dispatch | None:
-        """A run parked for a concurrency-key slot goes now: the message to send, or
-        ``None`` when it is not parked any more. With ``send`` false the reaper's next sweep
-        sends it (the message returned is for information only)."""
+        """A run parked on something that has come (a concurrency-key slot, its child's end)
+        goes now: the message to send, or ``None`` when it is not parked any more. With
+        ``send`` false the reaper's next sweep sends it (the message returned is for
+        information only)."""
         with self._statement() as conn:
-            row = conn.execute(Q["wake_run"], {"id": run_id, "send": send}).first()
-        if row is None:
-            return None
-        return Dispatch(row.id, row.dispatch_token)
+            return _wake(conn, run_id, send=send)
 
     def mark_undispatched(self, dispatch: Dispatch) -> None:
         with self._statement() as conn:
@@ -1540,13 +1528,19 @@ class RunStore:
         *,
         idempotency_key: str | None = None,
         sent_by: str | None = None,
-    ) -> tuple[int, bool]:
-        """Keep a signal for the run until a step of it consumes it. Returns its id and
-        whether it is new (a retried request with the same idempotency key: the first).
-        Raises :class:`RunNotFound`, or :class:`InvalidTransition` when the run ended. The
-        caller wakes the run after the commit (:meth:`wake`)."""
+    ) -> tuple[int, bool, Dispatch | None]:
+        """Keep a signal for the run until a step of it consumes it, and wake the run in the
+        same transaction if it is parked (a poster that dies after the commit leaves no run
+        asleep on a signal it has). Returns its id, whether it is new (a retried request
+        with the same idempotency key: the first) and the run's message to send (``None``:
+        not parked). Raises :class:`RunNotFound`, or :class:`InvalidTransition` when the run
+        ended."""
         with self.engine.begin() as conn:
-            return _insert_signal(conn, run_id, name, payload, idempotency_key, sent_by, None)
+            signal_id, created = _insert_signal(
+                conn, run_id, name, payload, idempotency_key, sent_by, None
+            )
+            woken = _wake(conn, run_id, send=True) if created else None
+        return signal_id, created, woken
 
     def post_message(
         self,
@@ -1559,7 +1553,8 @@ class RunStore:
         """Keep a message for an agent-loop run until a step boundary delivers it. A
         SUCCEEDED run is queued again (its next turn). Returns the message's id, whether it
         is new (a retried request with the same key: the first, nothing counted again) and
-        the drive_run message of a run queued again. :class:`RunNotFound`;
+        the drive_run message of a run queued again or woken from its parking (in the same
+        transaction). :class:`RunNotFound`;
         :class:`InvalidTransition` for a run ended otherwise than SUCCEEDED."""
         with self.engine.begin() as conn:
             run = conn.execute(Q["lock_run_row"], {"id": run_id}).first()
@@ -1584,8 +1579,10 @@ class RunStore:
                 ).one()
                 return int(seen.id), False, None
             after = conn.execute(Q["message_arrived"], {"id": run_id}).one()
-        reopened = run.status == RunStatus.SUCCEEDED
-        dispatch = Dispatch(after.id, after.dispatch_token) if reopened else None
+            reopened = run.status == RunStatus.SUCCEEDED
+            # a run parked (a wait, a timer) is woken with the message's commit, not after it
+            woken = None if reopened else _wake(conn, run_id, send=True)
+        dispatch = Dispatch(after.id, after.dispatch_token) if reopened else woken
         return int(row.id), True, dispatch
 
     def deliver_message(self, claim: Claim, row_for: Callable[[Any], NewStep]) -> Dispatch | None:
@@ -1670,24 +1667,30 @@ class RunStore:
         name: str,
         payload: Any,
         idempotency_key: str,
-    ) -> Dispatch:
-        """``steps.send``: the signal for ``target`` and the sender's step row in one
-        transaction (the key makes a second insert a no-op): exactly once. Raises
-        :class:`RunNotFound` (no such run in the sender's tenant) or
+    ) -> tuple[Dispatch, Dispatch | None]:
+        """``steps.send``: the signal for ``target``, the sender's step row and the wake of
+        the target in one transaction (the key makes a second insert a no-op): exactly once,
+        and a sender that dies after it never leaves the target asleep on a signal it has.
+        Returns the sender's next message and the target's (``None``: it was not parked).
+        Raises :class:`RunNotFound` (no such run in the sender's tenant) or
         :class:`InvalidTransition` (it ended), writing nothing. Fenced."""
         token = uuid.uuid4()
         try:
             with self.engine.begin() as conn:
+                # Both rows locked in one order: two runs sending to each other at once
+                # queue instead of deadlocking.
+                conn.execute(Q["lock_runs_in_order"], {"ids": [claim.run_id, target]})
                 _insert_signal(
                     conn, target, name, payload, idempotency_key, f"run:{claim.run_id}",
                     claim.run.tenant,
                 )  # fmt: skip
                 written = [self._record(conn, claim, step, token)]
+                woken = _wake(conn, target, send=True)
         except LeaseLost:
             self.step_logs.forget(claim.run_id)
             raise
         self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
-        return Dispatch(claim.run_id, token)
+        return Dispatch(claim.run_id, token), woken
 
     # -- schedules ------------------------------------------------------------------------
 
@@ -1873,6 +1876,11 @@ def _insert_signal(
         Q["get_signal_by_key"], {"run_id": run_id, "idempotency_key": idempotency_key}
     ).one()
     return int(seen.id), False
+
+
+def _wake(conn: Connection, run_id: uuid.UUID, *, send: bool) -> Dispatch | None:
+    row = conn.execute(Q["wake_run"], {"id": run_id, "send": send}).first()
+    return None if row is None else Dispatch(row.id, row.dispatch_token)
 
 
 def _cancel_children(conn: Connection, run_id: uuid.UUID) -> None:

@@ -136,12 +136,11 @@ def _deliver_message(task: Task, conversation: Conversation) -> StepResult | Non
     key = f"message:{sum(1 for s in task.steps if s.kind is StepKind.MESSAGE)}"
     kind = kinds.KINDS[kinds.StepKind.MESSAGE].row
 
-    def row(content: Any) -> NewStep:
-        return NewStep(seq, key, kind, StepStatus.DONE, response=content, attempt=1, latency_ms=0)
-
     task.ensure_lease()
     crash_point("before_message_delivery")
-    dispatch = task.store.deliver_message(task.claim, row)
+    dispatch = task.deliver_message(
+        NewStep(seq, key, kind, StepStatus.DONE, attempt=1, latency_ms=0)
+    )
     if dispatch is None:
         return None
     if task.services.live is not None:  # an interrupt flag for it has nothing left to stop
@@ -260,9 +259,7 @@ def _start_subagents(task: Task, agent: Agent, fresh: list[dict[str, Any]]) -> S
         started.append((row, new, child_id))
     names = ", ".join(f"{r.tool_name}={str(c)[:8]}" for r, _, c in started)
     task.ensure_lease()
-    first = task.store.start_children(
-        task.claim, started, _recheck(task), f"waiting for sub-agents {names}"
-    )
+    first = task.start_children(started, _recheck(task), f"waiting for sub-agents {names}")
     log.info("run=%s seq=%d SUBAGENT started %s", task.rid, seq, names)
     return StepResult(Outcome.WAITING, wakes=tuple(first))
 
@@ -319,10 +316,8 @@ def _collect_subagent(task: Task, calls: list[dict[str, Any]]) -> StepResult:
             )
             return task.checkpoint([row])
         names = ", ".join(str(c)[:8] for c in waiting)
-        parked = task.store.park_for_child(
-            task.claim, waiting[0], _recheck(task), f"waiting for sub-agent runs {names}"
-        )
-        if parked is not None:
+        reason = f"waiting for sub-agent runs {names}"
+        if task.park_for_child(waiting[0], _recheck(task), reason):
             return StepResult(Outcome.WAITING)
     return task.schedule(0.0, "a sub-agent ended: reading its result")
 

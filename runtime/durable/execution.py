@@ -814,9 +814,7 @@ class Execution:
         """Park the run on a durable timer (ending the task); ``False`` when ``signal`` is
         already there to consume instead."""
         with self.engine_call():
-            dispatch = self.task.store.wait_for_signal(
-                self.task.claim, rows, signal=signal, delay_seconds=delay, reason=reason
-            )
+            dispatch = self.task.park(rows, delay, reason, signal=signal)
         if dispatch is None:
             return False
         log.info("run=%s %s", self.task.rid, reason)
@@ -865,18 +863,8 @@ class Execution:
         now = self.task.claim.db_now
         while True:
             with self.engine_call():
-                consumed = self.task.store.consume_signal(
-                    self.task.claim,
-                    name,
-                    lambda payload: NewStep(
-                        seq,
-                        key,
-                        row_kind,
-                        StepStatus.DONE,
-                        response=payload,
-                        attempt=1,
-                        latency_ms=0,
-                    ),
+                consumed = self.task.consume_signal(
+                    name, NewStep(seq, key, row_kind, StepStatus.DONE, attempt=1, latency_ms=0)
                 )
             if consumed is not None:
                 log.info("run=%s seq=%d WAIT %s: signal received", self.task.rid, seq, key)
@@ -921,8 +909,8 @@ class Execution:
         )  # fmt: skip
         try:
             with self.engine_call():
-                dispatch = self.task.store.send_signal(
-                    self.task.claim, row, target=run_id, name=name, payload=value,
+                dispatch, woken = self.task.send_signal(
+                    row, target=run_id, name=name, payload=value,
                     idempotency_key=f"{self.run_id}/{key}",
                 )  # fmt: skip
         except InfrastructureError as e:
@@ -933,8 +921,6 @@ class Execution:
             )
             with self.engine_call():
                 self.end(self.task.checkpoint([failed]))
-        with self.engine_call():
-            woken = self.task.store.wake(run_id)
         log.info("run=%s seq=%d SEND %s to run=%s", self.task.rid, seq, key, str(run_id)[:8])
         self.end(StepResult(Outcome.CONTINUE, dispatch=dispatch, wakes=(woken,) if woken else ()))
 
@@ -985,19 +971,19 @@ class Execution:
             )
             pending = NewStep(seq, key, row_kind, StepStatus.PENDING, attempt=1,
                               response={"runId": str(child_id), "agent": agent})  # fmt: skip
+            reason = f"{key} waiting for child run {str(child_id)[:8]}"
             with self.engine_call():
-                first = task.store.start_child(
-                    task.claim, pending, new, child_id, self._child_recheck()
+                [first] = task.start_children(
+                    [(pending, new, child_id)], self._child_recheck(), reason
                 )
             log.info("run=%s seq=%d CHILD %s started run=%s", task.rid, seq, key, str(child_id)[:8])
             self.end(StepResult(Outcome.WAITING, wakes=(first,)))
         child_id = uuid.UUID(rec.response["runId"])
         with self.engine_call():
-            parked = task.store.park_for_child(
-                task.claim, child_id, self._child_recheck(),
-                f"{key} waiting for child run {str(child_id)[:8]}",
-            )  # fmt: skip
-        if parked is not None:
+            parked = task.park_for_child(
+                child_id, self._child_recheck(), f"{key} waiting for child run {str(child_id)[:8]}"
+            )
+        if parked:
             self.end(StepResult(Outcome.WAITING))
         with self.engine_call():
             child = task.store.get_run(child_id)

@@ -20,7 +20,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from db.errors import DatabaseUnavailable, LeaseLost
-from db.records import Claim, Dispatch, NewStep, Run, RunStatus, Step, StepStatus, Usage
+from db.records import Claim, Dispatch, NewRun, NewStep, Run, RunStatus, Step, StepStatus, Usage
 from db.records import StepKind as RowKind
 from db.store import RunStore
 from runtime.admission.flow_control import Answered, FlowControl, Grant
@@ -373,6 +373,132 @@ class Task:
             ),
             earlier,
         )
+
+    # -- records of the kinds that wait or start other runs --------------------------------
+    # Messages, signals (consumed and sent), child runs (started) and the parkings that wait
+    # for them are records like any other: each is one fenced transaction, tried again
+    # across a database blip within the lease, and an earlier try that committed (its answer
+    # lost with the connection) is recognised from the row it wrote.
+
+    def _took(self, row: NewStep) -> tuple[Any, Dispatch] | None:
+        """The step ``row`` (by its key and status), as an earlier try of this task
+        committed it (its recorded response), with the message that try handed on to."""
+        written = self.wrote(row)
+        if written is None:
+            return None
+        token = self.store.get_run(self.run_id).dispatch_token
+        return written.response, Dispatch(self.run_id, token)
+
+    def deliver_message(self, row: NewStep) -> Dispatch | None:
+        """Deliver the oldest message posted to the run as the step ``row`` (its ``response``
+        the message's content), handing the lease on; ``None`` when there is none."""
+
+        def earlier() -> Earlier[Dispatch | None] | None:
+            took = self._took(row)
+            return None if took is None else Earlier(took[1])
+
+        return self.durably(
+            row.step_key,
+            lambda: self.store.deliver_message(
+                self.claim, lambda content: replace(row, response=content)
+            ),
+            earlier,
+        )
+
+    def consume_signal(self, name: str, row: NewStep) -> tuple[Any, Dispatch] | None:
+        """Consume the oldest pending signal ``name`` as the step ``row`` (its ``response``
+        the signal's payload), handing the lease on; ``None`` when there is none."""
+
+        def earlier() -> Earlier[tuple[Any, Dispatch] | None] | None:
+            took = self._took(row)
+            return None if took is None else Earlier(took)
+
+        return self.durably(
+            row.step_key,
+            lambda: self.store.consume_signal(
+                self.claim, name, lambda payload: replace(row, response=payload)
+            ),
+            earlier,
+        )
+
+    def send_signal(
+        self, row: NewStep, *, target: uuid.UUID, name: str, payload: Any, idempotency_key: str
+    ) -> tuple[Dispatch, Dispatch | None]:
+        """``steps.send``: the signal for ``target``, the sender's step ``row`` and the wake of
+        the target (when it is parked) in one transaction, handing the lease on. Returns the
+        sender's next message and the target's (``None``: not parked, or the earlier try's
+        wake, which the reaper sends)."""
+
+        def earlier() -> Earlier[tuple[Dispatch, Dispatch | None]] | None:
+            took = self._took(row)
+            return None if took is None else Earlier((took[1], None))
+
+        return self.durably(
+            row.step_key,
+            lambda: self.store.send_signal(
+                self.claim,
+                row,
+                target=target,
+                name=name,
+                payload=payload,
+                idempotency_key=idempotency_key,
+            ),
+            earlier,
+        )
+
+    def start_children(
+        self, started: list[tuple[NewStep, NewRun, uuid.UUID]], recheck: float, reason: str
+    ) -> list[Dispatch]:
+        """Start child runs with their ``PENDING`` steps and park the run for them, in one
+        transaction; the children's first messages."""
+
+        def earlier() -> Earlier[list[Dispatch]] | None:
+            if self.wrote(started[-1][0]) is None:
+                return None
+            runs = [self.store.get_run(child_id) for _, _, child_id in started]
+            return Earlier([Dispatch(r.id, r.dispatch_token) for r in runs])
+
+        return self.durably(
+            started[-1][0].step_key,
+            lambda: self.store.start_children(self.claim, started, recheck, reason),
+            earlier,
+        )
+
+    def park(
+        self, rows: list[NewStep], delay_seconds: float, reason: str, *, signal: str | None
+    ) -> Dispatch | None:
+        """Record ``rows`` and park the run for a signal (or only a timer: ``signal`` None),
+        holding nothing; ``None`` when the signal is there already (consume it)."""
+
+        def earlier() -> Earlier[Dispatch | None] | None:
+            if rows:
+                handed = self._handed_on(rows, delay_seconds)
+                return None if handed is None else Earlier(handed.value)
+            run = self._released(lambda r: r.wait_reason == reason)
+            return None if run is None else Earlier(Dispatch(run.id, run.dispatch_token))
+
+        return self.durably(
+            rows[-1].step_key if rows else reason,
+            lambda: self.store.wait_for_signal(
+                self.claim, rows, signal=signal, delay_seconds=delay_seconds, reason=reason
+            ),
+            earlier,
+        )
+
+    def park_for_child(self, child_id: uuid.UUID, delay_seconds: float, reason: str) -> bool:
+        """Park the run until its child ``child_id`` ends (``delay_seconds`` as a fallback);
+        ``False`` when the child has ended already (read its result now)."""
+
+        def earlier() -> Earlier[Dispatch | None] | None:
+            run = self._released(lambda r: r.wait_reason == reason)
+            return None if run is None else Earlier(Dispatch(run.id, run.dispatch_token))
+
+        parked = self.durably(
+            reason,
+            lambda: self.store.park_for_child(self.claim, child_id, delay_seconds, reason),
+            earlier,
+        )
+        return parked is not None
 
     def schedule(
         self,

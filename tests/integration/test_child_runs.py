@@ -153,7 +153,7 @@ def test_a_child_start_whose_checkpoint_is_fenced_out_starts_no_child(rt: Runtim
     step = NewStep(1, "child.double:0", StepKind.CHILD, StepStatus.PENDING, attempt=1)
     child = NewRun("double", 2, "m", 10, 1000, 60, parent_run_id=run.id)
     with pytest.raises(LeaseLost):
-        rt.store.start_child(claim, step, child, uuid.uuid4(), 30)
+        rt.store.start_children(claim, [(step, child, uuid.uuid4())], 30, "waiting")
     assert children_of(rt, run.id) == []
 
 
