@@ -195,6 +195,9 @@ WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RU
 -- Fenced.
 -- An admission wait (a key slot or a model's limit refused the step before it began) hands
 -- back the claim's count too: waiting for capacity is not a claim that stopped its worker.
+-- :wakeable: the run waits for what may come sooner (a signal, a child's end, a key slot), and
+-- a wake (wake_run) brings it forward; otherwise the timer is a floor (a server's retry-after,
+-- a backoff, a sleep) that no wake crosses.
 UPDATE run
 SET run_at = now() + make_interval(secs => :delay_seconds),
     dispatched_at = now(),
@@ -205,6 +208,8 @@ SET run_at = now() + make_interval(secs => :delay_seconds),
                                    ELSE claims_without_progress END,
     model_attempts = :model_attempts,
     wait_reason = :reason,
+    wake_floor = CASE WHEN :wakeable THEN NULL
+                      ELSE now() + make_interval(secs => :delay_seconds) END,
     updated_at = now()
 WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING';
 
@@ -675,20 +680,22 @@ RETURNING r.id;
 -- For test kits and operators: a parked run (a timer, or a message presumed lost) becomes
 -- due now and its lapsed or absent lease claimable; the reaper's next sweep sends it.
 UPDATE run
-SET run_at = LEAST(run_at, now()), dispatched_at = 'epoch',
+SET run_at = LEAST(run_at, now()), dispatched_at = 'epoch', wake_floor = NULL,
     locked_until = CASE WHEN locked_until IS NULL THEN NULL
                         ELSE LEAST(locked_until, now() - interval '1 millisecond') END
 WHERE id = :id AND status IN ('QUEUED', 'RUNNING');
 
 -- wake_run --
--- A concurrency-key slot freed: the first run waiting for it goes now instead of at its
--- fallback timer. Only a run still parked (no lease, timer in the future) is woken; a new
--- dispatch token makes its timer's message stale. With :send false the reaper's next sweep
--- sends it (the waker cannot send: it is unwinding from an error).
+-- What a parked run waits for has come (a signal, a message, its child's end, a key slot): it
+-- goes now instead of at its fallback timer. Only a run still parked (no lease, timer in the
+-- future) and not on a floor (wake_floor: a server's retry-after, a backoff, a sleep) is
+-- woken; a new dispatch token makes its timer's message stale. With :send false the reaper's
+-- next sweep sends it (the waker cannot send: it is unwinding from an error).
 UPDATE run
 SET run_at = now(), dispatch_token = gen_random_uuid(),
     dispatched_at = CASE WHEN :send THEN now() ELSE 'epoch' END
 WHERE id = :id AND status IN ('QUEUED', 'RUNNING') AND locked_by IS NULL AND run_at > now()
+  AND (wake_floor IS NULL OR wake_floor <= now())
 RETURNING id, dispatch_token;
 
 -- count_key_waiters_by_tenant --

@@ -65,6 +65,9 @@ run = Table(
     # When the run may next be worked on; a durable timer when in the future.
     Column("run_at", TZ, nullable=False, server_default=text("now()")),
     Column("wait_reason", Text),
+    # The earliest moment a wake may bring the run forward to (a server's retry-after, a
+    # backoff, a sleep: its timer is a floor); NULL when it waits for what may come sooner.
+    Column("wake_floor", TZ),
     # The lease: holder, expiry, and the fencing token bumped on every claim.
     Column("locked_by", Text),
     Column("locked_until", TZ),

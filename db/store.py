@@ -727,15 +727,26 @@ class RunStore:
         reason: str,
         model_attempts: int = 0,
         admission: bool = False,
+        wakeable: bool = False,
     ) -> Dispatch:
         """Park the run on a durable timer and release the lease; nothing recorded, so it
         is not progress. ``model_attempts`` persists the attempts of the model step in flight.
         ``admission``: the step was refused capacity before it began, so this claim does not
-        count as one without progress either. Fenced."""
+        count as one without progress either. ``wakeable``: a wake (:meth:`wake`, a freed
+        concurrency-key slot) may bring it forward; otherwise the timer is a floor (a
+        server's retry-after, a backoff). Fenced."""
         token = uuid.uuid4()
         try:
             self._schedule(
-                None, claim, delay_seconds, token, reason, False, model_attempts, admission
+                None,
+                claim,
+                delay_seconds,
+                token,
+                reason,
+                False,
+                model_attempts,
+                admission,
+                wakeable=wakeable,
             )
         except LeaseLost:
             self.step_logs.forget(claim.run_id)
@@ -753,7 +764,12 @@ class RunStore:
         progress: bool,
         model_attempts: int,
         admission: bool = False,
+        *,
+        wakeable: bool = False,
     ) -> None:
+        """Park the run on a timer of ``delay_seconds``. ``wakeable``: it waits for what may
+        come sooner (a signal, a child's end, a key slot), and :meth:`wake` brings it
+        forward; otherwise the timer is a floor no wake crosses. Fenced."""
         params = {
             **_fence(claim),
             "delay_seconds": delay_seconds,
@@ -762,6 +778,7 @@ class RunStore:
             "progress": progress,
             "admission": admission,
             "model_attempts": model_attempts,
+            "wakeable": wakeable,
         }
         if conn is None:
             owned = self._fast.rowcount("schedule_run", params)
@@ -838,11 +855,22 @@ class RunStore:
         reason: str | None,
         progress: bool,
         model_attempts: int,
+        *,
+        wakeable: bool = False,
     ) -> None:
         """After rows recorded in the same transaction: the lease to the next message, or a
         durable timer. Fenced."""
         if delay_seconds is not None:
-            self._schedule(conn, claim, delay_seconds, token, reason, progress, model_attempts)
+            self._schedule(
+                conn,
+                claim,
+                delay_seconds,
+                token,
+                reason,
+                progress,
+                model_attempts,
+                wakeable=wakeable,
+            )
         elif not conn.execute(Q["hand_over_run"], {**_fence(claim), "next_token": token}).rowcount:
             raise LeaseLost(claim.run_id, "checkpoint refused by the fence")
 
@@ -1135,7 +1163,8 @@ class RunStore:
             child = conn.execute(Q["get_run"], {"id": child_id}).first()
             if child is None or RunStatus(child.status).terminal:
                 return None
-            self._schedule(conn, claim, delay_seconds, token, reason, True, 0)  # a wait: progress
+            # a wait is progress; woken when the child ends
+            self._schedule(conn, claim, delay_seconds, token, reason, True, 0, wakeable=True)
         return Dispatch(claim.run_id, token, delay_seconds)
 
     def hold_tree_budget(
@@ -1232,7 +1261,7 @@ class RunStore:
                     row = conn.execute(Q["create_run"], params).mappings().one()
                     created.append(Dispatch(row["id"], row["dispatch_token"]))
                     written.append(self._record(conn, claim, step))
-                self._hand_over(conn, claim, token, recheck, reason, True, 0)
+                self._hand_over(conn, claim, token, recheck, reason, True, 0, wakeable=True)
         except LeaseLost:
             self.step_logs.forget(claim.run_id)
             raise
@@ -1628,8 +1657,11 @@ class RunStore:
                     if conn.execute(Q["pending_signal"], params).first() is not None:
                         return None
                 written = [self._record(conn, claim, step) for step in rows]
-                # A wait is progress: a run that waits long is not a run that keeps killing workers.
-                self._schedule(conn, claim, delay_seconds, token, reason, True, 0)
+                # A wait is progress: a run that waits long is not a run that keeps killing
+                # workers. A wait for a signal is woken by it; a sleep's timer is a floor.
+                self._schedule(
+                    conn, claim, delay_seconds, token, reason, True, 0, wakeable=signal is not None
+                )
         except LeaseLost:
             self.step_logs.forget(claim.run_id)
             raise

@@ -207,6 +207,7 @@ class Driver:
                 reason=got.reason,
                 model_attempts=run.model_attempts,
                 admission=True,
+                wakeable=True,  # woken when a slot of its key frees
             )
             send = got.delay_seconds <= self.settings.max_countdown_seconds
             return StepResult(Outcome.WAITING, dispatch=dispatch if send else None)
