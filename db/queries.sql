@@ -289,6 +289,24 @@ SET error = :error, updated_at = now()
 WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING'
 RETURNING status;
 
+-- _undo_left --
+-- A fragment, not a statement: a line {{_undo_left}} stands for it, in a statement over run
+-- r. Whether the run may have a compensation left to run: a completed step of a compensable
+-- kind (:compensable, db.store.COMPENSABLE_KINDS: the rows of every kind the pipeline's table
+-- declares compensable; a unit test keeps the two equal) or with a declared compensation,
+-- not a fork's copy (never undone by the fork), not a model call inside a step, and not
+-- compensated yet. Only the function's code knows for sure: a worker looks.
+EXISTS (
+    SELECT 1 FROM run_step s
+    WHERE s.run_id = r.id AND s.status = 'DONE' AND s.origin IS NULL
+      AND (s.kind = ANY(CAST(:compensable AS text[])) OR s.compensation IS NOT NULL)
+      AND s.step_key !~ '/(llm|usage):[0-9]+$'
+      AND NOT EXISTS (
+          SELECT 1 FROM run_step c
+          WHERE c.run_id = s.run_id AND c.step_key = 'compensate:' || s.step_key
+            AND c.status IN ('DONE', 'ERROR'))
+) AS undo
+
 -- cancel_run --
 -- Cooperative cancel. A run no worker holds (queued, between steps, parked) ends at once,
 -- unless it is a durable function with completed steps that may have compensations (only
@@ -298,14 +316,7 @@ RETURNING status;
 WITH state AS (
     SELECT r.id,
            (r.locked_until IS NULL OR r.locked_until < now()) AS free,
-           EXISTS (
-               SELECT 1 FROM run_step s
-               WHERE s.run_id = r.id AND s.status = 'DONE' AND s.kind IN ('STEP', 'APPROVAL')
-                 AND NOT EXISTS (
-                     SELECT 1 FROM run_step c
-                     WHERE c.run_id = s.run_id AND c.step_key = 'compensate:' || s.step_key
-                       AND c.status IN ('DONE', 'ERROR'))
-           ) AS undo
+{{_undo_left}}
     FROM run r
     WHERE r.id = :id AND r.status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION')
     FOR UPDATE OF r

@@ -353,6 +353,14 @@ def _gaps(
     return lo, hi
 
 
+COMPENSABLE_KINDS = (StepKind.STEP, StepKind.LLM, StepKind.SIDE_EFFECT, StepKind.APPROVAL)
+"""The row kinds of the steps that may have a compensation (the pipeline's table declares
+which kinds are compensable: ``tests/unit/test_crash_table.py`` keeps the two equal). A run
+ended from outside (a cancel, an operator's fail) with a completed one of these is handed to
+a worker, whose stop runs what its code declared."""
+_COMPENSABLE = {"compensable": [str(k) for k in COMPENSABLE_KINDS]}
+
+
 def _fence(claim: Claim) -> dict[str, Any]:
     return {"id": claim.run_id, "worker": claim.worker, "epoch": claim.epoch}
 
@@ -1141,7 +1149,7 @@ class RunStore:
         """Request cancellation. Returns the status after the request, or ``None`` when the
         run does not exist or has already finished."""
         with self.engine.begin() as conn:
-            row = conn.execute(Q["cancel_run"], {"id": run_id}).first()
+            row = conn.execute(Q["cancel_run"], {"id": run_id, **_COMPENSABLE}).first()
             if row is not None:  # a run with a pending approval holds no lease
                 conn.execute(Q["cancel_pending_approvals"], {"id": run_id})
             if row is not None and audit is not None:

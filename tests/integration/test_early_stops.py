@@ -175,3 +175,40 @@ def test_a_value_the_database_refuses_runs_the_compensations_once(runtime: Runti
     assert drive_through_crashes(runtime, dispatch) is RunStatus.FAILED
     error = _ends_compensated_once(runtime, run_id, status=RunStatus.FAILED)
     assert "refused" in error
+
+
+def _parked_after(runtime: Runtime, name: str, kind: str) -> tuple[uuid.UUID, Dispatch]:
+    """A function whose first step, of ``kind``, has a compensation (``steps.compensate``),
+    then parked on a timer: no worker holds it when it is cancelled."""
+
+    @durable_agent(name)
+    def fn(_: object, steps: Steps) -> str:
+        if kind == "side_effect":
+            steps.side_effect("reserve", reserve, type=str)
+        else:
+            steps.llm("reserve", lambda model: reserve(), type=str)
+        steps.compensate(release)
+        steps.sleep(600)
+        return "done"
+
+    run_id, dispatch = _start(runtime, fn)
+    driver = runtime.driver(worker="worker-A")
+    first = driver.drive(run_id, dispatch.token)
+    assert first.dispatch is not None
+    parked = driver.drive(run_id, first.dispatch.token)
+    assert runtime.store.get_run(run_id).locked_by is None, "parked, holding nothing"
+    return run_id, parked.dispatch or first.dispatch
+
+
+def test_a_parked_function_cancelled_compensates_every_compensable_kind(
+    runtime: Runtime,
+) -> None:
+    """U4: the cancel's SQL decided there was nothing to undo by looking at STEP and APPROVAL
+    rows only, so a function parked after a compensable ``steps.side_effect`` or
+    ``steps.llm`` was cancelled at once and its compensation never ran."""
+    for kind in ("side_effect", "llm"):
+        RELEASED.clear()
+        run_id, dispatch = _parked_after(runtime, f"parked-{kind}", kind)
+        assert runtime.store.cancel(run_id) is RunStatus.RUNNING, "handed to a worker to undo"
+        assert drive_through_crashes(runtime, dispatch) is RunStatus.CANCELLED
+        _ends_compensated_once(runtime, run_id, status=RunStatus.CANCELLED)

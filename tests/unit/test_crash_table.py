@@ -64,3 +64,13 @@ def test_only_steps_written_started_first_run_through_the_effect_executor() -> N
         if policy.after_crash is AfterCrash.CALLED_AGAIN:
             assert policy.bills
             assert policy.before is Before.NOTHING
+
+
+def test_the_stores_compensable_rows_are_the_tables() -> None:
+    """A run ended from outside (a cancel, an operator's fail) is handed to a worker to undo
+    when it has a completed step of a compensable kind: the store's list (in its SQL) must
+    be the table's, or a new compensable kind's steps are never undone (issue 35, U4)."""
+    from db.store import COMPENSABLE_KINDS
+    from runtime.pipeline.kinds import KINDS
+
+    assert set(COMPENSABLE_KINDS) == {p.row for p in KINDS.values() if p.compensable}
