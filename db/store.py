@@ -1925,7 +1925,7 @@ def _wake(conn: Connection, run_id: uuid.UUID, *, send: bool) -> Dispatch | None
 
 def _cancel_children(conn: Connection, run_id: uuid.UUID) -> None:
     for child in conn.execute(Q["live_children"], {"id": run_id}).scalars().all():
-        if conn.execute(Q["cancel_run"], {"id": child}).first() is not None:
+        if conn.execute(Q["cancel_run"], {"id": child, **_COMPENSABLE}).first() is not None:
             conn.execute(Q["cancel_pending_approvals"], {"id": child})
             _cancel_children(conn, child)
 
