@@ -364,10 +364,29 @@ WHERE run_id = :id AND status = 'STARTED'
   AND seq = (SELECT min(seq) FROM run_step WHERE run_id = :id AND status = 'STARTED');
 
 -- resolve_fail_run --
+-- An operator fails a NEEDS_ATTENTION run: the engine's stop, as for a cancel. With nothing to
+-- undo it ends FAILED here; a durable function that may have compensations left is handed to
+-- a worker (RUNNING, due now, under :next_token, its error the stop's reason: every task of
+-- it then unwinds, Task.stopping), whose stop runs them, one per task, and ends it FAILED.
+-- The run's children are cancelled by the caller in the same transaction.
+WITH state AS (
+    SELECT r.id,
+{{_undo_left}}
+    FROM run r
+    WHERE r.id = :id AND r.status = 'NEEDS_ATTENTION'
+    FOR UPDATE OF r
+)
 UPDATE run
-SET status = 'FAILED', error = :error, finished_at = now(), updated_at = now()
-WHERE id = :id AND status = 'NEEDS_ATTENTION'
-RETURNING id;
+SET status = CASE WHEN state.undo THEN 'RUNNING' ELSE 'FAILED' END,
+    error = :error,
+    finished_at = CASE WHEN state.undo THEN NULL ELSE now() END,
+    dispatch_token = CASE WHEN state.undo THEN :next_token ELSE run.dispatch_token END,
+    dispatched_at = CASE WHEN state.undo THEN now() ELSE run.dispatched_at END,
+    run_at = CASE WHEN state.undo THEN now() ELSE run.run_at END,
+    wake_floor = NULL, claims_without_progress = 0,
+    updated_at = now()
+FROM state WHERE run.id = state.id
+RETURNING run.id, run.status;
 
 -- suspend_run --
 -- Suspend for a human: no lease, no worker slot, a new dispatch token so any message still

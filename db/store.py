@@ -1289,16 +1289,27 @@ class RunStore:
     ) -> Dispatch | None:
         """An operator's decision on a NEEDS_ATTENTION run: ``supply_result`` (record the
         STARTED step's result and continue), ``retry`` (run the step once more), or
-        ``fail``. Returns the message to send, ``None`` for ``fail``. Raises
+        ``fail`` (the engine's stop: its children cancelled, and a durable function that may
+        have compensations left handed to a worker that runs them, then ends it FAILED).
+        Returns the message to send (``None``: a fail that ended the run here). Raises
         :class:`InvalidTransition` when the run is not NEEDS_ATTENTION (someone else resolved
         or cancelled it first)."""
         token = uuid.uuid4()
+        stopping = False
         with self.engine.begin() as conn:
             if action == "fail":
                 row = conn.execute(
                     Q["resolve_fail_run"],
-                    {"id": run_id, "error": f"failed by {operator}: {reason or 'no reason'}"},
+                    {
+                        "id": run_id,
+                        "error": f"failed by {operator}: {reason or 'no reason'}",
+                        "next_token": token,
+                        **_COMPENSABLE,
+                    },
                 ).first()
+                if row is not None:  # its children end with it, down the tree
+                    _cancel_children(conn, run_id)
+                    stopping = row.status == RunStatus.RUNNING
             else:
                 row = conn.execute(
                     Q["resolve_reopen_run"], {"id": run_id, "next_token": token}
@@ -1319,7 +1330,9 @@ class RunStore:
                 raise InvalidTransition(f"run {run_id} is not waiting for an operator")
             if audit is not None:
                 _record_audit(conn, run_id, audit)
-        return None if action == "fail" else Dispatch(run_id, token)
+        if action == "fail" and not stopping:
+            return None
+        return Dispatch(run_id, token)
 
     # -- dispatch bookkeeping -----------------------------------------------------------
 

@@ -212,3 +212,45 @@ def test_a_parked_function_cancelled_compensates_every_compensable_kind(
         assert runtime.store.cancel(run_id) is RunStatus.RUNNING, "handed to a worker to undo"
         assert drive_through_crashes(runtime, dispatch) is RunStatus.CANCELLED
         _ends_compensated_once(runtime, run_id, status=RunStatus.CANCELLED)
+
+
+def test_an_operators_fail_is_the_engines_stop(runtime: Runtime) -> None:
+    """U5: ``resolve fail`` was one UPDATE to FAILED: a durable function's completed steps
+    were never compensated. Now it is the stop every other early end takes: the run is
+    handed to a worker that runs the compensations once and ends it FAILED, the operator's
+    reason kept."""
+    RELEASED.clear()
+
+    def charge() -> str:
+        raise SimulatedCrash("the worker died inside the charge")
+
+    @durable_agent("stop-operator")
+    def fn(_: object, steps: Steps) -> str:
+        steps.run("reserve", reserve, type=str, compensate=release)
+        return steps.run("charge", charge, type=str)  # not idempotent: in doubt after a crash
+
+    run_id, dispatch = _start(runtime, fn)
+    assert drive_through_crashes(runtime, dispatch) is RunStatus.NEEDS_ATTENTION
+    assert RELEASED == []
+
+    handed = runtime.store.resolve(run_id, "fail", reason="refunded by hand", operator="ops")
+    assert handed is not None, "a worker runs its compensations"
+    assert runtime.store.get_run(run_id).status is RunStatus.RUNNING
+    assert drive_through_crashes(runtime, handed) is RunStatus.FAILED
+    error = _ends_compensated_once(runtime, run_id, status=RunStatus.FAILED)
+    assert error.startswith("failed by ops: refunded by hand")
+
+
+def test_an_operators_fail_with_nothing_to_undo_ends_the_run_at_once(runtime: Runtime) -> None:
+    def charge() -> str:
+        raise SimulatedCrash("the worker died inside the charge")
+
+    @durable_agent("stop-operator-plain")
+    def fn(_: object, steps: Steps) -> str:
+        return steps.run("charge", charge, type=str)
+
+    run_id, dispatch = _start(runtime, fn)
+    assert drive_through_crashes(runtime, dispatch) is RunStatus.NEEDS_ATTENTION
+    assert runtime.store.resolve(run_id, "fail", reason="gave up") is None
+    run = runtime.store.get_run(run_id)
+    assert (run.status, run.error) == (RunStatus.FAILED, "failed by operator: gave up")

@@ -968,3 +968,20 @@ def drive_one(rt: Runtime, d: Dispatch) -> list[Dispatch]:
         wakes += result.wakes
         nxt = result.dispatch if result.outcome is Outcome.CONTINUE else None
     return wakes
+
+
+def test_an_operators_fail_ends_the_sub_agents_started_in_the_same_turn(rt: Runtime) -> None:
+    """U5: the parent stopped for an operator (a tool of the turn in doubt) while its
+    sub-agents ran; failing it left them running and billing for a parent that had ended."""
+    run, _, started = start_two_children(rt)
+    assert len(started.wakes) == 2
+    with rt.engine.begin() as conn:  # what a tool of the same turn left in doubt does
+        conn.execute(
+            sql(
+                "UPDATE run SET status = 'NEEDS_ATTENTION', error = 'tool in doubt' WHERE id = :id"
+            ),
+            {"id": run.id},
+        )
+    assert rt.store.resolve(run.id, "fail", reason="not worth it") is None
+    assert rt.store.get_run(run.id).status is RunStatus.FAILED
+    assert [c.status for c in children(rt, run.id)] == ["CANCELLED", "CANCELLED"]
