@@ -441,12 +441,10 @@ def cancel(run_id: str) -> tuple[Response, int]:
     store = state().runtime.store
     rid = parse_run_id(run_id)
     load_run(rid)
-    status = store.cancel(rid, audit=audit("cancel"))
-    cancelled = load_run(rid)
-    if status is not None and status.terminal and cancelled.parent_run_id is not None:
-        woken = store.wake(cancelled.parent_run_id)  # its parent waits for it: look now
-        if woken is not None:
-            send_drive(state().celery, store, woken)
+    wakes: list[Dispatch] = []  # a parent waiting for the run, woken with the cancel
+    status = store.cancel(rid, audit=audit("cancel"), wakes=wakes)
+    for woken in wakes:
+        send_drive(state().celery, store, woken)
     live = state().runtime.live
     if status is not None and live is not None:  # a model call in flight stops within ~1 s
         live.request_cancel(rid)

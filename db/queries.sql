@@ -335,7 +335,7 @@ SET cancel_requested = true,
     run_at = CASE WHEN state.free AND state.undo THEN now() ELSE run.run_at END,
     updated_at = now()
 FROM state WHERE run.id = state.id
-RETURNING run.status;
+RETURNING run.status, run.parent_run_id;
 
 -- resolve_reopen_run --
 -- An operator resolved a NEEDS_ATTENTION run: it runs again under a new dispatch token.

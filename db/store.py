@@ -1145,9 +1145,17 @@ class RunStore:
 
     # -- control ------------------------------------------------------------------------
 
-    def cancel(self, run_id: uuid.UUID, *, audit: NewAudit | None = None) -> RunStatus | None:
+    def cancel(
+        self,
+        run_id: uuid.UUID,
+        *,
+        audit: NewAudit | None = None,
+        wakes: list[Dispatch] | None = None,
+    ) -> RunStatus | None:
         """Request cancellation. Returns the status after the request, or ``None`` when the
-        run does not exist or has already finished."""
+        run does not exist or has already finished. A child run that ends here wakes its
+        parent (waiting for it) in the same transaction: the parent's message is appended to
+        ``wakes`` to send (else the reaper's next sweep sends it)."""
         with self.engine.begin() as conn:
             row = conn.execute(Q["cancel_run"], {"id": run_id, **_COMPENSABLE}).first()
             if row is not None:  # a run with a pending approval holds no lease
@@ -1156,6 +1164,10 @@ class RunStore:
                 _record_audit(conn, run_id, audit)
             if row is not None:  # cancelling a parent cancels its children, down the tree
                 _cancel_children(conn, run_id)
+            if row is not None and RunStatus(row.status).terminal and row.parent_run_id:
+                woken = _wake(conn, row.parent_run_id, send=wakes is not None)
+                if woken is not None and wakes is not None:
+                    wakes.append(woken)
         return RunStatus(row.status) if row else None
 
     def park_for_child(

@@ -188,55 +188,6 @@ class Driver:
         (:mod:`runtime.admission.concurrency_keys`), or waits for one on a durable timer,
         holding nothing."""
         run = claim.run
-        if self.keys is None or run.concurrency_key is None:
-            return self._run_program(claim, token)
-        got = self.keys.acquire(
-            tenant_key(run.tenant, run.concurrency_key),
-            run.id,
-            claim.epoch,
-            priority=run.priority,
-            submitted_at=run.created_at.timestamp(),
-            label=run.concurrency_key,
-        )
-        if got is None:  # no limit for this key, or Redis is away (fail open)
-            return self._run_program(claim, token)
-        if isinstance(got, KeyWait):  # woken when a slot frees; the timer is the fallback
-            dispatch = self.store.schedule(
-                claim,
-                got.delay_seconds,
-                reason=got.reason,
-                model_attempts=run.model_attempts,
-                admission=True,
-                wakeable=True,  # woken when a slot of its key frees
-            )
-            send = got.delay_seconds <= self.settings.max_countdown_seconds
-            return StepResult(Outcome.WAITING, dispatch=dispatch if send else None)
-        try:
-            result = self._run_program(claim, token)
-        except BaseException:
-            self._release(got, continuing=False, send=False)
-            raise
-        wakes = self._release(got, continuing=result.outcome is Outcome.CONTINUE)
-        return replace(result, wakes=result.wakes + wakes) if wakes else result
-
-    def _release(self, slot: Slot, *, continuing: bool, send: bool = True) -> tuple[Dispatch, ...]:
-        """Give a key slot back; the run it wakes, as a message to send (``send`` false: for
-        the reaper's next sweep to send, as the step is unwinding from an error). A waiter
-        that is not parked any more (cancelled while it waited, ended, already claimed) is
-        dropped from the key's queue and the next one woken instead."""
-        assert self.keys is not None
-        woken = self.keys.release(slot, continuing=continuing)
-        for _ in range(MAX_WAITERS_SKIPPED):
-            if woken is None:
-                return ()
-            dispatch = self.store.wake(woken, send=send)
-            if dispatch is not None:
-                return (dispatch,) if send else ()
-            woken = self.keys.skip(slot, woken, continuing=continuing)
-        return ()  # the rest are woken by their fallback timers
-
-    def _run_program(self, claim: Claim, token: uuid.UUID | None) -> StepResult:
-        run = claim.run
         services = Services(
             store=self.store,
             llm=self.llm,
@@ -256,64 +207,115 @@ class Driver:
             self.heartbeat.hold(claim) as lease,
         ):
             task = Task(services, claim, lease, steps=[])
-            # Checked before anything else may fail on this run (reading its steps included),
-            # so a run that keeps breaking its worker ends instead of being retried forever.
-            if run.claims_without_progress > self.settings.max_claims_without_progress:
-                reason = (
-                    f"the run stopped its worker {run.claims_without_progress - 1} times "
-                    "without completing a step; giving up "
-                    f"(DAR_MAX_CLAIMS_WITHOUT_PROGRESS="
-                    f"{self.settings.max_claims_without_progress})"
-                )
-                if task.stopping is not None:  # its unwinding breaks the worker too: end
-                    return task.finish(
-                        RunStatus.FAILED,
-                        error=f"{task.stopping}; then its compensations stopped the worker "
-                        "too, so the rest were not run",
-                    )
-                task.begin_stop(reason)  # its compensations run, one per task, then it ends
-            task.steps = self.store.steps(
-                run.id, token=token, epoch=claim.epoch, status_changes=claim.status_changes
+            if self.keys is None or run.concurrency_key is None:
+                return self._run_program(task, token)
+            got = self.keys.acquire(
+                tenant_key(run.tenant, run.concurrency_key),
+                run.id,
+                claim.epoch,
+                priority=run.priority,
+                submitted_at=run.created_at.timestamp(),
+                label=run.concurrency_key,
             )
-            if run.claims_without_progress > 1:  # claimed before, no step since: a recovery
-                seq = self._resume_seq(task.steps)
-                log.info("run=%s resumed at seq=%d", short(run.id), seq)
-                self.store.record_recovery(
-                    run.id,
-                    tenant=run.tenant,
-                    actor=self.worker,
-                    action="recovery.resumed",
-                    detail={"seq": seq, "worker": self.worker},
+            if got is None:  # no limit for this key, or Redis is away (fail open)
+                return self._run_program(task, token)
+            if isinstance(got, KeyWait):  # woken when a slot frees; the timer is the fallback
+                return task.schedule(
+                    got.delay_seconds,
+                    got.reason,
+                    model_attempts=run.model_attempts,
+                    admission=True,
+                    wakeable=True,
                 )
             try:
-                agent = self.agents.get(run.agent)
-            except UnknownAgent as e:  # its compensations are found from its rows
-                return unwind_recorded(task, RunStatus.FAILED, task.stopping or str(e))
-            try:
-                if isinstance(agent, DurableAgent):
-                    return Execution(task, agent).run()
-                assert isinstance(agent, Agent)
-                if task.stopping is not None:  # an agent loop has nothing to compensate
-                    return task.finish(RunStatus.FAILED, error=task.stopping)
-                return run_agent(task, agent)
-            except BaseException as e:
-                # The database refused a value of this step (not a blip: the same value is
-                # refused every time). Left RUNNING, the run would be claimed, and its step
-                # run and refused, again and again; it stops here, saying why. A durable
-                # function stops as on every early end: its completed steps' compensations
-                # first, one per task (a refusal while they run ends it at once).
-                refused = _refused_value(e)
-                if refused is None:
-                    raise
-                what = f"{type(refused.orig).__name__}: {str(refused.orig).splitlines()[0]}"
-                log.error("run=%s the database refused a value of its step: %s", task.rid, what)
-                reason = f"the database refused to store a value of this step ({what})"
-                if isinstance(agent, DurableAgent) and task.stopping is None:
-                    task.begin_stop(reason)
-                    self.store.step_logs.forget(run.id)  # this task's copy missed the refusal
-                    task.steps = self.store.steps(run.id)
-                    return Execution(task, agent).run()
-                return task.finish(RunStatus.FAILED, error=task.stopping or reason)
+                result = self._run_program(task, token)
+            except BaseException:
+                self._release(task, got, continuing=False, send=False)
+                raise
+            wakes = self._release(task, got, continuing=result.outcome is Outcome.CONTINUE)
+            return replace(result, wakes=result.wakes + wakes) if wakes else result
+
+    def _release(
+        self, task: Task, slot: Slot, *, continuing: bool, send: bool = True
+    ) -> tuple[Dispatch, ...]:
+        """Give a key slot back; the run it wakes, as a message to send (``send`` false: for
+        the reaper's next sweep to send, as the step is unwinding from an error). A waiter
+        that is not parked any more (cancelled while it waited, ended, already claimed) is
+        dropped from the key's queue and the next one woken instead."""
+        assert self.keys is not None
+        woken = self.keys.release(slot, continuing=continuing)
+        for _ in range(MAX_WAITERS_SKIPPED):
+            if woken is None:
+                return ()
+            dispatch = task.wake(woken, send=send)
+            if dispatch is not None:
+                return (dispatch,) if send else ()
+            woken = self.keys.skip(slot, woken, continuing=continuing)
+        return ()  # the rest are woken by their fallback timers
+
+    def _run_program(self, task: Task, token: uuid.UUID | None) -> StepResult:
+        """The run's program (its agent loop or durable function), to its next step or end,
+        under the task's lease (held by :meth:`execute`)."""
+        claim = task.claim
+        run = claim.run
+        # Checked before anything else may fail on this run (reading its steps included),
+        # so a run that keeps breaking its worker ends instead of being retried forever.
+        if run.claims_without_progress > self.settings.max_claims_without_progress:
+            reason = (
+                f"the run stopped its worker {run.claims_without_progress - 1} times "
+                "without completing a step; giving up "
+                f"(DAR_MAX_CLAIMS_WITHOUT_PROGRESS="
+                f"{self.settings.max_claims_without_progress})"
+            )
+            if task.stopping is not None:  # its unwinding breaks the worker too: end
+                return task.finish(
+                    RunStatus.FAILED,
+                    error=f"{task.stopping}; then its compensations stopped the worker "
+                    "too, so the rest were not run",
+                )
+            task.begin_stop(reason)  # its compensations run, one per task, then it ends
+        task.steps = self.store.steps(
+            run.id, token=token, epoch=claim.epoch, status_changes=claim.status_changes
+        )
+        if run.claims_without_progress > 1:  # claimed before, no step since: a recovery
+            seq = self._resume_seq(task.steps)
+            log.info("run=%s resumed at seq=%d", short(run.id), seq)
+            self.store.record_recovery(
+                run.id,
+                tenant=run.tenant,
+                actor=self.worker,
+                action="recovery.resumed",
+                detail={"seq": seq, "worker": self.worker},
+            )
+        try:
+            agent = self.agents.get(run.agent)
+        except UnknownAgent as e:  # its compensations are found from its rows
+            return unwind_recorded(task, RunStatus.FAILED, task.stopping or str(e))
+        try:
+            if isinstance(agent, DurableAgent):
+                return Execution(task, agent).run()
+            assert isinstance(agent, Agent)
+            if task.stopping is not None:  # an agent loop has nothing to compensate
+                return task.finish(RunStatus.FAILED, error=task.stopping)
+            return run_agent(task, agent)
+        except BaseException as e:
+            # The database refused a value of this step (not a blip: the same value is
+            # refused every time). Left RUNNING, the run would be claimed, and its step
+            # run and refused, again and again; it stops here, saying why. A durable
+            # function stops as on every early end: its completed steps' compensations
+            # first, one per task (a refusal while they run ends it at once).
+            refused = _refused_value(e)
+            if refused is None:
+                raise
+            what = f"{type(refused.orig).__name__}: {str(refused.orig).splitlines()[0]}"
+            log.error("run=%s the database refused a value of its step: %s", task.rid, what)
+            reason = f"the database refused to store a value of this step ({what})"
+            if isinstance(agent, DurableAgent) and task.stopping is None:
+                task.begin_stop(reason)
+                self.store.step_logs.forget(run.id)  # this task's copy missed the refusal
+                task.steps = self.store.steps(run.id)
+                return Execution(task, agent).run()
+            return task.finish(RunStatus.FAILED, error=task.stopping or reason)
 
     @staticmethod
     def _resume_seq(steps: list[Step]) -> int:

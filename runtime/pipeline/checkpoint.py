@@ -508,10 +508,13 @@ class Task:
         rows: list[NewStep] | None = None,
         model_attempts: int = 0,
         admission: bool = False,
+        wakeable: bool = False,
     ) -> StepResult:
         """A durable timer: record ``rows`` (if any), release the lease, come back in
         ``delay_seconds``. No thread and no lease wait; a countdown message is sent when the
-        wait is short, the reaper sends one when it is due otherwise."""
+        wait is short, the reaper sends one when it is due otherwise. The timer is a floor
+        no wake crosses (a server's retry-after, a backoff), unless ``wakeable`` (a wait for
+        a concurrency-key slot: woken when one frees)."""
         if rows:
             dispatch = self.durably(
                 rows[-1].step_key,
@@ -540,6 +543,7 @@ class Task:
                     reason=reason,
                     model_attempts=model_attempts,
                     admission=admission,
+                    wakeable=wakeable,
                 ),
                 earlier,
             )
@@ -579,6 +583,13 @@ class Task:
             woken = self.durably("-", lambda: self.store.wake(parent))
             wakes = (woken,) if woken is not None else ()
         return StepResult(Outcome.FINISHED, status=run.status, wakes=wakes)
+
+    def wake(self, run_id: uuid.UUID, *, send: bool = True) -> Dispatch | None:
+        """Wake another run parked on what this task freed (a concurrency-key slot): its
+        message to send (``send`` false: the reaper's next sweep sends it), or ``None`` when
+        it is not parked any more. Not fenced by this task's lease: the other run's wake is
+        due whoever holds this one."""
+        return self.store.wake(run_id, send=send)
 
     def needs_attention(self, reason: str) -> StepResult:
         return self.finish(RunStatus.NEEDS_ATTENTION, error=reason)
