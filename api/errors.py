@@ -7,10 +7,10 @@ import traceback
 from typing import Any
 
 from flask import Flask, Response, jsonify
-from sqlalchemy.exc import DataError, DBAPIError, OperationalError, StatementError
+from sqlalchemy.exc import DBAPIError, OperationalError, StatementError
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from db.errors import DarError, DatabaseUnavailable
+from db.errors import DarError, DatabaseUnavailable, ValueRefused
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +90,15 @@ def register_error_handlers(app: Flask) -> None:
         )
         return error_response(503, "database_unavailable", "the database is not answering; retry")
 
-    @app.errorhandler(DataError)
-    def _bad_value(e: DataError) -> tuple[Response, int]:
-        # Validation refuses what PostgreSQL cannot store; this is the net under it.
-        log.warning("database refused a value: %s", _db_error_summary(e))
+    @app.errorhandler(ValueRefused)
+    def _bad_value(e: ValueRefused) -> tuple[Response, int]:
+        # Validation refuses what PostgreSQL cannot store; this is the net under it. The
+        # store translated the driver's error (its cause); its text may quote the value.
+        cause = e.__cause__
+        log.warning(
+            "database refused a value: %s",
+            _db_error_summary(cause) if isinstance(cause, StatementError) else type(cause).__name__,
+        )
         return error_response(
             400, "invalid_value", "a value in the request cannot be stored (see the API docs)"
         )

@@ -73,6 +73,25 @@ class DatabaseUnavailable(DarError):
         return error
 
 
+class ValueRefused(DarError):
+    """The database refused a value (bad data, not a blip): the same value is refused every
+    time, so trying again cannot help.
+
+    What :class:`~db.store.RunStore` raises in place of the driver's ``DataError`` (its
+    ``__cause__``): the store translates database errors, once; above it, catch this.
+    """
+
+    @classmethod
+    def from_error(cls, e: BaseException) -> ValueRefused:
+        """This error for the driver's ``e``: its kind and first line, never the statement or
+        its parameters (they may quote a prompt)."""
+        orig = getattr(e, "orig", None) or e
+        first = (str(orig).strip().splitlines() or [""])[0][:200]
+        error = cls(f"{type(orig).__name__}: {first}")
+        error.__cause__ = e
+        return error
+
+
 def database_unavailable(e: BaseException) -> bool:
     """The database went away (a restart, a dropped or refused connection): the statement
     may be tried again. Any other error (bad data, a constraint, a bug) is not. The store's

@@ -17,6 +17,7 @@ from decimal import Decimal
 from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import Connection, Engine, RowMapping
+from sqlalchemy.exc import DataError
 
 from db import jsontext
 from db.errors import (
@@ -26,6 +27,7 @@ from db.errors import (
     LeaseLost,
     QuotaExceeded,
     RunNotFound,
+    ValueRefused,
     database_unavailable,
 )
 from db.fastpath import FastStatements
@@ -1961,14 +1963,17 @@ R = TypeVar("R")
 
 def _translating(method: Callable[P, R]) -> Callable[P, R]:
     """``method`` raising :class:`DatabaseUnavailable` (from the driver's error) when the
-    database is away; every other error as it is."""
+    database is away, :class:`ValueRefused` when it refused a value; every other error as
+    it is."""
 
     @functools.wraps(method)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return method(*args, **kwargs)
-        except DatabaseUnavailable:
+        except (DatabaseUnavailable, ValueRefused):
             raise
+        except DataError as e:  # bad data, refused every time: not worth a retry
+            raise ValueRefused.from_error(e) from e
         except Exception as e:
             if database_unavailable(e):
                 raise DatabaseUnavailable.from_error(e) from e
@@ -1978,8 +1983,8 @@ def _translating(method: Callable[P, R]) -> Callable[P, R]:
 
 
 # Database errors are translated once, here: every public method of the store raises
-# DatabaseUnavailable when the database is away, so the engine above never classifies a
-# driver's exception.
+# DatabaseUnavailable when the database is away and ValueRefused when it refused a value, so
+# the engine and the API above never classify a driver's exception.
 for _name, _member in list(vars(RunStore).items()):
     if not _name.startswith("_") and inspect.isfunction(_member):
         setattr(RunStore, _name, _translating(_member))

@@ -28,9 +28,7 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from sqlalchemy.exc import DataError
-
-from db.errors import DatabaseUnavailable
+from db.errors import DatabaseUnavailable, ValueRefused
 from db.records import Claim, Dispatch, RunStatus, Step, StepStatus
 from db.store import RunStore
 from runtime.admission.concurrency_keys import KeyGate, KeyWait, Slot, tenant_key
@@ -307,7 +305,7 @@ class Driver:
             refused = _refused_value(e)
             if refused is None:
                 raise
-            what = f"{type(refused.orig).__name__}: {str(refused.orig).splitlines()[0]}"
+            what = str(refused)
             log.error("run=%s the database refused a value of its step: %s", task.rid, what)
             reason = f"the database refused to store a value of this step ({what})"
             if isinstance(agent, DurableAgent) and task.stopping is None:
@@ -323,11 +321,11 @@ class Driver:
         return started[0] if started else max((s.seq for s in steps), default=0) + 1
 
 
-def _refused_value(e: BaseException | None) -> DataError | None:
-    """The database's refusal of a value (``DataError``) behind ``e``, if that is what it is
-    (the durable engine wraps it as an ``InfrastructureError``)."""
+def _refused_value(e: BaseException | None) -> ValueRefused | None:
+    """The database's refusal of a value (the store's :class:`ValueRefused`) behind ``e``, if
+    that is what it is (the durable engine wraps it as an ``InfrastructureError``)."""
     while e is not None:
-        if isinstance(e, DataError):
+        if isinstance(e, ValueRefused):
             return e
         e = e.__cause__
     return None

@@ -15,6 +15,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DataError
 
 from db.engine import make_engine
+from db.errors import ValueRefused
 from db.records import Dispatch, RunStatus, StepStatus
 from runtime.durable import Steps, durable_agent
 from runtime.engine.bootstrap import Runtime
@@ -122,7 +123,11 @@ def test_the_end_of_a_run_is_recorded_across_a_blip(runtime: Runtime, admin: Eng
 
 @pytest.mark.parametrize(
     "error",
-    [ValueError("a bug in the write"), DataError("INSERT", {}, Exception("bad data"))],
+    [
+        ValueError("a bug in the write"),
+        # what the store raises for the driver's DataError
+        ValueRefused.from_error(DataError("INSERT", {}, Exception("bad data"))),
+    ],
     ids=["bug", "data-error"],
 )
 def test_an_error_that_is_not_a_blip_is_not_retried(runtime: Runtime, error: Exception) -> None:
@@ -144,7 +149,7 @@ def test_an_error_that_is_not_a_blip_is_not_retried(runtime: Runtime, error: Exc
 
     runtime.store.checkpoint_model = failing  # type: ignore[method-assign]
     started = time.monotonic()
-    if isinstance(error, DataError):
+    if isinstance(error, ValueRefused):
         # The database refused a value: refused again on every claim, so the run ends,
         # saying why, instead of staying RUNNING (issue 23 defect 5).
         runtime.driver(worker="worker-A").drive(dispatch.run_id, dispatch.token)

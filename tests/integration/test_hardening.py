@@ -290,11 +290,10 @@ def test_database_errors_never_log_statement_parameters(
 
     @app.get("/probe/<kind>")
     def probe(kind: str) -> str:
-        with runtime.engine.connect() as conn:
-            if kind == "data":  # invalid JSON: PostgreSQL quotes it in the error's detail
-                conn.execute(text("SELECT CAST(:v AS jsonb)"), {"v": SECRET + "{"})
-            else:  # a raised error whose message carries the parameter
-                conn.execute(text("SELECT 1 / 0 WHERE :v <> ''"), {"v": SECRET})
+        if kind == "data":  # a value the store's statement refuses; PostgreSQL quotes it
+            runtime.store.get_run(SECRET)  # type: ignore[arg-type]
+        with runtime.engine.connect() as conn:  # a raised error whose message carries it
+            conn.execute(text("SELECT 1 / 0 WHERE :v <> ''"), {"v": SECRET})
         return "unreachable"
 
     client = app.test_client()

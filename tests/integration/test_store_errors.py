@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from db.engine import make_engine
-from db.errors import DatabaseUnavailable, RunNotFound
+from db.errors import DatabaseUnavailable, RunNotFound, ValueRefused
 from db.store import RunStore
 from runtime.engine.bootstrap import Runtime
 
@@ -36,7 +36,8 @@ def test_a_store_whose_database_is_away_raises_database_unavailable() -> None:
 def test_other_errors_come_out_as_they_were(runtime: Runtime) -> None:
     with pytest.raises(RunNotFound):
         runtime.store.get_run(uuid.uuid4())
-    with pytest.raises(DBAPIError) as caught:
+    with pytest.raises(ValueRefused) as caught:  # the store translates a refused value
         runtime.store.get_run("not a uuid")  # type: ignore[arg-type]
-    assert not isinstance(caught.value, DatabaseUnavailable)
+    assert isinstance(caught.value.__cause__, DBAPIError), "the driver's error as its cause"
+    assert "not a uuid" in str(caught.value)
     assert runtime.store.count_runs_by_status() is not None, "the store still answers"
