@@ -279,21 +279,6 @@ class ScheduleTick:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelCheckpoint:
-    seq: int
-    step_key: str
-    model: str
-    prompt_hash: str
-    request: Any
-    response: Any
-    stop_reason: str | None
-    usage: Usage
-    cost_usd: Decimal
-    latency_ms: int
-    request_id: str | None
-
-
-@dataclass(frozen=True, slots=True)
 class TreeSpend:
     """A run tree's budget as one of its runs' model calls sees it, under the tree's lock
     (:meth:`db.store.RunStore.hold_tree_budget`)."""

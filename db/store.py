@@ -42,7 +42,6 @@ from db.records import (
     HourCost,
     HourCount,
     HourLatency,
-    ModelCheckpoint,
     NewAudit,
     NewFork,
     NewRun,
@@ -702,30 +701,10 @@ class RunStore:
             raise LeaseLost(claim.run_id, "checkpoint refused by the fence")
         return _step(written)
 
-    def checkpoint_model(self, claim: Claim, step: ModelCheckpoint | NewStep) -> Dispatch:
+    def checkpoint_model(self, claim: Claim, step: NewStep) -> Dispatch:
         """A model call's row, token counters and lease hand-over in one statement."""
         token = uuid.uuid4()
-        row = (
-            step
-            if isinstance(step, NewStep)
-            else NewStep(
-                seq=step.seq,
-                step_key=step.step_key,
-                kind=StepKind.MODEL,
-                status=StepStatus.DONE,
-                response=step.response,
-                attempt=1,
-                model=step.model,
-                prompt_hash=step.prompt_hash,
-                usage=step.usage,
-                cost_usd=step.cost_usd,
-                latency_ms=step.latency_ms,
-                request_id=step.request_id,
-                stop_reason=step.stop_reason,
-                request=step.request,
-            )
-        )
-        written = self._record(None, claim, row, token)
+        written = self._record(None, claim, step, token)
         self.step_logs.wrote(claim.run_id, claim.epoch, [written], token)
         return Dispatch(claim.run_id, token)
 

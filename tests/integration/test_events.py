@@ -394,11 +394,10 @@ def test_a_delta_published_before_its_step_commits_is_never_dropped(claude: Runt
     """A worker publishes a step's last delta, then commits the step. A reader woken by the
     durable change alone (the hub has not flagged Redis yet) must still send that delta,
     before the step's events: sent after them it would be dropped as superseded."""
-    from decimal import Decimal
 
     from api.eventhub import EventHub
     from api.events import Cursor, EventStream
-    from db.records import ModelCheckpoint, Usage
+    from db.records import NewStep, StepKind, StepStatus, Usage
 
     live = claude.live
     assert live is not None
@@ -421,18 +420,18 @@ def test_a_delta_published_before_its_step_commits_is_never_dropped(claude: Runt
     assert claim is not None
     claude.store.checkpoint_model(
         claim,
-        ModelCheckpoint(
+        NewStep(
             seq=1,
             step_key="model:1",
+            kind=StepKind.MODEL,
+            status=StepStatus.DONE,
+            response=[{"type": "text", "text": "Hello"}],
+            attempt=1,
             model=MODEL,
             prompt_hash="h",
-            request=None,
-            response=[{"type": "text", "text": "Hello"}],
-            stop_reason="end_turn",
             usage=Usage(3, 1),
-            cost_usd=Decimal(0),
             latency_ms=1,
-            request_id=None,
+            stop_reason="end_turn",
         ),
     )
     names = [name for _, _, name, _ in stream._batch(read_durable=True)]

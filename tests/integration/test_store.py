@@ -9,25 +9,28 @@ from decimal import Decimal
 import pytest
 
 from db.errors import LeaseLost
-from db.records import ModelCheckpoint, NewStep, RunStatus, StepKind, StepStatus, Usage
+from db.records import NewStep, RunStatus, StepKind, StepStatus, Usage
 from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from tests.support import expire_lease, register_agent, submit
 
 
-def _checkpoint(seq: int = 1) -> ModelCheckpoint:
-    return ModelCheckpoint(
+def _checkpoint(seq: int = 1) -> NewStep:
+    """A model call's row, as the model-call sequence checkpoints it."""
+    return NewStep(
         seq=seq,
         step_key=f"model:{seq}",
+        kind=StepKind.MODEL,
+        status=StepStatus.DONE,
+        response=[{"type": "text", "text": "hi"}],
+        attempt=1,
         model="m",
         prompt_hash="h",
-        request=None,
-        response=[{"type": "text", "text": "hi"}],
-        stop_reason="end_turn",
         usage=Usage(7, 3, 2, 1),
         cost_usd=Decimal("0.001"),
         latency_ms=5,
         request_id="req_1",
+        stop_reason="end_turn",
     )
 
 
