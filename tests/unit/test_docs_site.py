@@ -4,8 +4,9 @@
   the navigation, a Python reference (mkdocstrings) that no longer resolves fails.
 - The README stays a front page (at most 300 lines) whose links all lead somewhere.
 - The reference tables follow the code both ways: configuration <-> ``runtime.config``,
-  REST <-> the OpenAPI document, CLI <-> ``dar``'s parser. (The crash table, the module map and
-  the worker defaults have their own tests: test_crash_table, test_layers, test_procfile.)
+  REST <-> the OpenAPI document, CLI <-> ``dar``'s parser, metrics <-> the metrics module.
+  (The crash table, the module map and the worker defaults have their own tests:
+  test_crash_table, test_layers, test_procfile.)
 - Every command line printed in the docs is accounted for: run as printed by a test, or
   named here as one that needs a running stack or is not run (an installer, a long job).
 """
@@ -118,6 +119,30 @@ def test_every_variable_in_the_configuration_table_is_read_somewhere() -> None:
     code += (ROOT / "Procfile").read_text() + (ROOT / "compose.yaml").read_text()
     unread = {name for name in _table_variables() if name not in code}
     assert not unread, f"documented but read nowhere: {sorted(unread)}"
+
+
+def _defined_metrics() -> dict[str, str]:
+    """Every ``dar_*`` metric the runtime defines, by its exposed name (counters end
+    ``_total``), with its kind."""
+    source = (ROOT / "runtime" / "observe" / "metrics.py").read_text()
+    found = {}
+    for kind, name in re.findall(
+        r"\b(Counter|Gauge|Histogram|GaugeMetricFamily)\(\s*\"(dar_\w+)\"", source
+    ):
+        found[name + ("_total" if kind == "Counter" else "")] = kind
+    return found
+
+
+def test_the_metrics_table_and_the_runtime_name_the_same_metrics() -> None:
+    rows = table_rows(page("operate/metrics.md"), "| metric |")
+    listed = {name for row in rows for name in re.findall(r"`(dar_\w+)`", row[0])}
+    defined = _defined_metrics()
+    assert len(defined) >= 10, "the metrics module was read"
+    missing = set(defined) - listed
+    assert not missing, f"document these in docs/operate/metrics.md: {sorted(missing)}"
+    # prometheus-flask-exporter's, prefixed "dar" in api/app.py
+    unknown = listed - set(defined) - {"dar_http_request_duration_seconds"}
+    assert not unknown, f"metrics in the docs that nothing defines: {sorted(unknown)}"
 
 
 def _normal(path: str) -> str:
