@@ -7,6 +7,7 @@
   REST <-> the OpenAPI document, CLI <-> ``dar``'s parser, metrics <-> the metrics module.
   (The crash table, the module map and the worker defaults have their own tests:
   test_crash_table, test_layers, test_procfile.)
+- Every Python example parses, and what it imports from the runtime exists.
 - Every command line printed in the docs is accounted for: run as printed by a test, or
   named here as one that needs a running stack or is not run (an installer, a long job).
 """
@@ -14,6 +15,8 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import os
 import re
 import shlex
@@ -242,6 +245,20 @@ def test_every_command_line_of_the_docs_is_accounted_for(path: Path) -> None:
         ), f"{path.relative_to(ROOT)}: run {line!r} in a test, or name it in this file"
         if words[0] == "dar":
             assert words[1] in _dar_parsers(), f"{line!r}: dar has no command {words[1]!r}"
+
+
+@pytest.mark.parametrize("path", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_example_parses_and_imports_what_exists(path: Path) -> None:
+    """A renamed or removed public name breaks the example that imports it, here."""
+    for body in re.findall(r"```python\n(.*?)```", path.read_text(), re.S):
+        tree = ast.parse(body)  # a SyntaxError names the page
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.split(".")[0] not in {"runtime", "tasks", "api", "db", "cli"}:
+                    continue
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    assert hasattr(module, alias.name), f"{path.name}: {node.module}.{alias.name}"
 
 
 def test_the_pages_exist_where_the_navigation_says() -> None:
