@@ -72,6 +72,10 @@ class Subagent:
 
 @dataclass(frozen=True)
 class Agent:
+    """An agent loop: the model decides, the tools run. A ``name`` (what runs are submitted
+    to), a ``system_prompt``, its tools and limits; register it in a module's
+    ``register(registry)``."""
+
     name: str
     system_prompt: str
     tools: tuple[Tool | str, ...] = ()
@@ -141,6 +145,9 @@ class AnyAgent(Protocol):
 
 
 class AgentRegistry:
+    """Every agent a process can run, by name: agent loops, durable functions and framework
+    agents. ``DAR_AGENT_MODULES`` names the modules whose ``register(registry)`` fills it."""
+
     def __init__(
         self, agents: Iterable[AnyAgent] = (), *, resources: dict[str, Any] | None = None
     ) -> None:

@@ -1,4 +1,5 @@
-"""Configuration from the environment. Every setting is documented in the README.
+"""Configuration from the environment. Every setting is documented in the docs
+(docs/reference/configuration.md).
 
 ``Settings.from_env()`` reads it once; everything else takes a ``Settings`` as an argument.
 """

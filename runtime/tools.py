@@ -251,7 +251,15 @@ def tool(
     timeout_seconds: float = 60.0,
     reconcile: Reconcile | None = None,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
-    """Declare a tool: ``@tool`` or ``@tool(idempotent=True, ...)`` on a function."""
+    """Declare a tool: ``@tool`` or ``@tool(idempotent=True, ...)`` on a function.
+
+    ``name`` defaults to the function's name, ``description`` to its docstring, and
+    ``input_schema`` to a JSON schema derived from its type hints (or its one pydantic-model
+    parameter). A parameter annotated :class:`ToolContext` receives the call's context.
+    ``idempotent=True``: after a crash left the call in doubt it runs again with the same
+    idempotency key; otherwise ``reconcile(ctx)`` is asked whether the effect happened, and
+    without one the run stops ``NEEDS_ATTENTION`` for an operator. A call past
+    ``timeout_seconds`` is an error result the model sees."""
 
     def wrap(f: Callable[..., Any]) -> Tool:
         return Tool(

@@ -92,7 +92,7 @@ class PgBouncer:
                 "server_round_robin = 1",
                 # After a failed server login PgBouncer refuses clients at once for this long
                 # (15 s by default: longer than a lease, so a 3 s restart of PostgreSQL would
-                # cost every answer in flight). The README recommends the same.
+                # cost every answer in flight). The docs (Capacity planning) recommend the same.
                 "server_login_retry = 1",
                 f"admin_users = {user}",
                 # psycopg sends none of these, but a libpq URL may.

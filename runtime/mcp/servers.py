@@ -3,7 +3,7 @@
 ``McpServer.stdio("git", [...])`` starts a server as a subprocess of each worker process;
 ``McpServer.http("crm", url, headers_from_env={...})`` talks streamable HTTP to a running one.
 ``DAR_MCP_SERVERS`` declares the same in JSON, ``DAR_MCP_TOOLS`` lets an operator override
-what a tool's annotations say about running it again after a crash (see the README).
+what a tool's annotations say about running it again after a crash (docs/agents/mcp.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``python -m runtime.pipeline``: prints the crash table to paste into the README."""
+"""``python -m runtime.pipeline``: prints the crash table to paste into the docs."""
 
 from runtime.pipeline.kinds import crash_table
 

@@ -8,15 +8,15 @@ that runs its compensations. What differs per kind is the :class:`Policy` below,
 the engine reads it where it decides (the STARTED row, the in-doubt rule, the budget guard,
 billing).
 
-The README's "What runs again after a crash" table is rendered from :data:`KINDS`
-(``python -m runtime.pipeline`` prints it) and ``tests/unit/test_crash_table.py`` checks the
-two both ways, so they cannot drift.
+The docs' "What runs again after a crash" table (docs/durable/after-a-crash.md) is rendered
+from :data:`KINDS` (``python -m runtime.pipeline`` prints it) and
+``tests/unit/test_crash_table.py`` checks the two both ways, so they cannot drift.
 
 **Adding a step kind** (a message, a signal, a child run, a framework's call): add a member
 to :class:`StepKind`, its :class:`Policy` to :data:`KINDS` (the row kind it is stored as,
-what is written before it runs, the rule after a crash), paste its README row, and make its
-code go through the pipeline: ``effects.run_effect`` for anything with an effect, the model-call
-sequence for anything billed, ``Task`` to record.
+what is written before it runs, the rule after a crash), paste its row into the docs' table,
+and make its code go through the pipeline: ``effects.run_effect`` for anything with an
+effect, the model-call sequence for anything billed, ``Task`` to record.
 """
 
 from __future__ import annotations
@@ -112,9 +112,9 @@ class Policy:
     """What one kind of step declares; everything else is the pipeline's."""
 
     name: str
-    """How the README's crash table names it (its first cell)."""
+    """How the docs' crash table names it (its first cell)."""
     key: str
-    """Its step key, as the README shows it."""
+    """Its step key, as the docs show it."""
     row: RowKind
     """The kind its row is stored as."""
     before: Before
@@ -126,7 +126,7 @@ class Policy:
     bills: bool
     """It calls the model: its tokens and cost are recorded with it."""
     notes: str
-    """The README row's last cell."""
+    """The crash table row's last cell."""
     child: bool = False
     """Recorded inside the step that is running (the task goes on), not as the task's step."""
     interruptible: bool = False
@@ -484,11 +484,11 @@ HEADER = (
 
 
 def crash_table() -> str:
-    """The README's crash table, one row per kind."""
+    """The docs' crash table, one row per kind."""
     rows = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     rows += [policy.readme_row() for policy in KINDS.values()]
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # pragma: no cover - prints the table to paste into the README
+if __name__ == "__main__":  # pragma: no cover - prints the table to paste into the docs
     print(crash_table())

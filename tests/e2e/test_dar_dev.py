@@ -1,6 +1,7 @@
-"""The README's walkthrough, exactly as a newcomer runs it: ``dar dev`` as a subprocess, a
-run submitted over HTTP, the worker holding it SIGKILLed by the pid ``dar ps`` prints. The
-run finishes with every step once; the killed worker comes back; SIGHUP stops everything."""
+"""The walkthrough (docs/try/walkthrough.md, the README's tour), exactly as a newcomer runs
+it: ``dar dev`` as a subprocess, a run submitted over HTTP, the worker holding it SIGKILLed by
+the pid ``dar ps`` prints. The run finishes with every step once; the killed worker comes
+back; SIGHUP stops everything."""
 
 from __future__ import annotations
 

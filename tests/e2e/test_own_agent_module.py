@@ -1,4 +1,4 @@
-"""A user's own agent module beside them, as the README shows it: ``my_agent.py`` in the
+"""A user's own agent module beside them, as the docs show it: ``my_agent.py`` in the
 working directory and ``DAR_AGENT_MODULES=my_agent dar demo --agent mine``, with no
 ``PYTHONPATH``. ``dar`` checks the module in its own process before it starts anything, so
 that process must import from the working directory as the workers do."""

@@ -1,15 +1,18 @@
-"""The README's own command lines, run as printed from a fresh clone (``git clone`` of this
-checkout's commit into a temporary folder), with nothing on ``PYTHONPATH``: every
-``dar demo`` of an example agent, and ``dar token new``. The package comes from the
-environment, as the README's setup line installs it.
+"""The documentation's own command lines, run as printed from a fresh clone (``git clone`` of
+this checkout's commit into a temporary folder), with nothing on ``PYTHONPATH``: every
+``dar demo`` the README or a page of the docs site prints, an example agent's or the bare one,
+and ``dar token new``. The package comes from the environment, as the README's setup line
+installs it.
 
 The only variables set are documented ones that point the commands at this machine's
 services and keep them apart from other stacks: ``DATABASE_URL`` and ``REDIS_URL`` (the test
-services; the README: unset means embedded ones), ``DAR_QUEUE``, ``PORT`` and
+services; the docs: unset means embedded ones), ``DAR_QUEUE``, ``PORT`` and
 ``DAR_METRICS_PORT`` (free ports), ``DAR_DEMO_LATENCY_MS`` (a faster demo model).
 
-The lines that need a running ``dar dev`` (curl, ``dar ps``, ``kill``) are exercised by
-``test_dar_dev.py``; ``pip``, ``docker`` and ``pytest`` lines are not run here."""
+Every other command line of the docs is accounted for in ``tests/unit/test_docs_site.py``:
+those that need a running ``dar dev`` (curl, ``dar ps``, ``kill``) are exercised by
+``test_dar_dev.py`` and the API's tests; ``mkdocs build --strict`` by the site's own test;
+``pip``, ``docker``, ``pytest`` and the benchmarks are not run here."""
 
 from __future__ import annotations
 
@@ -24,30 +27,19 @@ import pytest
 
 from cli.embedded import free_port
 from runtime.config import Settings
+from tests.docs_pages import command_lines, pages
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = str(Path(sys.executable).parent)
-# What the README says each demo exits with ("The second exits 1 by design").
+# What the docs say each demo exits with ("The second exits 1 by design").
 EXPECTED_EXIT = {"order-refund": 1}
 
 
-def readme_commands() -> list[str]:
-    """Every command line of the README's bash and console blocks (continuations joined,
-    comments and prompts dropped)."""
-    text = (ROOT / "README.md").read_text()
-    lines: list[str] = []
-    for lang, body in re.findall(r"```(bash|console|sh)\n(.*?)```", text, re.S):
-        for raw in body.replace("\\\n", " ").splitlines():
-            line = raw.strip()
-            if lang == "console":
-                if not line.startswith("$ "):
-                    continue
-                line = line[2:]
-            if line and not line.startswith("#"):
-                lines.append(line)
-    return lines
+def docs_commands() -> list[str]:
+    """Every command line of the README's and the site's bash and console blocks, each once."""
+    return list(dict.fromkeys(line for path in pages() for line in command_lines(path)))
 
 
 def _runnable(line: str) -> bool:
@@ -60,7 +52,7 @@ def _runnable(line: str) -> bool:
     return words[:2] in (["dar", "demo"], ["dar", "token"])
 
 
-DEMOS = [line for line in readme_commands() if _runnable(line)]
+DEMOS = [line for line in docs_commands() if _runnable(line)]
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +62,9 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return where
 
 
-def test_the_readme_shows_the_example_agents() -> None:
+def test_the_docs_show_the_example_agents() -> None:
     shown = " ".join(DEMOS)
+    assert "dar demo" in DEMOS, "the README's tour starts with the bare dar demo"
     for module in (
         "orders_agent",
         "ticket_triage",
@@ -83,7 +76,7 @@ def test_the_readme_shows_the_example_agents() -> None:
 
 
 @pytest.mark.parametrize("line", DEMOS)
-def test_a_readme_command_line_works_as_printed(
+def test_a_docs_command_line_works_as_printed(
     line: str, clone: Path, database_url: str, redis_url: str, settings: Settings
 ) -> None:
     env = {

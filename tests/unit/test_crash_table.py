@@ -1,16 +1,16 @@
-"""The README's "What runs again after a crash" table and the engine's step kinds
-(``runtime.pipeline.kinds.KINDS``) say the same thing, both ways: every kind has its row with the
-same rule, and every row names a kind."""
+"""The docs' "What runs again after a crash" table (docs/durable/after-a-crash.md) and the
+engine's step kinds (``runtime.pipeline.kinds.KINDS``) say the same thing, both ways: every kind
+has its row with the same rule, and every row names a kind. The table is there once: no other
+page of the docs (nor the README) carries a copy that could drift."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 from runtime.pipeline.kinds import HEADER, KINDS, AfterCrash, Before, StepKind
+from tests.docs_pages import DOCS, pages
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CRASH_PAGE = DOCS / "durable" / "after-a-crash.md"
 
 
 def _cells(line: str) -> list[str]:
@@ -19,7 +19,7 @@ def _cells(line: str) -> list[str]:
 
 def crash_table_rows() -> dict[str, list[str]]:
     """The table's rows by their first cell (the step kind's name)."""
-    lines = README.read_text().splitlines()
+    lines = CRASH_PAGE.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("**What runs again after"))
     head = next(i for i in range(start, len(lines)) if lines[i].startswith("| step kind"))
     assert lines[head] == HEADER, "the crash table's columns changed: see runtime/pipeline/kinds.py"
@@ -36,14 +36,16 @@ def crash_table_rows() -> dict[str, list[str]]:
 def test_every_row_of_the_crash_table_names_a_step_kind() -> None:
     names = {policy.name for policy in KINDS.values()}
     unknown = set(crash_table_rows()) - names
-    assert not unknown, f"README rows naming no kind of runtime.pipeline.kinds.KINDS: {unknown}"
+    assert not unknown, (
+        f"crash table rows naming no kind of runtime.pipeline.kinds.KINDS: {unknown}"
+    )
 
 
 @pytest.mark.parametrize("kind", list(StepKind))
 def test_every_step_kind_has_its_row_with_the_same_rule(kind: StepKind) -> None:
     policy = KINDS[kind]
     row = crash_table_rows().get(policy.name)
-    assert row is not None, f"README's crash table has no row {policy.name!r} for {kind}"
+    assert row is not None, f"the docs' crash table has no row {policy.name!r} for {kind}"
     _, key, before, after, compensable, bills, _notes = row
     assert key == policy.key
     assert Before(before) is policy.before
@@ -51,6 +53,11 @@ def test_every_step_kind_has_its_row_with_the_same_rule(kind: StepKind) -> None:
     assert compensable == ("yes" if policy.compensable else "no")
     assert bills == ("yes" if policy.bills else "no")
     assert row == _cells(policy.readme_row()), "print the table: python -m runtime.pipeline"
+
+
+def test_the_crash_table_is_printed_once_in_the_docs() -> None:
+    holders = [p.name for p in pages() if HEADER in p.read_text()]
+    assert holders == [CRASH_PAGE.name], holders
 
 
 def test_every_kind_has_a_policy_and_one_name() -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.docs_pages import page
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -69,8 +71,9 @@ def test_listeners_are_local_or_authenticated() -> None:
 
 
 def test_the_worker_defaults_are_defined_once_and_shipped_everywhere() -> None:
-    """Issue 26.4: the Procfile, compose.yaml, `dar dev`, the bench and the README's capacity
-    section run the worker with the same pool and concurrency: runtime.config's."""
+    """Issue 26.4: the Procfile, compose.yaml, `dar dev`, the bench and the docs (configuration,
+    processes, capacity planning) run the worker with the same pool and concurrency: those of
+    runtime.config."""
     from cli.devstack import DevStack
     from runtime.config import WORKER_CONCURRENCY, WORKER_POOL
 
@@ -94,8 +97,9 @@ def test_the_worker_defaults_are_defined_once_and_shipped_everywhere() -> None:
     bench = (ROOT / "bench" / "suite.py").read_text()
     assert "concurrency=WORKER_CONCURRENCY" in bench
     assert "pool=WORKER_POOL" in bench
-    readme = (ROOT / "README.md").read_text()
-    assert f"`DAR_WORKER_POOL` | `{WORKER_POOL}`" in readme
-    assert f"`DAR_WORKER_CONCURRENCY` | `{WORKER_CONCURRENCY}`" in readme
-    assert f"--pool ${{DAR_WORKER_POOL:-{WORKER_POOL}}}" in readme
+    configuration = page("reference/configuration.md")
+    assert f"`DAR_WORKER_POOL` | `{WORKER_POOL}`" in configuration
+    assert f"`DAR_WORKER_CONCURRENCY` | `{WORKER_CONCURRENCY}`" in configuration
+    assert f"--pool ${{DAR_WORKER_POOL:-{WORKER_POOL}}}" in page("operate/processes.md")
+    assert f"--pool {WORKER_POOL} --concurrency {WORKER_CONCURRENCY}" in page("operate/capacity.md")
     assert f"else {WORKER_CONCURRENCY})" in (ROOT / "cli" / "main.py").read_text(), "dar dev -h"

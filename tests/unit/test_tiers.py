@@ -74,9 +74,15 @@ def test_all_runs_every_test_and_plain_pytest_leaves_out_only_the_slow_tiers(
         assert [t for t in slow if t.startswith(folder)], folder
 
 
+def _two_commands(text: str) -> str:
+    return text.split("## The two commands", 1)[1].split("```", 2)[1]
+
+
 def test_ci_runs_the_readme_test_command() -> None:
     readme = (ROOT / "README.md").read_text()
-    block = readme.split("## The two commands", 1)[1].split("```", 2)[1]
+    block = _two_commands(readme)
+    # the site's "Try it" page shows the same two commands, word for word
+    assert _two_commands((ROOT / "docs" / "try" / "index.md").read_text()) == block
     commands = [line.split("#")[0].strip() for line in block.splitlines()[1:]]
     test_command = next(c for c in commands if c.startswith("pytest"))
     assert test_command == "pytest --all"
