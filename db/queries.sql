@@ -195,7 +195,8 @@ WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RU
 -- Fenced.
 -- An admission wait (a key slot or a model's limit refused the step before it began) hands
 -- back the claim's count too: waiting for capacity is not a claim that stopped its worker.
--- :wakeable: the run waits for what may come sooner (a signal, a child's end, a key slot), and
+-- :wakeable: the run waits for what may come sooner (a signal, a child's end, a key slot, flow
+-- control's capacity: asked again when it wakes), and
 -- a wake (wake_run) brings it forward; otherwise the timer is a floor (a server's retry-after,
 -- a backoff, a sleep) that no wake crosses.
 UPDATE run

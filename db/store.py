@@ -815,9 +815,11 @@ class RunStore:
         delay_seconds: float | None = None,
         reason: str | None = None,
         model_attempts: int = 0,
+        wakeable: bool = False,
     ) -> Dispatch:
         """Checkpoint steps: the rows, the token counters and the lease hand-over (or a
-        durable timer, with ``delay_seconds``) in one transaction. Fenced."""
+        durable timer, with ``delay_seconds``; ``wakeable`` as for :meth:`schedule`) in one
+        transaction. Fenced."""
         token = uuid.uuid4()
         if delay_seconds is None and len(steps) == 1:  # the common case: one statement
             written = [self._record(None, claim, steps[0], token)]
@@ -827,7 +829,14 @@ class RunStore:
             with self.engine.begin() as conn:
                 written = [self._record(conn, claim, step) for step in steps]
                 self._hand_over(
-                    conn, claim, token, delay_seconds, reason, bool(steps), model_attempts
+                    conn,
+                    claim,
+                    token,
+                    delay_seconds,
+                    reason,
+                    bool(steps),
+                    model_attempts,
+                    wakeable=wakeable,
                 )
         except LeaseLost:
             self.step_logs.forget(claim.run_id)

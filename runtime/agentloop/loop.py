@@ -368,6 +368,7 @@ def _model_step(
             outcome.reason,
             model_attempts=outcome.model_attempts,
             admission=outcome.admission,
+            wakeable=outcome.wakeable,
         )
     response = outcome.response
     if span is not None and outcome.answer is not None:

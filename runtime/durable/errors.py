@@ -91,11 +91,14 @@ class Pause(BaseException):
         delay_seconds: float | None = None,
         model_attempts: int = 0,
         stop: Stop | None = None,
+        wakeable: bool = False,
     ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.delay_seconds = delay_seconds
         self.model_attempts = model_attempts
         self.stop = stop
+        self.wakeable = wakeable
+        """A wake may bring the timer forward (a wait for capacity, asked again)."""
         self.rows: list[NewStep] = []
         """The PAUSED rows of the steps it passed through, innermost first."""

@@ -471,6 +471,7 @@ class Execution:
                     pause.reason,
                     rows=rows,
                     model_attempts=pause.model_attempts,
+                    wakeable=pause.wakeable,
                 )
             )
 
@@ -625,6 +626,7 @@ class Execution:
                 outcome.reason,
                 delay_seconds=outcome.delay_seconds,
                 model_attempts=outcome.model_attempts,
+                wakeable=outcome.wakeable,
             )
         assert not isinstance(outcome, modelcall.Interrupted)  # its kind is not interruptible
         if outcome.answer is not None:
@@ -677,6 +679,7 @@ class Execution:
                         outcome.reason,
                         model_attempts=outcome.model_attempts,
                         admission=outcome.admission,
+                        wakeable=outcome.wakeable,
                     )
                 )
         if isinstance(outcome, modelcall.Stopped):

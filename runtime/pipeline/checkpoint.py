@@ -514,7 +514,7 @@ class Task:
         ``delay_seconds``. No thread and no lease wait; a countdown message is sent when the
         wait is short, the reaper sends one when it is due otherwise. The timer is a floor
         no wake crosses (a server's retry-after, a backoff), unless ``wakeable`` (a wait for
-        a concurrency-key slot: woken when one frees)."""
+        capacity: a concurrency-key slot, flow control's admission, asked again when woken)."""
         if rows:
             dispatch = self.durably(
                 rows[-1].step_key,
@@ -524,6 +524,7 @@ class Task:
                     delay_seconds=delay_seconds,
                     reason=reason,
                     model_attempts=model_attempts,
+                    wakeable=wakeable,
                 ),
                 lambda: self._handed_on(rows, delay_seconds),
             )

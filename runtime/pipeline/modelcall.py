@@ -564,6 +564,10 @@ class Later:
     model_attempts: int
     admission: bool
     """Refused capacity before it began (not a claim without progress)."""
+    wakeable: bool = False
+    """A wait for the fleet's capacity (flow control, the tree's budget), asked again when the
+    run is woken (a message, a signal): a wake may bring it forward. A server's
+    ``retry-after`` is a floor no wake crosses."""
 
 
 @dataclass(frozen=True)
@@ -640,7 +644,7 @@ def call(
     if isinstance(shared, TreeRefusal):
         return Stopped(RunStatus.FAILED, shared.reason)
     if isinstance(shared, Wait):
-        return Later(shared.delay_seconds, shared.reason, task.claim.run.model_attempts, True)
+        return Later(shared.delay_seconds, shared.reason, task.claim.run.model_attempts, True, True)
     if not shared:
         return _admit_and_call(task, request, kind=kind, key=key, seq=seq, attempt=attempt,
                                body=body, make=make)  # fmt: skip
@@ -674,7 +678,7 @@ def _admit_and_call(
     policy = kinds.KINDS[kind]
     wait = admit(task, request, body, key)
     if wait is not None:  # flow control: a durable timer, holding nothing
-        return Later(wait.delay_seconds, wait.reason, task.claim.run.model_attempts, True)
+        return Later(wait.delay_seconds, wait.reason, task.claim.run.model_attempts, True, True)
     try:
         answer = send(task, request, body, key=key, make=make, interruptible=policy.interruptible)
     except RetryLater as e:
