@@ -57,9 +57,14 @@ def careful(_: Any, steps: Steps) -> str:
     return "no"
 
 
+@durable_agent("grandparent")
+def grandparent(_: Any, steps: Steps) -> int:
+    return steps.child("two-children", {})
+
+
 @pytest.fixture
 def rt(runtime: Runtime) -> Runtime:
-    for agent in (double, ask, broken, two_children, asks_a_child, careful):
+    for agent in (double, ask, broken, two_children, asks_a_child, careful, grandparent):
         runtime.agents.register(agent)
     return runtime
 
@@ -251,3 +256,20 @@ def test_a_parent_that_times_out_while_it_waits_cancels_its_child(rt: Runtime) -
     rt.driver().drive(due.run_id, due.token)
     assert rt.store.get_run(run.id).status is RunStatus.TIMED_OUT
     assert rt.store.get_run(kid.id).status is RunStatus.CANCELLED
+
+
+def test_cancelling_a_run_cancels_its_grandchildren_too(rt: Runtime, client: FlaskClient) -> None:
+    run, dispatch = rt.submit("grandparent", {})
+    started = rt.driver().drive(dispatch.run_id, dispatch.token)
+    [kid] = children_of(rt, run.id)
+    rt.driver().drive(kid.id, started.wakes[0].token)  # the child starts its own child
+    [grandkid] = children_of(rt, kid.id)
+    assert rt.store.get_run(grandkid.id).status is RunStatus.QUEUED
+    assert client.post(f"/api/runs/{run.id}/cancel").status_code == 202
+    assert [rt.store.get_run(r).status for r in (run.id, kid.id, grandkid.id)] == [
+        RunStatus.CANCELLED
+    ] * 3, "the whole tree ends, not its first level only"
+    # its message, delivered now, runs nothing (and bills nothing)
+    token = rt.store.get_run(grandkid.id).dispatch_token
+    rt.driver().drive(grandkid.id, token)
+    assert rt.store.steps(grandkid.id) == []
