@@ -273,3 +273,40 @@ def test_cancelling_a_run_cancels_its_grandchildren_too(rt: Runtime, client: Fla
     token = rt.store.get_run(grandkid.id).dispatch_token
     rt.driver().drive(grandkid.id, token)
     assert rt.store.steps(grandkid.id) == []
+
+
+def test_a_parent_resumed_after_timing_out_while_it_waited_starts_its_child_again(
+    rt: Runtime, client: FlaskClient
+) -> None:
+    """U9 (issue 35): the parent's end cancels the child it waits for, and leaves no step a
+    resume would misread as that child's: the resumed parent does not fail on the child it
+    cancelled itself, it starts the child again and goes on."""
+    run, dispatch = rt.submit("two-children", {}, timeout_seconds=60)
+    rt.driver().drive(dispatch.run_id, dispatch.token)
+    [kid] = children_of(rt, run.id)
+    with rt.engine.begin() as conn:  # its deadline passes while it waits (test-only SQL)
+        conn.execute(
+            text("UPDATE run SET deadline_at = now() - interval '1 second' WHERE id = :id"),
+            {"id": run.id},
+        )
+    rt.store.make_due_now(run.id)
+    [due] = [d for d in rt.store.redispatch_due(redispatch_after=0) if d.run_id == run.id]
+    rt.driver().drive(due.run_id, due.token)
+    assert rt.store.get_run(run.id).status is RunStatus.TIMED_OUT
+    assert rt.store.get_run(kid.id).status is RunStatus.CANCELLED
+    assert [s.status for s in rt.store.steps(run.id)] != [StepStatus.PENDING]
+
+    resumed = client.post(f"/api/runs/{run.id}/resume", json={"timeoutSeconds": 60})
+    assert resumed.status_code == 202, resumed.get_data(as_text=True)
+    drive_tree(rt, Dispatch(run.id, rt.store.get_run(run.id).dispatch_token))
+    done = rt.store.get_run(run.id)
+    assert (done.status, done.result, done.error) == (RunStatus.SUCCEEDED, 10, None)
+    kids = children_of(rt, run.id)
+    assert [k.status for k in kids] == ["CANCELLED", "SUCCEEDED", "SUCCEEDED"]
+    assert [(s.step_key, s.status, s.attempt) for s in rt.store.steps(run.id)] == [
+        ("child.double:0", StepStatus.DONE, 2),
+        ("child.double:1", StepStatus.DONE, 1),
+    ]
+    timeline = client.get(f"/api/runs/{run.id}/timeline").get_json()
+    shown = [t["childRunId"] for t in timeline if t["kind"] == "CHILD"]
+    assert shown == [str(kids[1].id), str(kids[2].id)], "each step shows the child it read"
