@@ -1133,6 +1133,17 @@ SELECT id FROM run_signal WHERE run_id = :run_id AND idempotency_key = :idempote
 SELECT id FROM run
 WHERE parent_run_id = :id AND status NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT');
 
+-- release_cancelled_child_steps --
+-- A parent that ends early cancels the children it waits for (issue 35 U9). Each durable
+-- function's steps.child still PENDING for a child cancelled now becomes RETRYING: a resume
+-- of the parent starts that child again instead of reading the child it cancelled itself
+-- (and failing on it for ever). A sub-agent's row (a tool call) is left to the agent loop.
+UPDATE run_step
+SET status = 'RETRYING',
+    error = 'child run ' || (response->>'runId') || ' was cancelled when this run ended'
+WHERE run_id = :id AND kind = 'CHILD' AND status = 'PENDING' AND tool_use_id IS NULL
+  AND response->>'runId' = ANY(CAST(:cancelled AS text[]));
+
 -- list_children --
 SELECT id, agent, status, tokens_used, cost_usd, created_at, finished_at, idempotency_key FROM run
 WHERE parent_run_id = :id ORDER BY created_at, id;

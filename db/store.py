@@ -1187,9 +1187,16 @@ class RunStore:
             conn.execute(Q["release_tree_budget"], {"id": run_id, "epoch": epoch})
 
     def cancel_children(self, run_id: uuid.UUID) -> None:
-        """Cancel a run's live children, down the tree (the run itself ended early)."""
+        """Cancel a run's live children, down the tree (the run itself ended early). The
+        run's ``steps.child`` steps that waited for a child cancelled here become
+        ``RETRYING``, in the same transaction: a resume starts those children again."""
         with self.engine.begin() as conn:
-            _cancel_children(conn, run_id)
+            cancelled = _cancel_children(conn, run_id)
+            if cancelled:
+                conn.execute(
+                    Q["release_cancelled_child_steps"],
+                    {"id": run_id, "cancelled": [str(c) for c in cancelled]},
+                )
 
     def children(self, run_id: uuid.UUID) -> list[dict[str, Any]]:
         """A parent's child runs, oldest first: id, agent, status, tokens, cost."""
@@ -1875,11 +1882,16 @@ def _insert_signal(
     return int(seen.id), False
 
 
-def _cancel_children(conn: Connection, run_id: uuid.UUID) -> None:
+def _cancel_children(conn: Connection, run_id: uuid.UUID) -> list[uuid.UUID]:
+    """Cancel the run's live children, down the tree; the children (first level) whose
+    cancel was taken."""
+    cancelled = []
     for child in conn.execute(Q["live_children"], {"id": run_id}).scalars().all():
         if conn.execute(Q["cancel_run"], {"id": child}).first() is not None:
             conn.execute(Q["cancel_pending_approvals"], {"id": child})
             _cancel_children(conn, child)
+            cancelled.append(child)
+    return cancelled
 
 
 P = ParamSpec("P")
