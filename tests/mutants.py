@@ -511,6 +511,18 @@ MUTANTS = (
         "issue 35 U9: a parent that timed out while it waited, resumed, reads the child it "
         "cancelled itself and fails on it for ever",
     ),
+    Mutant(
+        "stop-leaves-the-sub-agent-step-pending",
+        "db/queries.sql",
+        "WHERE run_id = :id AND kind = 'CHILD' AND status = 'PENDING'\n",
+        "WHERE run_id = :id AND kind = 'CHILD' AND status = 'PENDING' AND tool_use_id IS NULL\n",
+        (
+            T + "test_subagents.py::test_a_lead_resumed_after_timing_out_is_told_its_sub_agents"
+            "_were_cancelled_by_its_end",
+        ),
+        "issue 35 U9 (agent loop): a lead resumed after timing out reads 'cancelled by "
+        "request' from the sub-agents it cancelled itself",
+    ),
 )
 
 
