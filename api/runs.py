@@ -309,8 +309,8 @@ def timeline(run_id: str) -> Response:
         prefix = f"child:{parent}/"
         for c in store.children(parent):
             key = c.get("idempotency_key") or ""
-            if key.startswith(prefix):
-                children[key.removeprefix(prefix)] = str(c["id"])
+            if key.startswith(prefix):  # a step's child started again: "<key>#<attempt>"
+                children[key.removeprefix(prefix).split("#", 1)[0]] = str(c["id"])
     return jsonify(timeline_json(store.steps(run.id), store.audit_events(run.id), children))
 
 

@@ -1176,6 +1176,23 @@ SELECT id FROM run_signal WHERE run_id = :run_id AND idempotency_key = :idempote
 SELECT id FROM run
 WHERE parent_run_id = :id AND status NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT');
 
+-- release_cancelled_child_steps --
+-- A parent that ends early cancels the children it waits for (issue 35 U9); no step of it
+-- may then be read, on a resume, as the result of a child it cancelled itself. A durable
+-- function's steps.child still PENDING for a child cancelled now becomes RETRYING (a resume
+-- starts that child again); a sub-agent's (a tool call of the agent loop) becomes the tool's
+-- ERROR result, saying so (a resume hands it to the model, which may call it again).
+UPDATE run_step
+SET status = CASE WHEN tool_use_id IS NULL THEN 'RETRYING' ELSE 'ERROR' END,
+    error = 'child run ' || (response->>'runId') || ' was cancelled when this run ended',
+    response = CASE WHEN tool_use_id IS NULL THEN response
+               ELSE to_jsonb(format('error: sub-agent %L (run %s) was cancelled when this '
+                                    'run ended early; call it again if its answer is still '
+                                    'needed', tool_name, response->>'runId')) END,
+    finished_at = CASE WHEN tool_use_id IS NULL THEN finished_at ELSE now() END
+WHERE run_id = :id AND kind = 'CHILD' AND status = 'PENDING'
+  AND response->>'runId' = ANY(CAST(:cancelled AS text[]));
+
 -- list_children --
 SELECT id, agent, status, tokens_used, cost_usd, created_at, finished_at, idempotency_key FROM run
 WHERE parent_run_id = :id ORDER BY created_at, id;

@@ -1226,9 +1226,11 @@ class RunStore:
             conn.execute(Q["release_tree_budget"], {"id": run_id, "epoch": epoch})
 
     def cancel_children(self, run_id: uuid.UUID) -> None:
-        """Cancel a run's live children, down the tree (the run itself ended early)."""
+        """Cancel a run's live children, down the tree (the run itself ended early). The
+        run's ``steps.child`` steps that waited for a child cancelled here become
+        ``RETRYING``, in the same transaction: a resume starts those children again."""
         with self.engine.begin() as conn:
-            _cancel_children(conn, run_id)
+            _end_children(conn, run_id)
 
     def children(self, run_id: uuid.UUID) -> list[dict[str, Any]]:
         """A parent's child runs, oldest first: id, agent, status, tokens, cost."""
@@ -1310,7 +1312,7 @@ class RunStore:
                     },
                 ).first()
                 if row is not None:  # its children end with it, down the tree
-                    _cancel_children(conn, run_id)
+                    _end_children(conn, run_id)
                     stopping = row.status == RunStatus.RUNNING
             else:
                 row = conn.execute(
@@ -1938,11 +1940,28 @@ def _wake(conn: Connection, run_id: uuid.UUID, *, send: bool) -> Dispatch | None
     return None if row is None else Dispatch(row.id, row.dispatch_token)
 
 
-def _cancel_children(conn: Connection, run_id: uuid.UUID) -> None:
+def _end_children(conn: Connection, run_id: uuid.UUID) -> None:
+    """The run ended early: its live children are cancelled, down the tree, and its steps
+    that waited for one are released (``steps.child`` RETRYING, a sub-agent's its tool's
+    error), so a resume starts them again instead of reading the children it cancelled."""
+    cancelled = _cancel_children(conn, run_id)
+    if cancelled:
+        conn.execute(
+            Q["release_cancelled_child_steps"],
+            {"id": run_id, "cancelled": [str(c) for c in cancelled]},
+        )
+
+
+def _cancel_children(conn: Connection, run_id: uuid.UUID) -> list[uuid.UUID]:
+    """Cancel the run's live children, down the tree; the children (first level) whose
+    cancel was taken."""
+    cancelled = []
     for child in conn.execute(Q["live_children"], {"id": run_id}).scalars().all():
         if conn.execute(Q["cancel_run"], {"id": child, **_COMPENSABLE}).first() is not None:
             conn.execute(Q["cancel_pending_approvals"], {"id": child})
             _cancel_children(conn, child)
+            cancelled.append(child)
+    return cancelled
 
 
 P = ParamSpec("P")

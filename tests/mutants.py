@@ -423,6 +423,106 @@ MUTANTS = (
         (T + "test_run_tree.py::test_the_statement_reads_a_bounded_number_of_rows",),
         "the tree's cut keeps children in id order, not the oldest first, sorting them all",
     ),
+    # -- messages, signals and children (issue 35, "Tests that would notice") --
+    Mutant(
+        "message-retried-interrupt-aborts-again",
+        "api/messages.py",
+        'if policy == "interrupt" and created and live is not None',
+        'if policy == "interrupt" and live is not None',
+        (
+            T + "test_message_interrupt.py::test_a_retried_interrupt_does_not_abort_the_call"
+            "_that_carries_its_message",
+        ),
+        "a retried interrupt POST aborts the call that already carries its message (paid twice)",
+    ),
+    Mutant(
+        "message-does-not-wake-a-parked-run",
+        "api/messages.py",
+        "dispatch = reopened or (s.runtime.store.wake(run.id) if created else None)",
+        "dispatch = reopened",
+        (
+            T + "test_messages.py::test_a_message_wakes_a_run_parked_on_a_timer_and_is"
+            "_delivered_now",
+        ),
+        "a message to a run parked on a timer waits for the timer",
+    ),
+    Mutant(
+        "message-continued-deadline-not-renewed",
+        "db/queries.sql",
+        "    deadline_at = CASE WHEN status = 'SUCCEEDED'\n"
+        "                       THEN now() + make_interval(secs => COALESCE(timeout_seconds,"
+        " 600))\n",
+        "    deadline_at = CASE WHEN false\n"
+        "                       THEN now() + make_interval(secs => COALESCE(timeout_seconds,"
+        " 600))\n",
+        (
+            T + "test_messages.py::test_a_finished_run_past_its_deadline_continues_with_a"
+            "_deadline_from_the_message",
+        ),
+        "a conversation continued past its first turn's timeout ends TIMED_OUT at once",
+    ),
+    Mutant(
+        "signal-pending-newest-first",
+        "db/queries.sql",
+        "WHERE run_id = :run_id AND name = :name AND consumed_by IS NULL\nORDER BY id LIMIT 1",
+        "WHERE run_id = :run_id AND name = :name AND consumed_by IS NULL\nORDER BY id DESC LIMIT 1",
+        (
+            T + "test_signals.py::test_signals_kept_for_a_run_are_read_oldest_first",
+            T + "test_messages.py::test_messages_are_delivered_in_the_order_posted",
+        ),
+        "two pending signals (or messages) delivered newest first",
+    ),
+    Mutant(
+        "signal-wait-without-the-run-lock",
+        "db/store.py",
+        "                if signal is not None:\n"
+        '                    conn.execute(Q["lock_run_row"], {"id": claim.run_id})\n',
+        "                if signal is not None:\n",
+        (T + "test_signals.py::test_a_signal_sent_while_the_run_parks_for_it_wakes_it",),
+        "a signal landing between a wait's look and its park is never woken (the run sleeps "
+        "until its deadline)",
+    ),
+    Mutant(
+        "send-keyed-without-the-sender-run",
+        "runtime/durable/execution.py",
+        'idempotency_key=f"{self.run_id}/{key}",',
+        "idempotency_key=key,",
+        (T + "test_signals.py::test_two_runs_sending_one_name_to_a_run_both_arrive",),
+        "two runs sending one name to a run: the second silently dropped",
+    ),
+    Mutant(
+        "cancel-children-one-level",
+        "db/store.py",
+        '            conn.execute(Q["cancel_pending_approvals"], {"id": child})\n'
+        "            _cancel_children(conn, child)\n",
+        '            conn.execute(Q["cancel_pending_approvals"], {"id": child})\n',
+        (T + "test_child_runs.py::test_cancelling_a_run_cancels_its_grandchildren_too",),
+        "a cancel ends the children, and the grandchildren keep running and billing",
+    ),
+    Mutant(
+        "stop-leaves-the-child-step-pending",
+        "db/store.py",
+        "            if cancelled:\n",
+        "            if False:\n",
+        (
+            T + "test_child_runs.py::test_a_parent_resumed_after_timing_out_while_it_waited"
+            "_starts_its_child_again",
+        ),
+        "issue 35 U9: a parent that timed out while it waited, resumed, reads the child it "
+        "cancelled itself and fails on it for ever",
+    ),
+    Mutant(
+        "stop-leaves-the-sub-agent-step-pending",
+        "db/queries.sql",
+        "WHERE run_id = :id AND kind = 'CHILD' AND status = 'PENDING'\n",
+        "WHERE run_id = :id AND kind = 'CHILD' AND status = 'PENDING' AND tool_use_id IS NULL\n",
+        (
+            T + "test_subagents.py::test_a_lead_resumed_after_timing_out_is_told_its_sub_agents"
+            "_were_cancelled_by_its_end",
+        ),
+        "issue 35 U9 (agent loop): a lead resumed after timing out reads 'cancelled by "
+        "request' from the sub-agents it cancelled itself",
+    ),
 )
 
 

@@ -948,17 +948,23 @@ class Execution:
         self._guard(StepKind.CHILD)
         row_kind = KINDS[StepKind.CHILD].row
         task, parent = self.task, self.task.claim.run
-        if rec is None:
-            seq = self.take_seq()
+        if rec is None or rec.status is StepStatus.RETRYING:
+            # RETRYING: its child was cancelled when this run ended early, and the run was
+            # resumed: a child of its own attempt, never the one cancelled (issue 35 U9)
+            seq = self.take_seq() if rec is None else rec.seq
+            attempt = 1 if rec is None else rec.attempt + 1
+            started_as = key if attempt == 1 else f"{key}#{attempt}"
             left = parent.token_budget - parent.tokens_used - parent.unrecorded_tokens
             left -= task.spent.total
             if left <= 0:
                 no_budget = "ChildRunFailed: no token budget left for a child run"
-                failed = NewStep(seq, key, row_kind, StepStatus.ERROR, attempt=1, error=no_budget)
+                failed = NewStep(
+                    seq, key, row_kind, StepStatus.ERROR, attempt=attempt, error=no_budget
+                )
                 with self.engine_call():
                     self.end(task.checkpoint([failed]))
             seconds_left = int((parent.deadline_at - task.claim.db_now).total_seconds())
-            child_id = uuid.uuid5(parent.id, key)
+            child_id = uuid.uuid5(parent.id, started_as)
             model, max_steps = task.services.child_model_and_steps(agent, parent.model)
             new = NewRun(
                 agent=agent,
@@ -969,10 +975,10 @@ class Execution:
                 timeout_seconds=max(1, min(timeout_seconds or seconds_left, seconds_left)),
                 submitted_by=parent.submitted_by,
                 tenant=parent.tenant,
-                idempotency_key=f"child:{parent.id}/{key}",
+                idempotency_key=f"child:{parent.id}/{started_as}",
                 parent_run_id=parent.id,
             )
-            pending = NewStep(seq, key, row_kind, StepStatus.PENDING, attempt=1,
+            pending = NewStep(seq, key, row_kind, StepStatus.PENDING, attempt=attempt,
                               response={"runId": str(child_id), "agent": agent})  # fmt: skip
             reason = f"{key} waiting for child run {str(child_id)[:8]}"
             with self.engine_call():
@@ -992,11 +998,11 @@ class Execution:
             child = task.store.get_run(child_id)
         cost = child.cost_usd + child.unrecorded_cost_usd
         if child.status is RunStatus.SUCCEEDED:
-            row = NewStep(rec.seq, key, row_kind, StepStatus.DONE, attempt=1,
+            row = NewStep(rec.seq, key, row_kind, StepStatus.DONE, attempt=rec.attempt,
                           response=child.result, usage=child.usage, cost_usd=cost,
                           unrecorded_tokens=child.unrecorded_tokens)  # fmt: skip
         else:
-            row = NewStep(rec.seq, key, row_kind, StepStatus.ERROR, attempt=1,
+            row = NewStep(rec.seq, key, row_kind, StepStatus.ERROR, attempt=rec.attempt,
                           usage=child.usage, cost_usd=cost,
                           unrecorded_tokens=child.unrecorded_tokens,
                           error=f"ChildRunFailed: child run {child_id} ended {child.status}: "

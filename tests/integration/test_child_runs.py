@@ -57,9 +57,14 @@ def careful(_: Any, steps: Steps) -> str:
     return "no"
 
 
+@durable_agent("grandparent")
+def grandparent(_: Any, steps: Steps) -> int:
+    return steps.child("two-children", {})
+
+
 @pytest.fixture
 def rt(runtime: Runtime) -> Runtime:
-    for agent in (double, ask, broken, two_children, asks_a_child, careful):
+    for agent in (double, ask, broken, two_children, asks_a_child, careful, grandparent):
         runtime.agents.register(agent)
     return runtime
 
@@ -251,3 +256,57 @@ def test_a_parent_that_times_out_while_it_waits_cancels_its_child(rt: Runtime) -
     rt.driver().drive(due.run_id, due.token)
     assert rt.store.get_run(run.id).status is RunStatus.TIMED_OUT
     assert rt.store.get_run(kid.id).status is RunStatus.CANCELLED
+
+
+def test_cancelling_a_run_cancels_its_grandchildren_too(rt: Runtime, client: FlaskClient) -> None:
+    run, dispatch = rt.submit("grandparent", {})
+    started = rt.driver().drive(dispatch.run_id, dispatch.token)
+    [kid] = children_of(rt, run.id)
+    rt.driver().drive(kid.id, started.wakes[0].token)  # the child starts its own child
+    [grandkid] = children_of(rt, kid.id)
+    assert rt.store.get_run(grandkid.id).status is RunStatus.QUEUED
+    assert client.post(f"/api/runs/{run.id}/cancel").status_code == 202
+    assert [rt.store.get_run(r).status for r in (run.id, kid.id, grandkid.id)] == [
+        RunStatus.CANCELLED
+    ] * 3, "the whole tree ends, not its first level only"
+    # its message, delivered now, runs nothing (and bills nothing)
+    token = rt.store.get_run(grandkid.id).dispatch_token
+    rt.driver().drive(grandkid.id, token)
+    assert rt.store.steps(grandkid.id) == []
+
+
+def test_a_parent_resumed_after_timing_out_while_it_waited_starts_its_child_again(
+    rt: Runtime, client: FlaskClient
+) -> None:
+    """U9 (issue 35): the parent's end cancels the child it waits for, and leaves no step a
+    resume would misread as that child's: the resumed parent does not fail on the child it
+    cancelled itself, it starts the child again and goes on."""
+    run, dispatch = rt.submit("two-children", {}, timeout_seconds=60)
+    rt.driver().drive(dispatch.run_id, dispatch.token)
+    [kid] = children_of(rt, run.id)
+    with rt.engine.begin() as conn:  # its deadline passes while it waits (test-only SQL)
+        conn.execute(
+            text("UPDATE run SET deadline_at = now() - interval '1 second' WHERE id = :id"),
+            {"id": run.id},
+        )
+    rt.store.make_due_now(run.id)
+    [due] = [d for d in rt.store.redispatch_due(redispatch_after=0) if d.run_id == run.id]
+    rt.driver().drive(due.run_id, due.token)
+    assert rt.store.get_run(run.id).status is RunStatus.TIMED_OUT
+    assert rt.store.get_run(kid.id).status is RunStatus.CANCELLED
+    assert [s.status for s in rt.store.steps(run.id)] != [StepStatus.PENDING]
+
+    resumed = client.post(f"/api/runs/{run.id}/resume", json={"timeoutSeconds": 60})
+    assert resumed.status_code == 202, resumed.get_data(as_text=True)
+    drive_tree(rt, Dispatch(run.id, rt.store.get_run(run.id).dispatch_token))
+    done = rt.store.get_run(run.id)
+    assert (done.status, done.result, done.error) == (RunStatus.SUCCEEDED, 10, None)
+    kids = children_of(rt, run.id)
+    assert [k.status for k in kids] == ["CANCELLED", "SUCCEEDED", "SUCCEEDED"]
+    assert [(s.step_key, s.status, s.attempt) for s in rt.store.steps(run.id)] == [
+        ("child.double:0", StepStatus.DONE, 2),
+        ("child.double:1", StepStatus.DONE, 1),
+    ]
+    timeline = client.get(f"/api/runs/{run.id}/timeline").get_json()
+    shown = [t["childRunId"] for t in timeline if t["kind"] == "CHILD"]
+    assert shown == [str(kids[1].id), str(kids[2].id)], "each step shows the child it read"

@@ -295,3 +295,40 @@ def test_a_stale_interrupt_flag_makes_the_call_again(
     assert fake.calls == 2
     assert len(fake.aborts) == 1
     assert_counted(done, fake.billed[0].total)
+
+
+def test_a_retried_interrupt_does_not_abort_the_call_that_carries_its_message(
+    claude: Runtime, client: FlaskClient, fake: FakeMessagesApi, live: redis.Redis
+) -> None:
+    """A client that retries its interrupt POST (same Idempotency-Key: one message) while
+    the call made again with that message is in flight: the retry is the same message, so
+    it interrupts nothing (aborting that call would pay for it twice)."""
+    answer = "Only Globex: tickets 7 and 9. " * 4
+    carried = slow(text(answer, usage={"input_tokens": 60, "output_tokens": 40}), interval=0.2)
+    fake.then(slow_answer(), carried, text("asked a third time"))
+    run, dispatch = submit(claude.store, "Which tickets are overdue?", model=MODEL)
+    worker = in_background(claude, dispatch)
+    wait_streaming(live, run.id)
+    key = {"Idempotency-Key": "interrupt-1"}
+    body = {"text": "Only Globex, please", "policy": "interrupt"}
+    first = client.post(f"/api/runs/{run.id}/messages", json=body, headers=key)
+    assert first.get_json()["new"] is True
+    deadline = time.monotonic() + 10
+    while fake.calls < 2:  # the first call cut, the message delivered, the call made again
+        assert time.monotonic() < deadline, "the call was never made again"
+        time.sleep(0.02)
+    assert [s.kind for s in claude.store.steps(run.id)] == [StepKind.MESSAGE]
+    again = client.post(f"/api/runs/{run.id}/messages", json=body, headers=key)
+    assert again.status_code == 202, again.get_data(as_text=True)
+    assert (again.get_json()["new"], again.get_json()["messageId"]) == (
+        False,
+        first.get_json()["messageId"],
+    )
+    worker.join(timeout=20)
+    assert not worker.is_alive()
+    done = claude.store.get_run(run.id)
+    assert (done.status, done.result) == (RunStatus.SUCCEEDED, answer)
+    assert fake.calls == 2, "the call that carries the message was not made twice"
+    assert [b.complete for b in fake.billed] == [False, True], "only the first call was cut"
+    assert [s.kind for s in claude.store.steps(run.id)] == [StepKind.MESSAGE, StepKind.MODEL]
+    assert not live.exists(interrupt_key(run.id))

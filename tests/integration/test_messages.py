@@ -4,15 +4,18 @@ message and continues as the next turn of the same conversation."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
+from sqlalchemy import text
 
 from api.events import durable_event
 from db.records import Dispatch, RunStatus, StepKind
+from runtime.config import Settings
 from runtime.durable import Steps, durable_agent
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Outcome
@@ -225,3 +228,88 @@ def test_content_blocks_policies_and_refusals(
     assert rt.store.get_run(run.id).messages_pending == 1
     assert [s.kind for s in rt.store.steps(run.id)] == []
     assert StepKind.MESSAGE.value == "MESSAGE"
+
+
+def test_a_finished_run_past_its_deadline_continues_with_a_deadline_from_the_message(
+    rt: Runtime, llm: ScriptedLlm, client: FlaskClient
+) -> None:
+    """A deadline is per turn: a conversation continued after its first turn's timeout
+    passed gets ``timeoutSeconds`` again from the message, not an end TIMED_OUT at once."""
+    llm.then_text("first answer").then_text("second answer")
+    run, dispatch = submit(rt.store, "hello", timeout_seconds=60)
+    to_end(rt, dispatch)
+    with rt.engine.begin() as conn:  # an hour has passed since (test-only SQL)
+        conn.execute(
+            text("UPDATE run SET deadline_at = now() - interval '1 hour' WHERE id = :id"),
+            {"id": run.id},
+        )
+    sent = client.post(f"/api/runs/{run.id}/messages", json={"text": "and then?"})
+    assert sent.status_code == 202, sent.get_data(as_text=True)
+    reopened = rt.store.get_run(run.id)
+    assert (reopened.deadline_at - reopened.updated_at).total_seconds() == pytest.approx(60, abs=5)
+    to_end(rt, Dispatch(run.id, reopened.dispatch_token))
+    done = rt.store.get_run(run.id)
+    assert (done.status, done.result, done.error) == (RunStatus.SUCCEEDED, "second answer", None)
+
+
+def test_messages_are_delivered_in_the_order_posted(
+    rt: Runtime, llm: ScriptedLlm, client: FlaskClient
+) -> None:
+    llm.then_text("first answer").then_text("second answer")
+    run, dispatch = submit(rt.store, "hello")
+    to_end(rt, dispatch)
+    for said in ("one", "two"):
+        assert client.post(f"/api/runs/{run.id}/messages", json={"text": said}).status_code == 202
+    to_end(rt, Dispatch(run.id, rt.store.get_run(run.id).dispatch_token))
+    steps = rt.store.steps(run.id)
+    assert [(s.step_key, s.response) for s in steps if s.kind is StepKind.MESSAGE] == [
+        ("message:0", "one"),
+        ("message:1", "two"),
+    ]
+    assert llm.requests[1].messages[-1]["content"][-2:] == [
+        {"type": "text", "text": "one"},
+        {"type": "text", "text": "two"},
+    ]
+
+
+@pytest.fixture
+def limited(settings: Settings, llm: ScriptedLlm) -> Iterator[Runtime]:
+    """One model call a minute, fleet-wide: a second run waits for admission, parked."""
+    s = replace(
+        settings,
+        model_limits_json=json.dumps({"claude-*": {"requestsPerMinute": 1}}),
+        started_row_after_seconds=0,
+    )
+    rt = Runtime.build(s, llm=llm, pool_size=5)
+    register_agent(rt.agents, lookup)
+    try:
+        yield rt
+    finally:
+        rt.close()
+
+
+def test_a_message_wakes_a_run_parked_on_a_timer_and_is_delivered_now(
+    limited: Runtime, llm: ScriptedLlm, settings: Settings
+) -> None:
+    """A run parked for a minute (flow control admits no model call before) takes a message
+    now: the POST makes it due, and its next task records the message (no model call: the
+    call still waits for its admission)."""
+    llm.then_text("done").then_text("done too")
+    _, first = submit(limited.store)
+    to_end(limited, first)
+    run, dispatch = submit(limited.store, "hello")
+    assert limited.driver().drive(dispatch.run_id, dispatch.token).outcome is Outcome.WAITING
+    parked = limited.store.get_run(run.id)
+    assert (parked.wait_reason or "").startswith("rate limit")
+    assert (parked.run_at - parked.updated_at).total_seconds() > 30
+    with api_client(limited, settings) as client:
+        sent = client.post(f"/api/runs/{run.id}/messages", json={"text": "one more thing"})
+    assert sent.status_code == 202, sent.get_data(as_text=True)
+    woken = limited.store.get_run(run.id)
+    assert woken.dispatch_token != parked.dispatch_token, "the POST sent it a drive_run"
+    assert (parked.run_at - woken.run_at).total_seconds() > 30, "due now, not in a minute"
+    limited.driver().drive(run.id, woken.dispatch_token)
+    assert [(s.kind, s.response) for s in limited.store.steps(run.id)] == [
+        (StepKind.MESSAGE, "one more thing")
+    ]
+    assert len(llm.requests) == 1, "no model call before its admission"

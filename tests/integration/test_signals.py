@@ -4,6 +4,7 @@ kept for it), ``steps.send`` sends exactly once (the signal is written with its 
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ import pytest
 from celery import Celery
 from flask import Flask
 from flask.testing import FlaskClient
-from sqlalchemy import text
+from sqlalchemy import Engine, event, text
 
 import api
 from db.errors import LeaseLost
@@ -250,3 +251,101 @@ def test_the_test_kit_returns_a_waiting_run_parked(rt: Runtime) -> None:
     parked = DurableTester(rt).run(waiter, {})
     assert parked.status is RunStatus.RUNNING
     assert [s.status for s in parked.steps] == [StepStatus.PENDING]
+
+
+def test_signals_kept_for_a_run_are_read_oldest_first(rt: Runtime, client: FlaskClient) -> None:
+    run, dispatch = rt.submit("twice", {})
+    for n in (1, 2):  # both sent before the run's first wait
+        sent = client.post(f"/api/runs/{run.id}/signals/go", json={"payload": n})
+        assert sent.status_code == 202, sent.get_data(as_text=True)
+    drive(rt, dispatch)
+    done = rt.store.get_run(run.id)
+    assert (done.status, done.result) == (RunStatus.SUCCEEDED, [1, 2]), "in the order sent"
+
+
+def test_two_runs_sending_one_name_to_a_run_both_arrive(rt: Runtime) -> None:
+    """``steps.send``'s idempotency key names the sender run: two senders' ``send.go:0`` are
+    two signals, not one retried (the second is not silently taken for the first)."""
+    target = start(rt, "twice", {})
+    senders = []
+    for _ in range(2):
+        run, dispatch = rt.submit("sender", str(target))
+        drive(rt, dispatch)
+        assert rt.store.get_run(run.id).result == "sent"
+        senders.append(run.id)
+    with rt.engine.connect() as conn:
+        kept = conn.execute(
+            text("SELECT sent_by FROM run_signal WHERE run_id = :id ORDER BY id"), {"id": target}
+        ).scalars()
+        assert list(kept) == [f"run:{s}" for s in senders]
+    for _ in range(3):  # the sends woke it; each wake is one task (or the reaper's sweep)
+        if rt.store.get_run(target).status.terminal:
+            break
+        rt.store.make_due_now(target)
+        drive(rt, due(rt, target))
+    done = rt.store.get_run(target)
+    assert (done.status, done.result) == (
+        RunStatus.SUCCEEDED,
+        [{"from": str(senders[0])}, {"from": str(senders[1])}],
+    )
+
+
+def _lock_waiters(engine: Engine) -> int:
+    """Sessions of this test's database waiting for a lock another transaction holds."""
+    with engine.connect() as conn:
+        return conn.execute(
+            text(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+        ).scalar_one()
+
+
+def test_a_signal_sent_while_the_run_parks_for_it_wakes_it(
+    rt: Runtime, client: FlaskClient
+) -> None:
+    """The race between a wait and its signal, made to happen: the signal is POSTed after
+    the waiting task looked for it (none) and before it parked the run. The waiter holds its
+    run's row lock from the look to the park, so the POST waits for the park and then finds
+    the run parked and wakes it (without the lock the wake finds the run still held, does
+    nothing, and the run sleeps until its deadline with its signal unread)."""
+    run, dispatch = rt.submit("waiter", {}, timeout_seconds=600)
+    posted: list[int] = []
+    poster = threading.Thread(
+        target=lambda: posted.append(
+            client.post(f"/api/runs/{run.id}/signals/go", json={"payload": 7}).status_code
+        ),
+        daemon=True,
+    )
+
+    def between_the_look_and_the_park(
+        conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool
+    ) -> None:
+        # the waiter's PENDING row, the first write of the transaction that parks the run
+        if poster.is_alive() or posted or "INSERT INTO run_step" not in statement:
+            return
+        if "signal.go:0" not in str(params):
+            return
+        poster.start()
+        deadline = time.monotonic() + 10
+        while poster.is_alive() and not _lock_waiters(rt.engine):
+            assert time.monotonic() < deadline, "the POST neither ended nor waited"
+            time.sleep(0.01)
+
+    event.listen(rt.engine, "before_cursor_execute", between_the_look_and_the_park)
+    try:
+        result = rt.driver().drive(dispatch.run_id, dispatch.token)
+    finally:
+        event.remove(rt.engine, "before_cursor_execute", between_the_look_and_the_park)
+    poster.join(timeout=10)
+    assert posted == [202], "the POST was made inside the window, and answered"
+    assert result.outcome is Outcome.WAITING, "it looked before the signal came: it parked"
+    parked = rt.store.get_run(run.id)
+    assert parked.dispatch_token != dispatch.token
+    woken = due(rt, run.id)
+    assert woken is not None, (
+        f"the run was not woken: it sleeps until {parked.run_at} with its signal unread"
+    )
+    drive(rt, woken)
+    done = rt.store.get_run(run.id)
+    assert (done.status, done.result) == (RunStatus.SUCCEEDED, {"first": 7})

@@ -339,6 +339,37 @@ def test_cancelling_the_parent_cancels_its_children(rt: Runtime, client: FlaskCl
     assert [k.tokens_used for k in children(rt, run.id)] == [0, 0]
 
 
+def test_a_lead_resumed_after_timing_out_is_told_its_sub_agents_were_cancelled_by_its_end(
+    rt: Runtime, client: FlaskClient
+) -> None:
+    """U9 (issue 35), the agent loop's side: the lead's end cancels the sub-agents it waits
+    for, and their steps become the tools' results saying so, not rows a resume reads as
+    "cancelled by request" from the children it cancelled itself."""
+    run, driver, started = start_two_children(rt)
+    assert started.outcome is Outcome.WAITING
+    with rt.engine.begin() as conn:  # its deadline passes while it waits (test-only SQL)
+        conn.execute(
+            sql("UPDATE run SET deadline_at = now() - interval '1 second' WHERE id = :id"),
+            {"id": run.id},
+        )
+    rt.store.make_due_now(run.id)
+    [due] = [d for d in rt.store.redispatch_due(redispatch_after=0) if d.run_id == run.id]
+    driver.drive(due.run_id, due.token)
+    assert rt.store.get_run(run.id).status is RunStatus.TIMED_OUT
+    assert [k.status for k in children(rt, run.id)] == ["CANCELLED", "CANCELLED"]
+    rows = [s for s in rt.store.steps(run.id) if s.kind is StepKind.CHILD]
+    assert [s.status for s in rows] == [StepStatus.ERROR, StepStatus.ERROR], "none PENDING"
+
+    resumed = client.post(f"/api/runs/{run.id}/resume", json={"timeoutSeconds": 60})
+    assert resumed.status_code == 202, resumed.get_data(as_text=True)
+    drive_tree(rt, Dispatch(run.id, rt.store.get_run(run.id).dispatch_token))
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    told = str(done.result)
+    assert told.count("was cancelled when this run ended early") == 2, told
+    assert "cancelled by request" not in told
+
+
 def test_a_failed_child_is_the_tools_error(settings: Settings, fake: FakeMessagesApi) -> None:
     rt = build(settings, fake, child_prompt="failing")
     try:
