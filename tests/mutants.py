@@ -220,8 +220,8 @@ MUTANTS = (
     Mutant(
         "stop-claims-without-compensation",
         "runtime/engine/driver.py",
-        "                task.begin_stop(reason)  # its compensations run",
-        "                return task.finish(RunStatus.FAILED, error=reason)  #",
+        "            task.begin_stop(reason)  # its compensations run",
+        "            return task.finish(RunStatus.FAILED, error=reason)  #",
         (T + "test_early_stops.py::test_claims_without_progress_run_the_compensations_once",),
         "issue 23 defect 4: a run that kills its worker ends FAILED, its steps never undone",
     ),
@@ -247,8 +247,8 @@ MUTANTS = (
     Mutant(
         "stop-refused-value-without-compensation",
         "runtime/engine/driver.py",
-        "                if isinstance(agent, DurableAgent) and task.stopping is None:\n",
-        "                if False:\n",
+        "            if isinstance(agent, DurableAgent) and task.stopping is None:\n",
+        "            if False:\n",
         (T + "test_early_stops.py::test_a_value_the_database_refuses_runs_the_compensations_once",),
         "a step value jsonb refuses (NaN) ends the run without undoing its completed steps",
     ),
@@ -307,8 +307,8 @@ MUTANTS = (
     Mutant(
         "refused-value-leaves-the-run-running",
         "runtime/engine/driver.py",
-        "                refused = _refused_value(e)\n",
-        "                refused = None\n",
+        "            refused = _refused_value(e)\n",
+        "            refused = None\n",
         (
             T + "test_awkward_text.py::test_a_value_the_database_refuses_ends_the_run_instead"
             "_of_leaving_it_running",
@@ -437,9 +437,9 @@ MUTANTS = (
     ),
     Mutant(
         "message-does-not-wake-a-parked-run",
-        "api/messages.py",
-        "dispatch = reopened or (s.runtime.store.wake(run.id) if created else None)",
-        "dispatch = reopened",
+        "db/store.py",
+        "woken = None if reopened else _wake(conn, run_id, send=True)",
+        "woken = None",
         (
             T + "test_messages.py::test_a_message_wakes_a_run_parked_on_a_timer_and_is"
             "_delivered_now",
@@ -502,8 +502,8 @@ MUTANTS = (
     Mutant(
         "stop-leaves-the-child-step-pending",
         "db/store.py",
-        "            if cancelled:\n",
-        "            if False:\n",
+        "    if cancelled:\n",
+        "    if False:\n",
         (
             T + "test_child_runs.py::test_a_parent_resumed_after_timing_out_while_it_waited"
             "_starts_its_child_again",
@@ -522,6 +522,64 @@ MUTANTS = (
         ),
         "issue 35 U9 (agent loop): a lead resumed after timing out reads 'cancelled by "
         "request' from the sub-agents it cancelled itself",
+    ),
+    Mutant(
+        "replay-takes-a-usage-report-for-a-tool-result",
+        "runtime/pipeline/replay.py",
+        "        turn = turn_of(step)  # the kind says",
+        "        turn = Turn.TOOL_RESULT if step.kind is StepKind.LLM else turn_of(step)  #",
+        (
+            T + "test_record_usage.py::test_a_tool_reporting_its_model_call_hands_the_model_one"
+            "_result_per_tool_use",
+        ),
+        "issue 35 U1: a tool's usage report replayed as a tool_result with tool_use_id null",
+    ),
+    Mutant(
+        "wake-crosses-the-floor",
+        "db/queries.sql",
+        "  AND (wake_floor IS NULL OR wake_floor <= now())\n",
+        "",
+        (T + "test_wake_floor.py",),
+        "issue 35 U2: a signal or message cuts a server's retry-after or a backoff short",
+    ),
+    Mutant(
+        "send-wakes-after-its-commit",
+        "db/store.py",
+        "                woken = _wake(conn, target, send=True)\n",
+        "                woken = None\n",
+        (
+            T + "test_records_durable.py::test_a_signal_wakes_its_parked_target_in_the_senders"
+            "_transaction",
+        ),
+        "issue 35 U3: a sender that dies after its commit leaves the target asleep",
+    ),
+    Mutant(
+        "cancel-undoes-steps-and-approvals-only",
+        "db/store.py",
+        "COMPENSABLE_KINDS = (StepKind.STEP, StepKind.LLM, StepKind.SIDE_EFFECT, "
+        "StepKind.APPROVAL)",
+        "COMPENSABLE_KINDS = (StepKind.STEP, StepKind.APPROVAL)",
+        (
+            T + "test_early_stops.py::test_a_parked_function_cancelled_compensates_every"
+            "_compensable_kind",
+        ),
+        "issue 35 U4: a parked function's side_effect or llm compensation never runs on cancel",
+    ),
+    Mutant(
+        "operator-fail-ends-in-place",
+        "db/queries.sql",
+        "SET status = CASE WHEN state.undo THEN 'RUNNING' ELSE 'FAILED' END,",
+        "SET status = 'FAILED',",
+        (T + "test_early_stops.py::test_an_operators_fail_is_the_engines_stop",),
+        "issue 35 U5: an operator's fail compensates nothing",
+    ),
+    Mutant(
+        "message-recorded-around-the-checkpoint",
+        "runtime/agentloop/loop.py",
+        "    dispatch = task.deliver_message(\n",
+        "    dispatch = task.store.deliver_message(task.claim, lambda c: \n",
+        ("tests/unit/test_one_pipeline.py::test_only_the_pipeline_writes_a_runs_steps_or_state",),
+        "issue 35 U6: a program records its own step, around the checkpoint's blip retry",
     ),
 )
 
