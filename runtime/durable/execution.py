@@ -23,10 +23,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 from typing import Any, NoReturn
 
-from db.errors import InvalidTransition, RunNotFound
 from db.records import NewRun, NewStep, RunStatus, Step, StepStatus
 from db.records import StepKind as RowKind
 from runtime.durable.api import (
@@ -51,10 +49,10 @@ from runtime.durable.errors import (
     SignalTimeout,
     StepError,
     StepTimeout,
-    VersionUnsupported,
     Yield,
 )
 from runtime.durable.notify import notify_approval
+from runtime.durable.simple import At, Send, SimpleKind, Sleep, Version, WaitFor
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.live_call import LiveCall, current_live_call
 from runtime.mcp.client import CallResult
@@ -551,42 +549,35 @@ class Execution:
         )
         return self.step("STEP", step_name, call, type=Any, compensate=None, options=step_options)
 
-    # -- versions ---------------------------------------------------------------------------
+    # -- the one advance of a simple kind --------------------------------------------------
 
-    def version(self, name: str, minimum: int, maximum: int) -> int:
+    def advance(self, step: SimpleKind) -> Any:
+        """Advance a top-level step of a simple kind (:mod:`runtime.durable.simple`): its key,
+        the strict replay of the order, the look-up; a recorded result given back (or error
+        raised again); else the guard, and the kind runs (recording through the checkpoint
+        and ending the task, or giving its value)."""
         self._check_yielded()
         if self.stack:
-            raise DurableConfigError("steps.version() belongs at the top level, not inside a step")
+            raise DurableConfigError(f"{step.api} belongs at the top level, not inside a step")
         before = dict(self.counters)
-        key = self._key(name)
+        key = self._key(step.name)
         rec = self.task.look_up(key).row
-        if rec is not None and rec.status is StepStatus.DONE:
-            self._check_replay(key)
-            recorded = int(rec.response)
-            if not minimum <= recorded <= maximum:
-                raise VersionUnsupported(
-                    f"run {self.run_id} recorded version {recorded} of {name!r}; this "
-                    f"code supports {minimum} to {maximum}"
-                )
-            return recorded
-        if self.calls < len(self.history):
+        if rec is None and step.marker and self.calls < len(self.history):
             # The run's history went past this point before the marker existed: it started
             # on the old code and stays on the old branch. Nothing is recorded.
             self.counters = before
-            return minimum
+            return step.predates()
         self._check_replay(key)
-        self._guard(StepKind.VERSION)
-        row = NewStep(
-            self.take_seq(),
-            key,
-            KINDS[StepKind.VERSION].row,
-            StepStatus.DONE,
-            response=maximum,
-            attempt=1,
-            latency_ms=0,
-        )
-        with self.engine_call():
-            self.end(self.task.checkpoint([row]))
+        if rec is not None and rec.status is StepStatus.DONE:
+            return step.replay(rec)
+        if rec is not None and rec.status is StepStatus.ERROR:
+            raise self._recorded_error(key, rec)
+        self._guard(step.kind)
+        return step.run(At(self, key, rec, step.kind))
+
+    def version(self, name: str, minimum: int, maximum: int) -> int:
+        value: int = self.advance(Version(name, minimum, maximum, self.run_id))
+        return value
 
     # -- the model ----------------------------------------------------------------------------
 
@@ -811,121 +802,31 @@ class Execution:
         self._check_replay(key)
         return key, self.task.look_up(key).row
 
-    def _park(
+    def park(
         self, rows: list[NewStep], delay: float, reason: str, signal: str | None = None
-    ) -> bool:
-        """Park the run on a durable timer (ending the task); ``False`` when ``signal`` is
+    ) -> None:
+        """Park the run on a durable timer (ending the task); returns only when ``signal`` is
         already there to consume instead."""
         with self.engine_call():
             dispatch = self.task.park(rows, delay, reason, signal=signal)
         if dispatch is None:
-            return False
+            return
         log.info("run=%s %s", self.task.rid, reason)
         send = delay <= self.task.settings.max_countdown_seconds
         self.end(StepResult(Outcome.WAITING, dispatch=dispatch if send else None))
-
-    def _park_timer(self, rows: list[NewStep], delay: float, reason: str) -> NoReturn:
-        self._park(rows, delay, reason)
-        raise AssertionError("a timer without a signal always parks")
 
     def _until_deadline(self) -> float:
         run = self.task.claim.run
         return max(0.0, (run.deadline_at - self.task.claim.db_now).total_seconds()) + 1.0
 
     def sleep(self, seconds: float) -> None:
-        key, rec = self._top_level("steps.sleep", "sleep")
-        if rec is not None and rec.status is StepStatus.DONE:
-            return
-        now = self.task.claim.db_now
-        self._guard(StepKind.SLEEP)
-        row_kind = KINDS[StepKind.SLEEP].row
-        if rec is None:
-            until = now + timedelta(seconds=seconds)
-            pending = NewStep(
-                self.take_seq(), key, row_kind, StepStatus.PENDING,
-                response={"until": until.isoformat()}, attempt=1,
-            )  # fmt: skip
-            self._park_timer([pending], seconds, f"{key} sleeping until {until.isoformat()}")
-        until = datetime.fromisoformat(rec.response["until"])
-        if until > now:  # woken early (a signal, an operator): back to sleep
-            self._park_timer([], (until - now).total_seconds(), f"{key} sleeping until {until}")
-        done = NewStep(rec.seq, key, row_kind, StepStatus.DONE, attempt=1, latency_ms=0)
-        log.info("run=%s seq=%d WAIT %s done", self.task.rid, rec.seq, key)
-        with self.engine_call():
-            self.end(self.task.checkpoint([done]))
+        self.advance(Sleep(seconds))
 
     def wait_for(self, name: str, timeout: float | None) -> Any:
-        key, rec = self._top_level("steps.wait_for", f"signal.{name}")
-        if rec is not None and rec.status is StepStatus.DONE:
-            return rec.response
-        if rec is not None and rec.status is StepStatus.ERROR:
-            raise self._recorded_error(key, rec)
-        self._guard(StepKind.SIGNAL_WAIT)
-        seq = rec.seq if rec is not None else self.take_seq()
-        row_kind = KINDS[StepKind.SIGNAL_WAIT].row
-        now = self.task.claim.db_now
-        while True:
-            with self.engine_call():
-                consumed = self.task.consume_signal(
-                    name, NewStep(seq, key, row_kind, StepStatus.DONE, attempt=1, latency_ms=0)
-                )
-            if consumed is not None:
-                log.info("run=%s seq=%d WAIT %s: signal received", self.task.rid, seq, key)
-                self.end(StepResult(Outcome.CONTINUE, dispatch=consumed[1]))
-            if rec is None:
-                until = now + timedelta(seconds=timeout) if timeout is not None else None
-                pending = NewStep(
-                    seq, key, row_kind, StepStatus.PENDING, attempt=1,
-                    response={"signal": name, "until": until.isoformat() if until else None},
-                )  # fmt: skip
-                delay = timeout if timeout is not None else self._until_deadline()
-                self._park([pending], delay, f"{key} waiting for signal {name!r}", signal=name)
-                continue  # it came meanwhile: consume it
-            raw_until = (rec.response or {}).get("until")
-            until = datetime.fromisoformat(raw_until) if raw_until else None
-            if until is not None and until <= now:
-                failed = NewStep(
-                    seq, key, row_kind, StepStatus.ERROR, attempt=1,
-                    error=f"SignalTimeout: no signal {name!r} within {timeout:g}s"
-                    if timeout is not None
-                    else f"SignalTimeout: no signal {name!r} before {raw_until}",
-                )  # fmt: skip
-                log.info("run=%s seq=%d WAIT %s timed out", self.task.rid, seq, key)
-                with self.engine_call():
-                    self.end(self.task.checkpoint([failed]))
-            delay = (until - now).total_seconds() if until else self._until_deadline()
-            self._park([], delay, f"{key} waiting for signal {name!r}", signal=name)
+        return self.advance(WaitFor(name, timeout))
 
     def send(self, run_id: uuid.UUID, name: str, payload: Any) -> None:
-        key, rec = self._top_level("steps.send", f"send.{name}")
-        if rec is not None and rec.status is StepStatus.DONE:
-            return
-        if rec is not None and rec.status is StepStatus.ERROR:
-            raise self._recorded_error(key, rec)
-        self._guard(StepKind.SEND)
-        seq = self.take_seq()
-        row_kind = KINDS[StepKind.SEND].row
-        value = encode(payload)
-        row = NewStep(
-            seq, key, row_kind, StepStatus.DONE, attempt=1, latency_ms=0,
-            response={"runId": str(run_id), "signal": name},
-        )  # fmt: skip
-        try:
-            with self.engine_call():
-                dispatch, woken = self.task.send_signal(
-                    row, target=run_id, name=name, payload=value,
-                    idempotency_key=f"{self.run_id}/{key}",
-                )  # fmt: skip
-        except InfrastructureError as e:
-            if not isinstance(e.error, RunNotFound | InvalidTransition):
-                raise
-            failed = NewStep(
-                seq, key, row_kind, StepStatus.ERROR, attempt=1, error=f"StepError: {e.error}"
-            )
-            with self.engine_call():
-                self.end(self.task.checkpoint([failed]))
-        log.info("run=%s seq=%d SEND %s to run=%s", self.task.rid, seq, key, str(run_id)[:8])
-        self.end(StepResult(Outcome.CONTINUE, dispatch=dispatch, wakes=(woken,) if woken else ()))
+        self.advance(Send(run_id, name, payload))
 
     # -- child runs -----------------------------------------------------------------------
 

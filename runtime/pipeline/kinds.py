@@ -16,7 +16,9 @@ from :data:`KINDS` (``python -m runtime.pipeline`` prints it) and
 to :class:`StepKind`, its :class:`Policy` to :data:`KINDS` (the row kind it is stored as,
 what is written before it runs, the rule after a crash), paste its row into the docs' table,
 and make its code go through the pipeline: ``effects.run_effect`` for anything with an
-effect, the model-call sequence for anything billed, ``Task`` to record.
+effect, the model-call sequence for anything billed, ``Task`` to record. A simple kind of
+a durable function's top-level step is an object in :mod:`runtime.durable.simple`, driven by
+``Execution.advance``.
 """
 
 from __future__ import annotations
