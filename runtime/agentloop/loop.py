@@ -211,7 +211,6 @@ def _start_subagents(task: Task, agent: Agent, fresh: list[dict[str, Any]]) -> S
     transaction (a crash never starts one twice: the child's id and idempotency key come
     from the parent and the step key). Children started together split what the parent
     has left of its token budget, so together they cannot spend more than it."""
-    parent = task.claim.run
     kind = kinds.KINDS[kinds.StepKind.SUBAGENT].row
     seq = task.next_seq
     refused: list[NewStep] = []
@@ -222,29 +221,20 @@ def _start_subagents(task: Task, agent: Agent, fresh: list[dict[str, Any]]) -> S
             refused.append(_subagent_error(seq + i, use, text))
     if refused:  # the model learns its mistake; the valid calls start in the next step
         return task.checkpoint(refused)
-    left = parent.token_budget - parent.tokens_used - parent.unrecorded_tokens - task.spent.total
-    share = left // len(fresh)
+    share = task.budget_left() // len(fresh)
     if share <= 0:
         text = "error: no token budget left for a sub-agent"
         return task.checkpoint([_subagent_error(seq + i, u, text) for i, u in enumerate(fresh)])
-    seconds_left = int((parent.deadline_at - task.claim.db_now).total_seconds())
     started: list[tuple[NewStep, NewRun, uuid.UUID]] = []
     for i, use in enumerate(fresh):
         sub = agent.subagents_by_name[use["name"]]
         key = tool_step_key(use["id"])
-        child_id = uuid.uuid5(parent.id, key)
-        model, max_steps = task.services.child_model_and_steps(sub.agent, parent.model)
-        new = NewRun(
-            agent=sub.agent,
-            input=use["input"]["task"],
-            model=model,
-            max_steps=max_steps,
+        new, child_id = task.child_run(
+            key,
+            sub.agent,
+            use["input"]["task"],
             token_budget=min(sub.token_budget or share, share),
-            timeout_seconds=max(1, min(sub.timeout_seconds or seconds_left, seconds_left)),
-            submitted_by=parent.submitted_by,
-            tenant=parent.tenant,
-            idempotency_key=f"child:{parent.id}/{key}",
-            parent_run_id=parent.id,
+            timeout_seconds=sub.timeout_seconds,
         )
         row = NewStep(
             seq + i,

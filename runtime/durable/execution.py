@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from db.records import NewRun, NewStep, RunStatus, Step, StepStatus
+from db.records import NewStep, RunStatus, Step, StepStatus
 from db.records import StepKind as RowKind
 from runtime.durable.api import (
     ApprovalBuilder,
@@ -848,15 +848,14 @@ class Execution:
             raise self._recorded_error(key, rec)
         self._guard(StepKind.CHILD)
         row_kind = KINDS[StepKind.CHILD].row
-        task, parent = self.task, self.task.claim.run
+        task = self.task
         if rec is None or rec.status is StepStatus.RETRYING:
             # RETRYING: its child was cancelled when this run ended early, and the run was
             # resumed: a child of its own attempt, never the one cancelled (issue 35 U9)
             seq = self.take_seq() if rec is None else rec.seq
             attempt = 1 if rec is None else rec.attempt + 1
             started_as = key if attempt == 1 else f"{key}#{attempt}"
-            left = parent.token_budget - parent.tokens_used - parent.unrecorded_tokens
-            left -= task.spent.total
+            left = task.budget_left()
             if left <= 0:
                 no_budget = "ChildRunFailed: no token budget left for a child run"
                 failed = NewStep(
@@ -864,20 +863,12 @@ class Execution:
                 )
                 with self.engine_call():
                     self.end(task.checkpoint([failed]))
-            seconds_left = int((parent.deadline_at - task.claim.db_now).total_seconds())
-            child_id = uuid.uuid5(parent.id, started_as)
-            model, max_steps = task.services.child_model_and_steps(agent, parent.model)
-            new = NewRun(
-                agent=agent,
-                input=encode(value),
-                model=model,
-                max_steps=max_steps,
+            new, child_id = task.child_run(
+                started_as,
+                agent,
+                encode(value),
                 token_budget=min(token_budget or left, left),
-                timeout_seconds=max(1, min(timeout_seconds or seconds_left, seconds_left)),
-                submitted_by=parent.submitted_by,
-                tenant=parent.tenant,
-                idempotency_key=f"child:{parent.id}/{started_as}",
-                parent_run_id=parent.id,
+                timeout_seconds=timeout_seconds,
             )
             pending = NewStep(seq, key, row_kind, StepStatus.PENDING, attempt=attempt,
                               response={"runId": str(child_id), "agent": agent})  # fmt: skip

@@ -446,6 +446,42 @@ class Task:
             earlier,
         )
 
+    def budget_left(self) -> int:
+        """The run's token budget not yet spent: recorded, unrecorded, and this task's."""
+        run = self.claim.run
+        return run.token_budget - run.tokens_used - run.unrecorded_tokens - self.spent.total
+
+    def child_run(
+        self,
+        started_as: str,
+        agent: str,
+        value: Any,
+        *,
+        token_budget: int,
+        timeout_seconds: int | None,
+    ) -> tuple[NewRun, uuid.UUID]:
+        """A child run of this run for its step ``started_as``, and its id: both derived from
+        the parent and the step (a crash never starts two), its model and step cap the
+        agent's own (else the parent's model and the default cap), the parent's tenant and
+        submitter, at most the time left to the parent's deadline. One definition for
+        ``steps.child`` and the agent loop's sub-agents."""
+        parent = self.claim.run
+        seconds_left = int((parent.deadline_at - self.claim.db_now).total_seconds())
+        model, max_steps = self.services.child_model_and_steps(agent, parent.model)
+        new = NewRun(
+            agent=agent,
+            input=value,
+            model=model,
+            max_steps=max_steps,
+            token_budget=token_budget,
+            timeout_seconds=max(1, min(timeout_seconds or seconds_left, seconds_left)),
+            submitted_by=parent.submitted_by,
+            tenant=parent.tenant,
+            idempotency_key=f"child:{parent.id}/{started_as}",
+            parent_run_id=parent.id,
+        )
+        return new, uuid.uuid5(parent.id, started_as)
+
     def start_children(
         self, started: list[tuple[NewStep, NewRun, uuid.UUID]], recheck: float, reason: str
     ) -> list[Dispatch]:
