@@ -89,8 +89,20 @@ def check_input_size(value: Any, limit: int) -> None:
 
 
 def optional_json_body(request: Request) -> dict[str, Any]:
-    """:func:`json_body`, or ``{}`` when the request has no body at all."""
-    return json_body(request) if request.get_data(cache=True) else {}
+    """:func:`json_body`, or ``{}`` when the request has no body at all. A body announced
+    but not read (a chunked one no server in front buffered) is a 400, never "no body": a
+    decision read without its ``payloadHash`` pin would approve what nobody saw."""
+    if request.get_data(cache=True):
+        return json_body(request)
+    announced = request.headers.get("Transfer-Encoding") or (request.content_length or 0) > 0
+    if announced:
+        raise ApiError(
+            400,
+            "the request's body could not be read (Transfer-Encoding: "
+            f"{request.headers.get('Transfer-Encoding', '-')}); send it with a Content-Length",
+            code="unreadable_body",
+        )
+    return {}
 
 
 def whole(value: Any) -> int | None:
