@@ -306,10 +306,11 @@ def fork_schema(settings: Settings, *, any_json_input: bool = False) -> JsonObj:
             },
             "reuseApprovals": {
                 "type": "boolean",
-                "description": "must be true or false: true keeps the run's decision on the "
-                "approval at fromSeq (the fork runs the approved action again without asking; "
-                "needs a token holding that approval's role); false or absent: the fork asks "
-                "again",
+                "description": "must be true or false: true keeps the run's decisions on the "
+                "approval at fromSeq and the approved approvals before it (the fork runs the "
+                "steps they authorise without asking; needs a token with approve and each "
+                "approval's role); false or absent: the fork asks again for each of them "
+                "before it runs anything after it",
             },
         },
     }

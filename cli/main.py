@@ -955,8 +955,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--reuse-approvals", action="store_true",
-        help="keep the run's decision on the approval at --from-seq (the token must hold its "
-        "role): the fork runs the approved action again without asking; default: it asks",
+        help="keep the run's decisions on the approval at --from-seq and the approved ones "
+        "before it (the token needs approve and each approval's role): the fork runs what they "
+        "authorise without asking; default: it asks again for each",
     )  # fmt: skip
 
     p = api_command("diff", _diff, "compare two runs step by step (a fork and its original)")

@@ -541,12 +541,13 @@ SET response = CAST(:response AS jsonb), status = :status, error = :error, origi
 WHERE run_id = :fork AND seq = :seq AND origin IS NOT NULL;
 
 -- copy_approvals_to_fork --
--- The decisions of the approvals whose results the fork replays: their step is copied DONE
--- (the approved action ran in the source, once, and runs nowhere again) or REJECTED. Each
--- copy is labelled with the run that decided it (copied_from). An approval authorises one
--- execution in one run: one whose action the fork could execute (a failed action a resume
--- would retry, a step at or after fromSeq) is not copied, so the fork asks again. The
--- fork's code also asks again when what it would approve differs (the payload hash).
+-- The decisions of the approvals whose results the fork replays, labelled with the run that
+-- decided them (copied_from). A rejection is always copied (it authorises nothing). An
+-- approval authorises its effects once, in one run: an approved one is copied only when the
+-- fork reuses the decisions (:reuse, reuseApprovals: the forker holds approve and its role);
+-- otherwise ask_copied_approvals_again makes the fork ask again. The approval of an action
+-- that failed (its step ERROR: a resume would retry it) or of a step at or after fromSeq is
+-- never copied as a decision.
 INSERT INTO approval (id, run_id, step_key, role, status, payload, payload_hash,
                       timeout_policy, requested_at, expires_at, decided_by, decided_at, comment,
                       copied_from)
@@ -555,8 +556,18 @@ SELECT gen_random_uuid(), :fork, a.step_key, a.role, a.status, a.payload, a.payl
        a.run_id
 FROM approval a
 JOIN run_step s ON s.run_id = a.run_id AND s.step_key = a.step_key
-WHERE a.run_id = :source AND s.seq < :from_seq AND a.status <> 'PENDING'
-  AND s.status IN ('DONE', 'REJECTED');
+WHERE a.run_id = :source AND s.seq < :from_seq
+  AND ((a.status = 'APPROVED' AND s.status = 'DONE' AND :reuse)
+       OR (a.status = 'REJECTED' AND s.status = 'REJECTED'))
+RETURNING status;
+
+-- ask_copied_approvals_again --
+-- A fork without reuseApprovals: each approved action it copied is asked for again before
+-- the fork runs anything after it. The copied row keeps its place (seq) but loses the hash
+-- of what was approved, so the engine finds no decision about the payload it would run and
+-- asks again (as for a payload the fork's edits changed); its nested rows are dropped then.
+UPDATE run_step SET input_hash = NULL
+WHERE run_id = :fork AND kind = 'APPROVAL' AND status = 'DONE' AND origin IS NOT NULL;
 
 -- carry_approval_to_fork --
 -- reuseApprovals: the approval at :from_seq, the first step the fork executes, keeps the

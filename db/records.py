@@ -462,9 +462,11 @@ class NewFork:
     same key and ``request_hash`` gets the fork made first."""
     request_hash: str | None = None
     reuse_approval: bool = False
-    """The step at ``from_seq`` is an approval the source approved: the fork keeps that
-    decision (copied, labelled) instead of asking again. The caller checks that the forker
-    holds the approval's role and asked for it explicitly (``reuseApprovals``)."""
+    """Keep the source's decisions: the approval at ``from_seq`` and the approved approvals
+    before it (copied, labelled) stand instead of being asked again. Without it the fork asks
+    again for each of them before it runs anything after them (a decision authorises its
+    effects once). The caller checks that the forker holds ``approve`` and each approval's
+    role, and asked for it explicitly (``reuseApprovals``)."""
 
 
 @dataclass(frozen=True, slots=True)

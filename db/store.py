@@ -1428,11 +1428,17 @@ class RunStore:
                 return _same_request(seen, new.idempotency_key, new.request_hash), False
             copy = {"fork": fork_id, "source": new.source, "from_seq": new.from_seq}
             conn.execute(Q["copy_steps_to_fork"], copy)
-            conn.execute(Q["copy_approvals_to_fork"], copy)
-            if new.reuse_approval and not conn.execute(Q["carry_approval_to_fork"], copy).first():
+            copied = conn.execute(
+                Q["copy_approvals_to_fork"], {**copy, "reuse": new.reuse_approval}
+            ).all()
+            if not new.reuse_approval:
+                conn.execute(Q["ask_copied_approvals_again"], {"fork": fork_id})
+            elif not conn.execute(Q["carry_approval_to_fork"], copy).first() and not any(
+                r.status == ApprovalStatus.APPROVED for r in copied
+            ):
                 raise InvalidTransition(
-                    f"step {new.from_seq} of run {new.source} is not an approved approval: "
-                    "there is no decision to reuse"
+                    f"run {new.source} has no approved approval at step {new.from_seq} or "
+                    "before it: there is no decision to reuse"
                 )
             for edit in edits:
                 edited = conn.execute(
