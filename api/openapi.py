@@ -590,9 +590,18 @@ def openapi_document(
                     },
                     "responses": {
                         "201": _json(_ref("Schedule"), "Created"),
-                        "400": _error("Invalid field; the message names it"),
+                        "400": _error(
+                            "Invalid field; the message names it (a cron ticking more often "
+                            "than DAR_SCHEDULE_MIN_INTERVAL_SECONDS, without admin)"
+                        ),
+                        "403": _error("A priority above DAR_TOKEN_MAX_PRIORITY, without admin"),
                         "422": _error(
                             "A cron expression that never fires, or an unknown time zone"
+                        ),
+                        "429": _error(
+                            "The token is over its quota (DAR_SUBMIT_RATE_PER_MINUTE, "
+                            "DAR_TOKEN_MAX_ACTIVE_RUNS) or has DAR_TOKEN_MAX_SCHEDULES "
+                            "schedules; Retry-After says when to try again"
                         ),
                     },
                 },
@@ -623,11 +632,16 @@ def openapi_document(
                     },
                 },
                 "delete": {
-                    "summary": "Delete a schedule (the runs it started stay)",
+                    "summary": "Delete a schedule (the runs it started stay); audited. It "
+                    "needs what creating it needed: admin for a priority above "
+                    "DAR_TOKEN_MAX_PRIORITY",
                     "operationId": "deleteSchedule",
                     "parameters": [SCHEDULE_ID],
                     "responses": {
                         "200": _json({"type": "object"}, "Deleted"),
+                        "403": _error(
+                            "Its priority is above DAR_TOKEN_MAX_PRIORITY, without admin"
+                        ),
                         "404": _error("No such schedule"),
                     },
                 },
@@ -702,8 +716,20 @@ def openapi_document(
                                     "tickAt": {"type": "string", "format": "date-time"},
                                     "status": {"enum": ["STARTED", "SKIPPED", "QUEUED"]},
                                     "runId": {"type": ["string", "null"], "format": "uuid"},
+                                    "reason": {
+                                        "type": ["string", "null"],
+                                        "description": "why a SKIPPED tick started no run "
+                                        "when its overlap policy would have: the creator over "
+                                        "a limit, or its token revoked or expired",
+                                    },
                                 },
                             },
+                        },
+                        "audit": {
+                            "type": "array",
+                            "description": "GET of one schedule: who created it (and deleted "
+                            "it), oldest first",
+                            "items": _ref("AuditEvent"),
                         },
                     },
                 },

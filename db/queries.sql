@@ -722,8 +722,12 @@ WHERE id = :id AND dispatch_token = :token;
 -- insert_audit_event --
 -- Who did what to a run through the API, in the transaction of the action itself.
 -- audit_event is append-only: a trigger refuses UPDATE and DELETE.
-INSERT INTO audit_event (run_id, approval_id, tenant, actor, action, detail)
-VALUES (:run_id, :approval_id, :tenant, :actor, :action, CAST(:detail AS jsonb));
+INSERT INTO audit_event (run_id, schedule_id, approval_id, tenant, actor, action, detail)
+VALUES (:run_id, :schedule_id, :approval_id, :tenant, :actor, :action,
+        CAST(:detail AS jsonb));
+
+-- list_schedule_audit_events --
+SELECT * FROM audit_event WHERE schedule_id = :schedule_id ORDER BY at, id;
 
 -- list_audit_events --
 SELECT * FROM audit_event WHERE run_id = :run_id ORDER BY at, id;
@@ -1059,6 +1063,25 @@ LIMIT :limit;
 -- Its ticks go with it (ON DELETE CASCADE); the runs it started stay.
 DELETE FROM schedule WHERE id = :id RETURNING id;
 
+-- count_schedules_of --
+-- The schedules one token created (DAR_TOKEN_MAX_SCHEDULES).
+SELECT count(*) FROM schedule WHERE created_by = :created_by;
+
+-- delete_old_schedule_ticks --
+-- Retention: one bounded batch of tick rows older than the cut-off (as delete_finished_runs
+-- for runs). A QUEUED tick still waits for its schedule's run, and stays.
+WITH doomed AS (
+    SELECT schedule_id, tick_at FROM schedule_tick
+    WHERE created_at < now() - make_interval(secs => :older_than_seconds)
+      AND status <> 'QUEUED'
+    ORDER BY created_at
+    LIMIT :batch
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM schedule_tick t USING doomed
+WHERE t.schedule_id = doomed.schedule_id AND t.tick_at = doomed.tick_at
+RETURNING t.tick_at;
+
 -- list_schedule_ticks --
 SELECT * FROM schedule_tick WHERE schedule_id = :schedule_id
 ORDER BY tick_at DESC LIMIT :limit;
@@ -1066,11 +1089,18 @@ ORDER BY tick_at DESC LIMIT :limit;
 -- due_schedules --
 -- Schedules with a tick due, or a queued tick waiting for the schedule's live run to end.
 -- No lock here: each is then locked on its own (lock_due_schedule), so one slow schedule
--- does not hold the others.
-SELECT id FROM schedule s
-WHERE s.next_tick_at <= now()
-   OR EXISTS (SELECT 1 FROM schedule_tick t WHERE t.schedule_id = s.id AND t.status = 'QUEUED')
-ORDER BY s.next_tick_at
+-- does not hold the others. Fair across tenants: each tenant's most overdue schedule first,
+-- then each tenant's second, and so on, so one tenant's thousand due schedules fill a pass
+-- only after every other tenant's first ones (a pass takes :limit).
+SELECT id FROM (
+    SELECT s.id, s.next_tick_at,
+           row_number() OVER (PARTITION BY s.tenant ORDER BY s.next_tick_at, s.id) AS turn
+    FROM schedule s
+    WHERE s.next_tick_at <= now()
+       OR EXISTS (SELECT 1 FROM schedule_tick t
+                  WHERE t.schedule_id = s.id AND t.status = 'QUEUED')
+) due
+ORDER BY turn, next_tick_at, id
 LIMIT :limit;
 
 -- lock_due_schedule --
@@ -1094,9 +1124,10 @@ SELECT EXISTS (
 
 -- insert_schedule_tick --
 -- Claim one tick. A tick claimed before (by another beat, or before a restart) is not
--- inserted again and no row is returned: its run, if any, exists already.
-INSERT INTO schedule_tick (schedule_id, tick_at, status, run_id)
-VALUES (:schedule_id, :tick_at, :status, :run_id)
+-- inserted again and no row is returned: its run, if any, exists already. :reason says why a
+-- SKIPPED tick started nothing when its overlap policy would have.
+INSERT INTO schedule_tick (schedule_id, tick_at, status, run_id, reason)
+VALUES (:schedule_id, :tick_at, :status, :run_id, :reason)
 ON CONFLICT (schedule_id, tick_at) DO NOTHING
 RETURNING tick_at;
 

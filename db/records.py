@@ -276,6 +276,9 @@ class ScheduleTick:
     """``STARTED`` (its run is ``run_id``), ``SKIPPED`` or ``QUEUED`` (overlap)."""
     run_id: uuid.UUID | None
     created_at: datetime
+    reason: str | None = None
+    """Why a SKIPPED tick started no run when its overlap policy would have: its creator over
+    a limit, or its token revoked or expired."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,12 +390,14 @@ class NewAudit:
 class AuditEvent:
     id: int
     at: datetime
-    run_id: uuid.UUID
+    run_id: uuid.UUID | None
+    """``None`` for a schedule's own entries (``schedule_id``)."""
     approval_id: uuid.UUID | None
     tenant: str
     actor: str
     action: str
     detail: Any
+    schedule_id: uuid.UUID | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -277,17 +277,38 @@ def _usage_params(usage: Usage, cost: Decimal) -> dict[str, Any]:
     }
 
 
-def _record_audit(conn: Connection, run_id: uuid.UUID, audit: NewAudit) -> None:
+def _record_audit(
+    conn: Connection,
+    run_id: uuid.UUID | None,
+    audit: NewAudit,
+    *,
+    schedule_id: uuid.UUID | None = None,
+) -> None:
     conn.execute(
         Q["insert_audit_event"],
         {
             "run_id": run_id,
+            "schedule_id": schedule_id,
             "approval_id": audit.approval_id,
             "tenant": audit.tenant,
             "actor": audit.actor,
             "action": audit.action,
             "detail": _json(audit.detail),
         },
+    )
+
+
+def _audit_event(r: Mapping[Any, Any]) -> AuditEvent:
+    return AuditEvent(
+        id=r["id"],
+        at=r["at"],
+        run_id=r["run_id"],
+        approval_id=r["approval_id"],
+        tenant=r["tenant"],
+        actor=r["actor"],
+        action=r["action"],
+        detail=jsontext.loads(r["detail"]),
+        schedule_id=r["schedule_id"],
     )
 
 
@@ -1355,19 +1376,7 @@ class RunStore:
         """The run's audit trail, oldest first."""
         with self.engine.connect() as conn:
             rows = conn.execute(Q["list_audit_events"], {"run_id": run_id}).mappings().all()
-        return [
-            AuditEvent(
-                id=r["id"],
-                at=r["at"],
-                run_id=r["run_id"],
-                approval_id=r["approval_id"],
-                tenant=r["tenant"],
-                actor=r["actor"],
-                action=r["action"],
-                detail=jsontext.loads(r["detail"]),
-            )
-            for r in rows
-        ]
+        return [_audit_event(r) for r in rows]
 
     # -- forks ----------------------------------------------------------------------------
 
@@ -1697,7 +1706,18 @@ class RunStore:
 
     # -- schedules ------------------------------------------------------------------------
 
-    def create_schedule(self, new: NewSchedule) -> Schedule:
+    def create_schedule(
+        self,
+        new: NewSchedule,
+        *,
+        quota: SubmitQuota | None = None,
+        max_schedules: int = 0,
+        audit: NewAudit | None = None,
+    ) -> Schedule:
+        """Create a schedule. A schedule is a standing submit: with ``quota`` its creator must
+        be within it now (:class:`QuotaExceeded`), and have fewer than ``max_schedules``
+        schedules (``0``: no cap), checked under the creator's lock; ``audit`` is written on
+        the schedule in the same transaction."""
         params = {
             "id": uuid.uuid4(),
             "tenant": new.tenant,
@@ -1717,7 +1737,24 @@ class RunStore:
             "created_by": new.created_by,
         }
         with self.engine.begin() as conn:
-            return _schedule(conn.execute(Q["insert_schedule"], params).mappings().one())
+            if new.created_by is not None and (quota is not None or max_schedules):
+                conn.execute(Q["lock_submitter"], {"submitted_by": new.created_by})
+                if quota is not None:
+                    _check_quota(conn, new.created_by, quota)
+                held = conn.execute(
+                    Q["count_schedules_of"], {"created_by": new.created_by}
+                ).scalar_one()
+                if max_schedules and held >= max_schedules:
+                    raise QuotaExceeded(
+                        f"token {new.created_by!r} has {held} schedules; the limit is "
+                        f"{max_schedules} (DAR_TOKEN_MAX_SCHEDULES): delete one first",
+                        retry_after=60,
+                        limit="DAR_TOKEN_MAX_SCHEDULES",
+                    )
+            created = _schedule(conn.execute(Q["insert_schedule"], params).mappings().one())
+            if audit is not None:
+                _record_audit(conn, None, audit, schedule_id=created.id)
+            return created
 
     def get_schedule(self, schedule_id: uuid.UUID) -> Schedule | None:
         with self._statement() as conn:
@@ -1729,9 +1766,33 @@ class RunStore:
             rows = conn.execute(Q["list_schedules"], {"tenant": tenant, "limit": limit})
             return [_schedule(r) for r in rows.mappings()]
 
-    def delete_schedule(self, schedule_id: uuid.UUID) -> bool:
+    def delete_schedule(self, schedule_id: uuid.UUID, *, audit: NewAudit | None = None) -> bool:
+        """Delete a schedule (its ticks go with it, its runs stay), with ``audit`` written on
+        it in the same transaction. ``False``: no such schedule."""
         with self.engine.begin() as conn:
-            return conn.execute(Q["delete_schedule"], {"id": schedule_id}).first() is not None
+            deleted = conn.execute(Q["delete_schedule"], {"id": schedule_id}).first() is not None
+            if deleted and audit is not None:
+                _record_audit(conn, None, audit, schedule_id=schedule_id)
+            return deleted
+
+    def schedule_audit_events(self, schedule_id: uuid.UUID) -> list[AuditEvent]:
+        """The schedule's own audit trail (its create, its delete), oldest first."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                Q["list_schedule_audit_events"], {"schedule_id": schedule_id}
+            ).mappings()
+            return [_audit_event(r) for r in rows]
+
+    def delete_old_schedule_ticks(self, *, older_than_seconds: float, batch: int) -> int:
+        """Retention for tick rows, as for runs: one batch of ticks older than the cut-off
+        (a schedule's next ticks are decided by ``next_tick_at``, never by old rows; a
+        QUEUED tick waits for its run, and stays). Returns how many were deleted."""
+        with self.engine.begin() as conn:
+            rows = conn.execute(
+                Q["delete_old_schedule_ticks"],
+                {"older_than_seconds": older_than_seconds, "batch": batch},
+            ).all()
+        return len(rows)
 
     def schedule_ticks(self, schedule_id: uuid.UUID, *, limit: int = 20) -> list[ScheduleTick]:
         """The schedule's latest ticks, newest first."""
@@ -1741,7 +1802,12 @@ class RunStore:
             ).mappings()
             return [
                 ScheduleTick(
-                    r["schedule_id"], r["tick_at"], r["status"], r["run_id"], r["created_at"]
+                    r["schedule_id"],
+                    r["tick_at"],
+                    r["status"],
+                    r["run_id"],
+                    r["created_at"],
+                    r["reason"],
                 )
                 for r in rows
             ]
@@ -1754,12 +1820,21 @@ class RunStore:
         self,
         schedule_id: uuid.UUID,
         plan: Callable[[Schedule, datetime], tuple[Sequence[datetime], datetime]],
+        *,
+        quota: SubmitQuota | None = None,
+        creator_ok: Callable[[str], bool] | None = None,
     ) -> list[Dispatch]:
         """One pass over one due schedule, in one transaction: start its oldest queued tick
         when no run of it is live, then claim the ticks ``plan`` returns for the database's
         ``now`` (a unique row each: a tick another beat claimed is passed over) and apply
         the overlap policy to each, then move ``next_tick_at`` on. Returns the drive_run
-        messages of the runs started, to send after the commit."""
+        messages of the runs started, to send after the commit.
+
+        Each run a tick starts is a submit by the schedule's creator: audited, and only
+        while ``creator_ok`` says the creator's token is still configured and unexpired and
+        the creator is within ``quota`` (its rate and runs in flight, its scheduled runs
+        included); otherwise the tick is SKIPPED with the reason (a queued tick stays
+        queued)."""
         started: list[Dispatch] = []
         with self.engine.begin() as conn:
             row = conn.execute(Q["lock_due_schedule"], {"id": schedule_id}).mappings().first()
@@ -1770,26 +1845,39 @@ class RunStore:
             key = {"schedule_id": schedule.id}
             if not live and schedule.overlap == "queue":
                 queued = conn.execute(Q["oldest_queued_tick"], key).scalar()
-                if queued is not None:
+                if queued is not None and _refused_tick(conn, schedule, quota, creator_ok) is None:
                     run_id = self.run_ids()
                     conn.execute(
                         Q["start_queued_tick"], {**key, "tick_at": queued, "run_id": run_id}
                     )
-                    started.append(_start_scheduled_run(conn, schedule, run_id))
+                    started.append(_start_scheduled_run(conn, schedule, run_id, queued))
                     live = True
             ticks, next_tick_at = plan(schedule, row["db_now"])
             for tick_at in ticks:
                 start = schedule.overlap == "allow" or not live
+                reason = _refused_tick(conn, schedule, quota, creator_ok) if start else None
+                if reason is not None:
+                    start = False
                 status = (
-                    "STARTED" if start else "QUEUED" if schedule.overlap == "queue" else "SKIPPED"
+                    "STARTED"
+                    if start
+                    else "QUEUED"
+                    if schedule.overlap == "queue" and reason is None
+                    else "SKIPPED"
                 )
                 new_id = self.run_ids() if start else None
                 claimed = conn.execute(
                     Q["insert_schedule_tick"],
-                    {**key, "tick_at": tick_at, "status": status, "run_id": new_id},
+                    {
+                        **key,
+                        "tick_at": tick_at,
+                        "status": status,
+                        "run_id": new_id,
+                        "reason": reason,
+                    },
                 ).first()
                 if claimed is not None and new_id is not None:
-                    started.append(_start_scheduled_run(conn, schedule, new_id))
+                    started.append(_start_scheduled_run(conn, schedule, new_id, tick_at))
                     live = True
             if next_tick_at != schedule.next_tick_at:
                 conn.execute(
@@ -1831,7 +1919,33 @@ def _check_quota(conn: Connection, submitter: str, quota: SubmitQuota) -> None:
         )
 
 
-def _start_scheduled_run(conn: Connection, schedule: Schedule, run_id: uuid.UUID) -> Dispatch:
+def _refused_tick(
+    conn: Connection,
+    schedule: Schedule,
+    quota: SubmitQuota | None,
+    creator_ok: Callable[[str], bool] | None,
+) -> str | None:
+    """Why a tick of ``schedule`` may not start a run now (``None``: it may): its creator's
+    token revoked or expired, or the creator over its quota (checked under its lock, as a
+    submit is, so the runs this pass starts count)."""
+    creator = schedule.created_by
+    if creator is None:
+        return None
+    if creator_ok is not None and not creator_ok(creator):
+        return f"token {creator!r} that created the schedule is revoked or expired"
+    if quota is None:
+        return None
+    conn.execute(Q["lock_submitter"], {"submitted_by": creator})
+    try:
+        _check_quota(conn, creator, quota)
+    except QuotaExceeded as e:
+        return str(e)
+    return None
+
+
+def _start_scheduled_run(
+    conn: Connection, schedule: Schedule, run_id: uuid.UUID, tick_at: datetime
+) -> Dispatch:
     new = NewRun(
         agent=schedule.agent,
         input=schedule.input,
@@ -1846,6 +1960,22 @@ def _start_scheduled_run(conn: Connection, schedule: Schedule, run_id: uuid.UUID
         schedule_id=schedule.id,
     )
     row = conn.execute(Q["create_run"], _new_run_params(new, run_id)).mappings().one()
+    _record_audit(
+        conn,
+        row["id"],
+        NewAudit(
+            actor=schedule.created_by or "schedule",
+            action="submit",
+            tenant=schedule.tenant,
+            detail={
+                "agent": schedule.agent,
+                "model": schedule.model,
+                "tokenBudget": schedule.token_budget,
+                "schedule": str(schedule.id),
+                "tickAt": tick_at.isoformat(),
+            },
+        ),
+    )
     return Dispatch(row["id"], row["dispatch_token"])
 
 
