@@ -517,8 +517,20 @@ def openapi_document(
                             },
                             "Kept for the run",
                         ),
+                        "400": _error(
+                            "Invalid name or payload (over DAR_MAX_INPUT_CHARS as JSON), or an "
+                            "Idempotency-Key in the runtime's own namespace"
+                        ),
                         "404": _error("No such run"),
-                        "409": _error("The run has ended, or is an agent-loop run"),
+                        "409": _error(
+                            "The run has ended, is an agent-loop run, or holds "
+                            "DAR_MAX_PENDING_PER_RUN undelivered messages and signals"
+                        ),
+                        "422": _error("The Idempotency-Key was used for another signal"),
+                        "429": _error(
+                            "The token sent DAR_MESSAGE_RATE_PER_MINUTE messages and signals "
+                            "in the last minute; Retry-After says when to try again"
+                        ),
                     },
                 }
             },
@@ -557,10 +569,22 @@ def openapi_document(
                             "Kept; delivered at the next step boundary (interrupt: the model "
                             "call in flight is aborted and made again with it)",
                         ),
+                        "400": _error(
+                            "Invalid field (the whole content over DAR_MAX_INPUT_CHARS, a "
+                            "block type a user may not send), or an Idempotency-Key in the "
+                            "runtime's own namespace"
+                        ),
                         "404": _error("No such run"),
                         "409": _error(
                             "The run ended otherwise than SUCCEEDED, is not an agent-loop run, "
-                            "or (policy reject) is inside a step"
+                            "(policy reject) is inside a step, or holds DAR_MAX_PENDING_PER_RUN "
+                            "undelivered messages and signals"
+                        ),
+                        "422": _error("The Idempotency-Key was used for another message"),
+                        "429": _error(
+                            "The token sent DAR_MESSAGE_RATE_PER_MINUTE messages and signals "
+                            "in the last minute, or (a message reopening a SUCCEEDED run is a "
+                            "resume) is over its submit quota"
                         ),
                     },
                 }

@@ -35,7 +35,7 @@ from api.validation import (
 )
 from db.errors import IdempotencyConflict, InvalidTransition, QuotaExceeded, RunNotFound
 from db.records import Dispatch, NewAudit, NewRun, Run, RunStatus
-from db.store import SubmitQuota
+from db.store import SendLimits, SubmitQuota
 from runtime.config import Settings
 from tasks.dispatch import send_drive
 
@@ -87,6 +87,14 @@ def _parse_cursor(raw: str) -> tuple[datetime, uuid.UUID]:
 
 def submit_quota(settings: Settings) -> SubmitQuota:
     return SubmitQuota(settings.submit_rate_per_minute, settings.token_max_active_runs)
+
+
+def send_limits(settings: Settings, authenticated: bool) -> SendLimits:
+    """A token's messages and signals: its rate (with tokens configured) and each run's cap
+    on what it holds undelivered (always)."""
+    return SendLimits(
+        settings.message_rate_per_minute if authenticated else 0, settings.max_pending_per_run
+    )
 
 
 def check_priority(priority: int, settings: Settings) -> None:

@@ -204,6 +204,12 @@ def schedule_schema(
 MESSAGE_POLICIES = ("enqueue", "interrupt", "reject")
 
 
+MESSAGE_BLOCK_TYPES = ("text", "image", "document")
+"""The content blocks a message may carry: what a user says. Never a tool_result, tool_use or
+thinking block: those are the run's own history, and one forged would be read as a tool's
+output."""
+
+
 def message_schema(settings: Settings) -> JsonObj:
     """``POST /api/runs/{id}/messages``: text or content blocks, and what to do while the
     run is inside a step."""
@@ -223,10 +229,15 @@ def message_schema(settings: Settings) -> JsonObj:
                 "type": "array",
                 "minItems": 1,
                 "maxItems": 100,
-                "items": {"type": "object", "required": ["type"]},
-                "description": "must be a non-empty list of Messages API content blocks "
-                '(each an object with a type, e.g. {"type": "text", "text": "..."}); '
-                "send text or content, not both",
+                "items": {
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {"type": {"enum": list(MESSAGE_BLOCK_TYPES)}},
+                },
+                "description": "must be a non-empty list of Messages API content blocks a "
+                f"user may send ({', '.join(MESSAGE_BLOCK_TYPES)}; e.g. "
+                '{"type": "text", "text": "..."}), at most DAR_MAX_INPUT_CHARS characters as '
+                "JSON in all; send text or content, not both",
             },
             "policy": {
                 "enum": list(MESSAGE_POLICIES),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from dataclasses import dataclass
 from decimal import Decimal
@@ -174,4 +175,19 @@ def idempotency_key(req: Request) -> str | None:
         raise invalid("Idempotency-Key", "must be 1 to 200 characters")
     if key is not None:
         check_text(key, "Idempotency-Key")
+        if ENGINE_KEY.match(key):
+            raise invalid(
+                "Idempotency-Key",
+                "must not start with 'child:' or a run id and '/': those keys are the "
+                "runtime's own (the children and sends of runs); choose another",
+            )
     return key
+
+
+ENGINE_KEY = re.compile(
+    r"^(?:child:|[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}/)"
+)
+"""The namespace of the idempotency keys the engine derives: a child run's
+(``child:<parent>/<step>``) and a ``steps.send``'s (``<sender run>/<step>``). A client's
+``Idempotency-Key`` cannot reach it, so a submit cannot pose as a parent's child and a signal
+cannot take the place of a run's send."""

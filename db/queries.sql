@@ -1168,7 +1168,27 @@ ON CONFLICT (run_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHI
 RETURNING id;
 
 -- get_signal_by_key --
-SELECT id FROM run_signal WHERE run_id = :run_id AND idempotency_key = :idempotency_key;
+-- The signal (or message) a key made before, and whether it is the same one again (same name,
+-- same payload): a retry; otherwise the key was reused for another request.
+SELECT id, name = :name AND payload = CAST(:payload AS jsonb) AS same
+FROM run_signal WHERE run_id = :run_id AND idempotency_key = :idempotency_key;
+
+-- count_pending_signals --
+-- What a run holds undelivered: its messages and signals no step has consumed yet
+-- (DAR_MAX_PENDING_PER_RUN).
+SELECT count(*) FROM run_signal WHERE run_id = :run_id AND consumed_by IS NULL;
+
+-- lock_sender --
+-- Serialises one token's message and signal rate check and the send it admits (released at
+-- commit), as lock_submitter does for submits.
+SELECT pg_advisory_xact_lock(hashtextextended('dar-send:' || :actor, 0));
+
+-- sender_usage --
+-- One token's messages and signals in the last :window_seconds, and the age of the oldest.
+SELECT count(*) AS n, EXTRACT(EPOCH FROM (now() - min(at))) AS oldest_age
+FROM audit_event
+WHERE actor = :actor AND action IN ('message', 'signal')
+  AND at > now() - make_interval(secs => :window_seconds);
 
 -- live_children --
 -- A parent's children that have not ended (the cancel cascade).

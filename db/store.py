@@ -26,6 +26,7 @@ from db.errors import (
     LeaseLost,
     QuotaExceeded,
     RunNotFound,
+    TooManyPending,
     database_unavailable,
 )
 from db.fastpath import FastStatements
@@ -1555,13 +1556,32 @@ class RunStore:
         *,
         idempotency_key: str | None = None,
         sent_by: str | None = None,
+        limits: SendLimits | None = None,
+        audit: NewAudit | None = None,
     ) -> tuple[int, bool]:
         """Keep a signal for the run until a step of it consumes it. Returns its id and
         whether it is new (a retried request with the same idempotency key: the first).
-        Raises :class:`RunNotFound`, or :class:`InvalidTransition` when the run ended. The
-        caller wakes the run after the commit (:meth:`wake`)."""
+        Raises :class:`RunNotFound`, :class:`InvalidTransition` when the run ended,
+        :class:`IdempotencyConflict` for a key used before with another name or payload, and
+        past ``limits`` :class:`QuotaExceeded` or :class:`TooManyPending`. A new signal is
+        written to ``audit`` in the same transaction. The caller wakes the run after the
+        commit (:meth:`wake`)."""
         with self.engine.begin() as conn:
-            return _insert_signal(conn, run_id, name, payload, idempotency_key, sent_by, None)
+            if audit is not None:
+                _check_send_rate(conn, audit.actor, limits)
+            signal_id, created = _insert_signal(
+                conn,
+                run_id,
+                name,
+                payload,
+                idempotency_key,
+                sent_by,
+                None,
+                limits=limits or SendLimits(),
+            )
+            if created and audit is not None:
+                _record_audit(conn, run_id, audit)
+            return signal_id, created
 
     def post_message(
         self,
@@ -1570,13 +1590,22 @@ class RunStore:
         *,
         idempotency_key: str | None = None,
         sent_by: str | None = None,
+        limits: SendLimits | None = None,
+        audit: NewAudit | None = None,
+        resume_quota: SubmitQuota | None = None,
     ) -> tuple[int, bool, Dispatch | None]:
         """Keep a message for an agent-loop run until a step boundary delivers it. A
-        SUCCEEDED run is queued again (its next turn). Returns the message's id, whether it
-        is new (a retried request with the same key: the first, nothing counted again) and
-        the drive_run message of a run queued again. :class:`RunNotFound`;
-        :class:`InvalidTransition` for a run ended otherwise than SUCCEEDED."""
+        SUCCEEDED run is queued again (its next turn): a resume by the sender, within
+        ``resume_quota`` and audited as one. Returns the message's id, whether it is new (a
+        retried request with the same key: the first, nothing counted again) and the
+        drive_run message of a run queued again. :class:`RunNotFound`;
+        :class:`InvalidTransition` for a run ended otherwise than SUCCEEDED;
+        :class:`IdempotencyConflict` for a key used before with other content; past
+        ``limits`` :class:`QuotaExceeded` or :class:`TooManyPending`. A new message is
+        written to ``audit`` in the same transaction."""
         with self.engine.begin() as conn:
+            if audit is not None:
+                _check_send_rate(conn, audit.actor, limits)
             run = conn.execute(Q["lock_run_row"], {"id": run_id}).first()
             if run is None:
                 raise RunNotFound(f"no run with id {run_id}")
@@ -1592,12 +1621,24 @@ class RunStore:
                 "idempotency_key": idempotency_key,
                 "sent_by": sent_by,
             }
+            seen = _seen_signal(conn, params)
+            if seen is not None:
+                return seen, False, None
+            _check_pending(conn, run_id, limits)
+            reopens = run.status == RunStatus.SUCCEEDED
+            if reopens and audit is not None and resume_quota is not None:
+                conn.execute(Q["lock_submitter"], {"submitted_by": audit.actor})
+                _check_quota(conn, audit.actor, resume_quota)
             row = conn.execute(Q["insert_signal"], params).first()
-            if row is None:
-                seen = conn.execute(
-                    Q["get_signal_by_key"], {"run_id": run_id, "idempotency_key": idempotency_key}
-                ).one()
-                return int(seen.id), False, None
+            if row is None:  # the same key committed meanwhile
+                seen = _seen_signal(conn, params)
+                return int(seen or 0), False, None
+            if audit is not None:
+                _record_audit(conn, run_id, audit)
+                if reopens:  # a message that reopens a run is a resume by its sender
+                    _record_audit(
+                        conn, run_id, replace(audit, action="resume", detail={"by": "message"})
+                    )
             after = conn.execute(Q["message_arrived"], {"id": run_id}).one()
         reopened = run.status == RunStatus.SUCCEEDED
         dispatch = Dispatch(after.id, after.dispatch_token) if reopened else None
@@ -1979,6 +2020,59 @@ def _start_scheduled_run(
     return Dispatch(row["id"], row["dispatch_token"])
 
 
+@dataclass(frozen=True)
+class SendLimits:
+    """What a token's messages and signals may take (``0``: no limit): sends per minute, all
+    runs together (``DAR_MESSAGE_RATE_PER_MINUTE``), and undelivered messages and signals one
+    run holds (``DAR_MAX_PENDING_PER_RUN``)."""
+
+    per_minute: int = 0
+    max_pending: int = 0
+
+
+def _check_send_rate(conn: Connection, actor: str, limits: SendLimits | None) -> None:
+    """Under the sender's lock: :class:`QuotaExceeded` when one more message or signal would
+    break its rate."""
+    if limits is None or not limits.per_minute:
+        return
+    conn.execute(Q["lock_sender"], {"actor": actor})
+    row = conn.execute(Q["sender_usage"], {"actor": actor, "window_seconds": 60}).one()
+    if row.n >= limits.per_minute:
+        raise QuotaExceeded(
+            f"token {actor!r} sent {row.n} messages and signals in the last minute; the limit "
+            f"is {limits.per_minute} (DAR_MESSAGE_RATE_PER_MINUTE)",
+            retry_after=max(1, int(60 - float(row.oldest_age or 0)) + 1),
+            limit="DAR_MESSAGE_RATE_PER_MINUTE",
+        )
+
+
+def _check_pending(conn: Connection, run_id: uuid.UUID, limits: SendLimits | None) -> None:
+    if limits is None or not limits.max_pending:
+        return
+    held = conn.execute(Q["count_pending_signals"], {"run_id": run_id}).scalar_one()
+    if held >= limits.max_pending:
+        raise TooManyPending(
+            f"run {run_id} holds {held} undelivered messages and signals; the limit is "
+            f"{limits.max_pending} (DAR_MAX_PENDING_PER_RUN): send again once it has read some"
+        )
+
+
+def _seen_signal(conn: Connection, params: dict[str, Any]) -> int | None:
+    """The id of the signal (or message) ``params``' key made before, if any: the same one
+    again is a retry; another under that key is :class:`IdempotencyConflict`."""
+    if params["idempotency_key"] is None:
+        return None
+    seen = conn.execute(Q["get_signal_by_key"], params).first()
+    if seen is None:
+        return None
+    if not seen.same:
+        raise IdempotencyConflict(
+            f"Idempotency-Key {params['idempotency_key']!r} was used for another message or "
+            f"signal to run {params['run_id']} (id {seen.id}); use a new key for a new one"
+        )
+    return int(seen.id)
+
+
 def _insert_signal(
     conn: Connection,
     run_id: uuid.UUID,
@@ -1987,6 +2081,8 @@ def _insert_signal(
     idempotency_key: str | None,
     sent_by: str | None,
     tenant: str | None,
+    *,
+    limits: SendLimits | None = None,
 ) -> tuple[int, bool]:
     # No lock on the target: its waiter holds its own row's lock while it checks and parks,
     # and the wake after this commit waits for that lock (see wait_for_signal).
@@ -2002,13 +2098,16 @@ def _insert_signal(
         "idempotency_key": idempotency_key,
         "sent_by": sent_by,
     }
+    if limits is not None:  # a client's signal: a retry, or a new one within the run's cap
+        seen = _seen_signal(conn, params)
+        if seen is not None:
+            return seen, False
+        _check_pending(conn, run_id, limits)
     row = conn.execute(Q["insert_signal"], params).first()
     if row is not None:
         return int(row.id), True
-    seen = conn.execute(
-        Q["get_signal_by_key"], {"run_id": run_id, "idempotency_key": idempotency_key}
-    ).one()
-    return int(seen.id), False
+    seen_row = conn.execute(Q["get_signal_by_key"], params).one()
+    return int(seen_row.id), False
 
 
 def _cancel_children(conn: Connection, run_id: uuid.UUID) -> None:
