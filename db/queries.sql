@@ -195,8 +195,11 @@ WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RU
 -- Fenced.
 -- An admission wait (a key slot or a model's limit refused the step before it began) hands
 -- back the claim's count too: waiting for capacity is not a claim that stopped its worker.
+-- A timer never lies beyond the run's deadline: a run parked on a long sleep or wait is sent
+-- at its deadline (by the reaper), and the guard ends it TIMED_OUT, instead of it staying
+-- RUNNING, in flight, past it.
 UPDATE run
-SET run_at = now() + make_interval(secs => :delay_seconds),
+SET run_at = LEAST(now() + make_interval(secs => :delay_seconds), GREATEST(deadline_at, now())),
     dispatched_at = now(),
     dispatch_token = :next_token,
     locked_by = NULL, locked_until = NULL,
