@@ -1606,6 +1606,8 @@ class RunStore:
         with self.engine.begin() as conn:
             if audit is not None:
                 _check_send_rate(conn, audit.actor, limits)
+                if resume_quota is not None:  # before the run's row, as a resume takes them
+                    conn.execute(Q["lock_submitter"], {"submitted_by": audit.actor})
             run = conn.execute(Q["lock_run_row"], {"id": run_id}).first()
             if run is None:
                 raise RunNotFound(f"no run with id {run_id}")
@@ -1627,7 +1629,6 @@ class RunStore:
             _check_pending(conn, run_id, limits)
             reopens = run.status == RunStatus.SUCCEEDED
             if reopens and audit is not None and resume_quota is not None:
-                conn.execute(Q["lock_submitter"], {"submitted_by": audit.actor})
                 _check_quota(conn, audit.actor, resume_quota)
             row = conn.execute(Q["insert_signal"], params).first()
             if row is None:  # the same key committed meanwhile
