@@ -175,8 +175,8 @@ def schedule_schema(
                 "maxLength": MAX_CRON_CHARS,
                 "pattern": CRON_PATTERN,
                 "description": "must be a cron expression: 5 fields (minute hour day month "
-                "weekday, e.g. '0 9 * * 1-5') or 6 (a sixth, last, for seconds, e.g. "
-                f"'*/10 * * * * *'), at most {MAX_CRON_CHARS} characters",
+                "weekday, e.g. '0 9 * * 1-5') or 6 (seconds first, e.g. '*/10 * * * * *': "
+                f"every ten seconds), at most {MAX_CRON_CHARS} characters",
             },
             "timezone": {
                 "type": "string",

@@ -1004,7 +1004,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = sched_sub.add_parser(
         "add", help="start an agent on a cron schedule; prints its id", formatter_class=_Help
     )
-    a.add_argument("cron", help="cron expression, e.g. '0 9 * * 1-5' (a 6th field: seconds)")
+    a.add_argument("cron", help="cron expression, e.g. '0 9 * * 1-5' (6 fields: seconds first)")
     a.add_argument("input", help="each run's question or task (JSON with --json)")
     a.add_argument("--json", action="store_true", help="the input is JSON (durable functions)")
     a.add_argument("--agent", help="agent to run (default: the server's DAR_DEFAULT_AGENT)")
