@@ -288,3 +288,22 @@ def test_one_tenants_due_schedules_do_not_crowd_out_another_tenants(runtime: Run
             )
         }
     assert tenants == {"noisy", "quiet"}
+
+
+def test_the_beats_schedule_loop_applies_the_quota_and_the_tokens_of_its_settings(
+    runtime: Runtime, celery: Celery
+) -> None:
+    from tasks.beat import start_schedule_loop
+
+    settings = replace(
+        runtime.settings, api_tokens=_env(), token_max_active_runs=3, submit_rate_per_minute=10
+    )
+    loop = start_schedule_loop(celery, replace(settings, schedule_poll_seconds=3600))
+    try:
+        assert loop.quota == SubmitQuota(per_minute=10, max_active=3)
+        assert loop.creator_ok is not None
+        assert loop.creator_ok("amy")
+        assert not loop.creator_ok("mallory"), "a token no longer configured starts nothing"
+    finally:
+        loop.stop()
+        loop.store.engine.dispose()
