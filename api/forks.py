@@ -23,7 +23,7 @@ from api.serialize import forked_from_json
 from api.state import state
 from api.validation import idempotency_key, json_body, request_hash, whole
 from db.errors import IdempotencyConflict, InvalidTransition, QuotaExceeded, RunNotFound
-from db.records import ApprovalStatus, Dispatch, Run, Step, StepKind
+from db.records import ApprovalStatus, Dispatch, Run, Step, StepKind, StepStatus
 from runtime.agents import Agent
 from runtime.engine.fork import ForkRefused, ForkRequest, fork_run
 from tasks.dispatch import send_drive
@@ -109,42 +109,47 @@ def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
 
 
 def _may_reuse_approval(run: Run, from_seq: int) -> None:
-    """``reuseApprovals``: the step at ``fromSeq`` is an approval the run approved, and the
-    forker holds its role (an approval authorises one execution: running it again is the
-    role's decision, never a ``submit`` token's). 409 / 403 otherwise."""
+    """``reuseApprovals``: keep the run's decisions for the fork. A decision authorises its
+    effects once, so without it a fork asks again for every approval it copies or starts at;
+    with it, the approvals the source approved at ``fromSeq`` and before (whose decided steps
+    the fork copies) stand. Reusing a decision is deciding: the forker needs ``approve`` and
+    each such approval's role (``admin`` implies ``approve``, never an approval role). 409
+    when there is no approved approval to reuse, 403 for a missing role."""
     store = state().runtime.store
-    step = next((st for st in store.steps(run.id) if st.seq == from_seq), None)
-    approval = next(
-        (
-            a
-            for a in store.list_approvals(status=None, run_id=run.id)
-            if step is not None and a.step_key == step.step_key
-        ),
-        None,
-    )
-    if step is None or step.kind is not StepKind.APPROVAL or approval is None:
+    seqs = {st.step_key: st for st in store.steps(run.id) if st.kind is StepKind.APPROVAL}
+    reusable = [
+        a
+        for a in store.list_approvals(status=None, run_id=run.id)
+        if a.status is ApprovalStatus.APPROVED
+        and (step := seqs.get(a.step_key)) is not None
+        and (step.seq == from_seq or (step.seq < from_seq and step.status is StepStatus.DONE))
+    ]
+    if not reusable:
         raise ApiError(
             409,
-            f"reuseApprovals: step {from_seq} of run {run.id} is not an approval; fork from "
-            "the approval's seq to reuse its decision",
-            code="fork_refused",
-            field="reuseApprovals",
-        )
-    if approval.status is not ApprovalStatus.APPROVED:
-        raise ApiError(
-            409,
-            f"reuseApprovals: the approval at step {from_seq} is {approval.status}: there is "
-            "no approval to reuse",
+            f"reuseApprovals: run {run.id} has no approved approval at step {from_seq} or "
+            "before it (whose action completed): there is no decision to reuse",
             code="fork_refused",
             field="reuseApprovals",
         )
     principal = current_principal()
-    if principal is not None and not principal.holds(approval.role):
+    if principal is None:
+        return
+    for approval in reusable:
+        if not principal.holds(approval.role):
+            raise ApiError(
+                403,
+                f"reuseApprovals: token {principal.name!r} lacks the role {approval.role!r} "
+                f"of the approval {approval.step_key} it would reuse (admin does not imply "
+                "it); fork without it and the fork asks again",
+                code="forbidden",
+                field="reuseApprovals",
+            )
+    if not principal.has("approve"):
         raise ApiError(
             403,
-            f"reuseApprovals: token {principal.name!r} lacks the role {approval.role!r} of "
-            "the approval it would reuse (admin does not imply it); fork without it and the "
-            "fork asks again",
+            f"reuseApprovals: token {principal.name!r} lacks the role 'approve': reusing a "
+            "decision is deciding; fork without it and the fork asks again",
             code="forbidden",
             field="reuseApprovals",
         )

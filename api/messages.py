@@ -10,12 +10,26 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, request
 
 from api.auth import current_principal, requires
-from api.errors import ApiError
-from api.runs import load_run, parse_run_id
+from api.errors import ApiError, invalid
+from api.runs import (
+    audit,
+    key_reused,
+    load_run,
+    parse_run_id,
+    rate_limited,
+    send_limits,
+    submit_quota,
+)
 from api.schemas import message_schema, validate
 from api.state import state
-from api.validation import idempotency_key, json_body
-from db.errors import InvalidTransition, RunNotFound
+from api.validation import idempotency_key, input_size, json_body
+from db.errors import (
+    IdempotencyConflict,
+    InvalidTransition,
+    QuotaExceeded,
+    RunNotFound,
+    TooManyPending,
+)
 from db.records import RunStatus
 from runtime.agents import Agent
 from tasks.dispatch import send_drive
@@ -47,18 +61,38 @@ def post_message(run_id: str) -> tuple[Response, int]:
             code="inside_a_step",
         )
     content: Any = body["text"] if "text" in body else body["content"]
+    settings = s.runtime.settings
+    size = input_size(content)
+    if size > settings.max_input_chars:  # the whole message, whatever its blocks
+        raise invalid(
+            "text" if "text" in body else "content",
+            f"is {size} characters; the limit is {settings.max_input_chars} (DAR_MAX_INPUT_CHARS)",
+        )
     principal = current_principal()
+    key = idempotency_key(request)
     try:
         message_id, created, dispatch = s.runtime.store.post_message(
             run.id,
             content,
-            idempotency_key=idempotency_key(request),
+            idempotency_key=key,
             sent_by=principal.name if principal else None,
+            limits=send_limits(settings, principal is not None),
+            audit=audit(
+                "message",
+                {"policy": policy, "chars": size, **({"idempotencyKey": key} if key else {})},
+            ),
+            resume_quota=submit_quota(settings) if principal is not None else None,
         )
     except RunNotFound as e:
         raise ApiError(404, str(e), code="not_found") from None
     except InvalidTransition as e:
         raise ApiError(409, str(e), code="run_finished") from None
+    except TooManyPending as e:
+        raise ApiError(409, str(e), code="too_many_pending") from None
+    except QuotaExceeded as e:
+        raise rate_limited(e) from None
+    except IdempotencyConflict as e:
+        raise key_reused(e) from None
     live = s.runtime.live
     reopened = dispatch is not None and run.status is RunStatus.SUCCEEDED
     if policy == "interrupt" and created and live is not None and not reopened:

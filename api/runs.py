@@ -35,7 +35,7 @@ from api.validation import (
 )
 from db.errors import IdempotencyConflict, InvalidTransition, QuotaExceeded, RunNotFound
 from db.records import Dispatch, NewAudit, NewRun, Run, RunStatus
-from db.store import SubmitQuota
+from db.store import SendLimits, SubmitQuota
 from runtime.config import Settings
 from tasks.dispatch import send_drive
 
@@ -89,6 +89,28 @@ def submit_quota(settings: Settings) -> SubmitQuota:
     return SubmitQuota(settings.submit_rate_per_minute, settings.token_max_active_runs)
 
 
+def send_limits(settings: Settings, authenticated: bool) -> SendLimits:
+    """A token's messages and signals: its rate (with tokens configured) and each run's cap
+    on what it holds undelivered (always)."""
+    return SendLimits(
+        settings.message_rate_per_minute if authenticated else 0, settings.max_pending_per_run
+    )
+
+
+def check_priority(priority: int, settings: Settings) -> None:
+    """403 when a token without ``admin`` gives (or, for a schedule, deletes) a priority
+    above ``DAR_TOKEN_MAX_PRIORITY``."""
+    principal = current_principal()
+    if principal is not None and not principal.admin and priority > settings.token_max_priority:
+        raise ApiError(
+            403,
+            f"priority: {priority} is above {settings.token_max_priority}, the highest a "
+            "token without the admin role may give (DAR_TOKEN_MAX_PRIORITY)",
+            code="forbidden",
+            field="priority",
+        )
+
+
 def rate_limited(e: QuotaExceeded) -> ApiError:
     return ApiError(
         429, str(e), code="rate_limited", headers={"Retry-After": str(math.ceil(e.retry_after))}
@@ -107,14 +129,7 @@ def submit() -> tuple[Response, int, dict[str, str]]:
     body = json_body(request, limit_input=settings.max_input_chars)
     sub = parse_submission(body, settings, s.runtime.agents)
     principal = current_principal()
-    if principal is not None and not principal.admin and sub.priority > settings.token_max_priority:
-        raise ApiError(
-            403,
-            f"priority: {sub.priority} is above {settings.token_max_priority}, the highest a "
-            "token without the admin role may give (DAR_TOKEN_MAX_PRIORITY)",
-            code="forbidden",
-            field="priority",
-        )
+    check_priority(sub.priority, settings)
     key = idempotency_key(request)
     try:
         run, created = s.runtime.store.create_run(

@@ -175,8 +175,8 @@ def schedule_schema(
                 "maxLength": MAX_CRON_CHARS,
                 "pattern": CRON_PATTERN,
                 "description": "must be a cron expression: 5 fields (minute hour day month "
-                "weekday, e.g. '0 9 * * 1-5') or 6 (a sixth, last, for seconds, e.g. "
-                f"'*/10 * * * * *'), at most {MAX_CRON_CHARS} characters",
+                "weekday, e.g. '0 9 * * 1-5') or 6 (seconds first, e.g. '*/10 * * * * *': "
+                f"every ten seconds), at most {MAX_CRON_CHARS} characters",
             },
             "timezone": {
                 "type": "string",
@@ -204,6 +204,12 @@ def schedule_schema(
 MESSAGE_POLICIES = ("enqueue", "interrupt", "reject")
 
 
+MESSAGE_BLOCK_TYPES = ("text", "image", "document")
+"""The content blocks a message may carry: what a user says. Never a tool_result, tool_use or
+thinking block: those are the run's own history, and one forged would be read as a tool's
+output."""
+
+
 def message_schema(settings: Settings) -> JsonObj:
     """``POST /api/runs/{id}/messages``: text or content blocks, and what to do while the
     run is inside a step."""
@@ -223,10 +229,15 @@ def message_schema(settings: Settings) -> JsonObj:
                 "type": "array",
                 "minItems": 1,
                 "maxItems": 100,
-                "items": {"type": "object", "required": ["type"]},
-                "description": "must be a non-empty list of Messages API content blocks "
-                '(each an object with a type, e.g. {"type": "text", "text": "..."}); '
-                "send text or content, not both",
+                "items": {
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {"type": {"enum": list(MESSAGE_BLOCK_TYPES)}},
+                },
+                "description": "must be a non-empty list of Messages API content blocks a "
+                f"user may send ({', '.join(MESSAGE_BLOCK_TYPES)}; e.g. "
+                '{"type": "text", "text": "..."}), at most DAR_MAX_INPUT_CHARS characters as '
+                "JSON in all; send text or content, not both",
             },
             "policy": {
                 "enum": list(MESSAGE_POLICIES),
@@ -306,10 +317,11 @@ def fork_schema(settings: Settings, *, any_json_input: bool = False) -> JsonObj:
             },
             "reuseApprovals": {
                 "type": "boolean",
-                "description": "must be true or false: true keeps the run's decision on the "
-                "approval at fromSeq (the fork runs the approved action again without asking; "
-                "needs a token holding that approval's role); false or absent: the fork asks "
-                "again",
+                "description": "must be true or false: true keeps the run's decisions on the "
+                "approval at fromSeq and the approved approvals before it (the fork runs the "
+                "steps they authorise without asking; needs a token with approve and each "
+                "approval's role); false or absent: the fork asks again for each of them "
+                "before it runs anything after it",
             },
         },
     }

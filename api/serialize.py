@@ -91,6 +91,7 @@ def tick_json(tick: ScheduleTick) -> dict[str, Any]:
         "tickAt": _iso(tick.tick_at),
         "status": tick.status,
         "runId": str(tick.run_id) if tick.run_id else None,
+        "reason": tick.reason,
     }
 
 

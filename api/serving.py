@@ -150,10 +150,10 @@ class BufferChunked:
         self.budget = budget or BufferBudget(64 * limit)
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
-        # Only a chunked body (gunicorn marks every input "terminated", bodies or not).
-        if environ.get("CONTENT_LENGTH") or (
-            "chunked" not in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
-        ):
+        # Only a chunked body (gunicorn marks every input "terminated", bodies or not). A
+        # Content-Length beside "chunked" does not frame the body (RFC 9112 6.3): the chunks
+        # do, and Werkzeug would read nothing, so such a body is buffered too.
+        if "chunked" not in environ.get("HTTP_TRANSFER_ENCODING", "").lower():
             return self.app(environ, start_response)
         if self.authenticated is not None and not self.authenticated(
             environ.get("HTTP_AUTHORIZATION", "")
@@ -202,5 +202,8 @@ class BufferChunked:
         buffer.seek(0)
         environ["wsgi.input"] = buffer
         environ["CONTENT_LENGTH"] = str(size)
+        # The body is whole now, with a length: Werkzeug ignores a length beside
+        # "Transfer-Encoding: chunked" (and reads nothing), so the header goes.
+        environ.pop("HTTP_TRANSFER_ENCODING", None)
         environ.pop("wsgi.input_terminated", None)
         return self.app(environ, start_response)

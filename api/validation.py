@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from dataclasses import dataclass
 from decimal import Decimal
@@ -89,8 +90,20 @@ def check_input_size(value: Any, limit: int) -> None:
 
 
 def optional_json_body(request: Request) -> dict[str, Any]:
-    """:func:`json_body`, or ``{}`` when the request has no body at all."""
-    return json_body(request) if request.get_data(cache=True) else {}
+    """:func:`json_body`, or ``{}`` when the request has no body at all. A body announced
+    but not read (a chunked one no server in front buffered) is a 400, never "no body": a
+    decision read without its ``payloadHash`` pin would approve what nobody saw."""
+    if request.get_data(cache=True):
+        return json_body(request)
+    announced = request.headers.get("Transfer-Encoding") or (request.content_length or 0) > 0
+    if announced:
+        raise ApiError(
+            400,
+            "the request's body could not be read (Transfer-Encoding: "
+            f"{request.headers.get('Transfer-Encoding', '-')}); send it with a Content-Length",
+            code="unreadable_body",
+        )
+    return {}
 
 
 def whole(value: Any) -> int | None:
@@ -162,4 +175,19 @@ def idempotency_key(req: Request) -> str | None:
         raise invalid("Idempotency-Key", "must be 1 to 200 characters")
     if key is not None:
         check_text(key, "Idempotency-Key")
+        if ENGINE_KEY.match(key):
+            raise invalid(
+                "Idempotency-Key",
+                "must not start with 'child:' or a run id and '/': those keys are the "
+                "runtime's own (the children and sends of runs); choose another",
+            )
     return key
+
+
+ENGINE_KEY = re.compile(
+    r"^(?:child:|[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}/)"
+)
+"""The namespace of the idempotency keys the engine derives: a child run's
+(``child:<parent>/<step>``) and a ``steps.send``'s (``<sender run>/<step>``). A client's
+``Idempotency-Key`` cannot reach it, so a submit cannot pose as a parent's child and a signal
+cannot take the place of a run's send."""

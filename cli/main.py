@@ -955,8 +955,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--reuse-approvals", action="store_true",
-        help="keep the run's decision on the approval at --from-seq (the token must hold its "
-        "role): the fork runs the approved action again without asking; default: it asks",
+        help="keep the run's decisions on the approval at --from-seq and the approved ones "
+        "before it (the token needs approve and each approval's role): the fork runs what they "
+        "authorise without asking; default: it asks again for each",
     )  # fmt: skip
 
     p = api_command("diff", _diff, "compare two runs step by step (a fork and its original)")
@@ -1003,7 +1004,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = sched_sub.add_parser(
         "add", help="start an agent on a cron schedule; prints its id", formatter_class=_Help
     )
-    a.add_argument("cron", help="cron expression, e.g. '0 9 * * 1-5' (a 6th field: seconds)")
+    a.add_argument("cron", help="cron expression, e.g. '0 9 * * 1-5' (6 fields: seconds first)")
     a.add_argument("input", help="each run's question or task (JSON with --json)")
     a.add_argument("--json", action="store_true", help="the input is JSON (durable functions)")
     a.add_argument("--agent", help="agent to run (default: the server's DAR_DEFAULT_AGENT)")

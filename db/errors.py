@@ -25,6 +25,11 @@ class IdempotencyConflict(DarError):
     """This Idempotency-Key was used before with a different request body."""
 
 
+class TooManyPending(DarError):
+    """The run holds as many undelivered messages and signals as it may
+    (``DAR_MAX_PENDING_PER_RUN``): one more waits until it reads some."""
+
+
 class QuotaExceeded(DarError):
     """A submitter's quota (submits per minute, runs in flight) is used up."""
 

@@ -199,8 +199,11 @@ WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RU
 -- control's capacity: asked again when it wakes), and
 -- a wake (wake_run) brings it forward; otherwise the timer is a floor (a server's retry-after,
 -- a backoff, a sleep) that no wake crosses.
+-- A timer never lies beyond the run's deadline: a run parked on a long sleep or wait is sent
+-- at its deadline (by the reaper), and the guard ends it TIMED_OUT, instead of it staying
+-- RUNNING, in flight, past it.
 UPDATE run
-SET run_at = now() + make_interval(secs => :delay_seconds),
+SET run_at = LEAST(now() + make_interval(secs => :delay_seconds), GREATEST(deadline_at, now())),
     dispatched_at = now(),
     dispatch_token = :next_token,
     locked_by = NULL, locked_until = NULL,
@@ -210,7 +213,8 @@ SET run_at = now() + make_interval(secs => :delay_seconds),
     model_attempts = :model_attempts,
     wait_reason = :reason,
     wake_floor = CASE WHEN :wakeable THEN NULL
-                      ELSE now() + make_interval(secs => :delay_seconds) END,
+                      ELSE LEAST(now() + make_interval(secs => :delay_seconds),
+                                 GREATEST(deadline_at, now())) END,
     updated_at = now()
 WHERE id = :id AND locked_by = :worker AND lease_epoch = :epoch AND status = 'RUNNING';
 
@@ -577,12 +581,13 @@ SET response = CAST(:response AS jsonb), status = :status, error = :error, origi
 WHERE run_id = :fork AND seq = :seq AND origin IS NOT NULL;
 
 -- copy_approvals_to_fork --
--- The decisions of the approvals whose results the fork replays: their step is copied DONE
--- (the approved action ran in the source, once, and runs nowhere again) or REJECTED. Each
--- copy is labelled with the run that decided it (copied_from). An approval authorises one
--- execution in one run: one whose action the fork could execute (a failed action a resume
--- would retry, a step at or after fromSeq) is not copied, so the fork asks again. The
--- fork's code also asks again when what it would approve differs (the payload hash).
+-- The decisions of the approvals whose results the fork replays, labelled with the run that
+-- decided them (copied_from). A rejection is always copied (it authorises nothing). An
+-- approval authorises its effects once, in one run: an approved one is copied only when the
+-- fork reuses the decisions (:reuse, reuseApprovals: the forker holds approve and its role);
+-- otherwise ask_copied_approvals_again makes the fork ask again. The approval of an action
+-- that failed (its step ERROR: a resume would retry it) or of a step at or after fromSeq is
+-- never copied as a decision.
 INSERT INTO approval (id, run_id, step_key, role, status, payload, payload_hash,
                       timeout_policy, requested_at, expires_at, decided_by, decided_at, comment,
                       copied_from)
@@ -591,8 +596,18 @@ SELECT gen_random_uuid(), :fork, a.step_key, a.role, a.status, a.payload, a.payl
        a.run_id
 FROM approval a
 JOIN run_step s ON s.run_id = a.run_id AND s.step_key = a.step_key
-WHERE a.run_id = :source AND s.seq < :from_seq AND a.status <> 'PENDING'
-  AND s.status IN ('DONE', 'REJECTED');
+WHERE a.run_id = :source AND s.seq < :from_seq
+  AND ((a.status = 'APPROVED' AND s.status = 'DONE' AND :reuse)
+       OR (a.status = 'REJECTED' AND s.status = 'REJECTED'))
+RETURNING status;
+
+-- ask_copied_approvals_again --
+-- A fork without reuseApprovals: each approved action it copied is asked for again before
+-- the fork runs anything after it. The copied row keeps its place (seq) but loses the hash
+-- of what was approved, so the engine finds no decision about the payload it would run and
+-- asks again (as for a payload the fork's edits changed); its nested rows are dropped then.
+UPDATE run_step SET input_hash = NULL
+WHERE run_id = :fork AND kind = 'APPROVAL' AND status = 'DONE' AND origin IS NOT NULL;
 
 -- carry_approval_to_fork --
 -- reuseApprovals: the approval at :from_seq, the first step the fork executes, keeps the
@@ -749,8 +764,12 @@ WHERE id = :id AND dispatch_token = :token;
 -- insert_audit_event --
 -- Who did what to a run through the API, in the transaction of the action itself.
 -- audit_event is append-only: a trigger refuses UPDATE and DELETE.
-INSERT INTO audit_event (run_id, approval_id, tenant, actor, action, detail)
-VALUES (:run_id, :approval_id, :tenant, :actor, :action, CAST(:detail AS jsonb));
+INSERT INTO audit_event (run_id, schedule_id, approval_id, tenant, actor, action, detail)
+VALUES (:run_id, :schedule_id, :approval_id, :tenant, :actor, :action,
+        CAST(:detail AS jsonb));
+
+-- list_schedule_audit_events --
+SELECT * FROM audit_event WHERE schedule_id = :schedule_id ORDER BY at, id;
 
 -- list_audit_events --
 SELECT * FROM audit_event WHERE run_id = :run_id ORDER BY at, id;
@@ -1086,6 +1105,25 @@ LIMIT :limit;
 -- Its ticks go with it (ON DELETE CASCADE); the runs it started stay.
 DELETE FROM schedule WHERE id = :id RETURNING id;
 
+-- count_schedules_of --
+-- The schedules one token created (DAR_TOKEN_MAX_SCHEDULES).
+SELECT count(*) FROM schedule WHERE created_by = :created_by;
+
+-- delete_old_schedule_ticks --
+-- Retention: one bounded batch of tick rows older than the cut-off (as delete_finished_runs
+-- for runs). A QUEUED tick still waits for its schedule's run, and stays.
+WITH doomed AS (
+    SELECT schedule_id, tick_at FROM schedule_tick
+    WHERE created_at < now() - make_interval(secs => :older_than_seconds)
+      AND status <> 'QUEUED'
+    ORDER BY created_at
+    LIMIT :batch
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM schedule_tick t USING doomed
+WHERE t.schedule_id = doomed.schedule_id AND t.tick_at = doomed.tick_at
+RETURNING t.tick_at;
+
 -- list_schedule_ticks --
 SELECT * FROM schedule_tick WHERE schedule_id = :schedule_id
 ORDER BY tick_at DESC LIMIT :limit;
@@ -1093,11 +1131,18 @@ ORDER BY tick_at DESC LIMIT :limit;
 -- due_schedules --
 -- Schedules with a tick due, or a queued tick waiting for the schedule's live run to end.
 -- No lock here: each is then locked on its own (lock_due_schedule), so one slow schedule
--- does not hold the others.
-SELECT id FROM schedule s
-WHERE s.next_tick_at <= now()
-   OR EXISTS (SELECT 1 FROM schedule_tick t WHERE t.schedule_id = s.id AND t.status = 'QUEUED')
-ORDER BY s.next_tick_at
+-- does not hold the others. Fair across tenants: each tenant's most overdue schedule first,
+-- then each tenant's second, and so on, so one tenant's thousand due schedules fill a pass
+-- only after every other tenant's first ones (a pass takes :limit).
+SELECT id FROM (
+    SELECT s.id, s.next_tick_at,
+           row_number() OVER (PARTITION BY s.tenant ORDER BY s.next_tick_at, s.id) AS turn
+    FROM schedule s
+    WHERE s.next_tick_at <= now()
+       OR EXISTS (SELECT 1 FROM schedule_tick t
+                  WHERE t.schedule_id = s.id AND t.status = 'QUEUED')
+) due
+ORDER BY turn, next_tick_at, id
 LIMIT :limit;
 
 -- lock_due_schedule --
@@ -1121,9 +1166,10 @@ SELECT EXISTS (
 
 -- insert_schedule_tick --
 -- Claim one tick. A tick claimed before (by another beat, or before a restart) is not
--- inserted again and no row is returned: its run, if any, exists already.
-INSERT INTO schedule_tick (schedule_id, tick_at, status, run_id)
-VALUES (:schedule_id, :tick_at, :status, :run_id)
+-- inserted again and no row is returned: its run, if any, exists already. :reason says why a
+-- SKIPPED tick started nothing when its overlap policy would have.
+INSERT INTO schedule_tick (schedule_id, tick_at, status, run_id, reason)
+VALUES (:schedule_id, :tick_at, :status, :run_id, :reason)
 ON CONFLICT (schedule_id, tick_at) DO NOTHING
 RETURNING tick_at;
 
@@ -1169,7 +1215,27 @@ ON CONFLICT (run_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHI
 RETURNING id;
 
 -- get_signal_by_key --
-SELECT id FROM run_signal WHERE run_id = :run_id AND idempotency_key = :idempotency_key;
+-- The signal (or message) a key made before, and whether it is the same one again (same name,
+-- same payload): a retry; otherwise the key was reused for another request.
+SELECT id, name = :name AND payload = CAST(:payload AS jsonb) AS same
+FROM run_signal WHERE run_id = :run_id AND idempotency_key = :idempotency_key;
+
+-- count_pending_signals --
+-- What a run holds undelivered: its messages and signals no step has consumed yet
+-- (DAR_MAX_PENDING_PER_RUN).
+SELECT count(*) FROM run_signal WHERE run_id = :run_id AND consumed_by IS NULL;
+
+-- lock_sender --
+-- Serialises one token's message and signal rate check and the send it admits (released at
+-- commit), as lock_submitter does for submits.
+SELECT pg_advisory_xact_lock(hashtextextended('dar-send:' || :actor, 0));
+
+-- sender_usage --
+-- One token's messages and signals in the last :window_seconds, and the age of the oldest.
+SELECT count(*) AS n, EXTRACT(EPOCH FROM (now() - min(at))) AS oldest_age
+FROM audit_event
+WHERE actor = :actor AND action IN ('message', 'signal')
+  AND at > now() - make_interval(secs => :window_seconds);
 
 -- live_children --
 -- A parent's children that have not ended (the cancel cascade).

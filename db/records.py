@@ -276,6 +276,9 @@ class ScheduleTick:
     """``STARTED`` (its run is ``run_id``), ``SKIPPED`` or ``QUEUED`` (overlap)."""
     run_id: uuid.UUID | None
     created_at: datetime
+    reason: str | None = None
+    """Why a SKIPPED tick started no run when its overlap policy would have: its creator over
+    a limit, or its token revoked or expired."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,12 +375,14 @@ class NewAudit:
 class AuditEvent:
     id: int
     at: datetime
-    run_id: uuid.UUID
+    run_id: uuid.UUID | None
+    """``None`` for a schedule's own entries (``schedule_id``)."""
     approval_id: uuid.UUID | None
     tenant: str
     actor: str
     action: str
     detail: Any
+    schedule_id: uuid.UUID | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,9 +452,11 @@ class NewFork:
     same key and ``request_hash`` gets the fork made first."""
     request_hash: str | None = None
     reuse_approval: bool = False
-    """The step at ``from_seq`` is an approval the source approved: the fork keeps that
-    decision (copied, labelled) instead of asking again. The caller checks that the forker
-    holds the approval's role and asked for it explicitly (``reuseApprovals``)."""
+    """Keep the source's decisions: the approval at ``from_seq`` and the approved approvals
+    before it (copied, labelled) stand instead of being asked again. Without it the fork asks
+    again for each of them before it runs anything after them (a decision authorises its
+    effects once). The caller checks that the forker holds ``approve`` and each approval's
+    role, and asked for it explicitly (``reuseApprovals``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -381,6 +381,12 @@ AUDIT_ACTIONS = (
     # (migration 0019). Each is also a run.recovery event of the run's live stream.
     "recovery.redispatched",
     "recovery.resumed",
+    # The new surfaces (migration 0026): a schedule's create and delete (on the schedule, no
+    # run), a message or signal sent to a run (with its sender, key and size).
+    "schedule.create",
+    "schedule.delete",
+    "message",
+    "signal",
 )
 
 # Who did what to a run, through the API: append-only (a trigger refuses UPDATE and DELETE).
@@ -390,18 +396,32 @@ audit_event = Table(
     metadata,
     Column("id", BigInteger, primary_key=True, autoincrement=True),
     Column("at", TZ, nullable=False, server_default=text("now()")),
-    Column("run_id", UUID(as_uuid=True), nullable=False),
+    Column("run_id", UUID(as_uuid=True)),  # none for a schedule's own entries (0026)
     Column("approval_id", UUID(as_uuid=True)),
     Column("tenant", Text, nullable=False),
     Column("actor", Text, nullable=False),
     Column("action", Text, nullable=False),
     Column("detail", JSONB),
+    Column("schedule_id", UUID(as_uuid=True)),
     CheckConstraint(
         "action IN (" + ", ".join(f"'{a}'" for a in AUDIT_ACTIONS) + ")",
         name="audit_event_action_ck",
     ),
 )
 Index("audit_event_run_idx", audit_event.c.run_id, audit_event.c.at)
+Index(
+    "audit_event_schedule_idx",
+    audit_event.c.schedule_id,
+    audit_event.c.at,
+    postgresql_where=text("schedule_id IS NOT NULL"),
+)
+Index(
+    "audit_event_actor_idx",
+    audit_event.c.actor,
+    audit_event.c.action,
+    audit_event.c.at,
+    postgresql_where=text("action IN ('message', 'signal', 'resume')"),
+)
 
 SCHEDULE_OVERLAPS = ("skip", "queue", "allow")
 SCHEDULE_CATCH_UPS = ("none", "latest", "all")
@@ -456,12 +476,14 @@ schedule_tick = Table(
     Column("status", Text, nullable=False),
     Column("run_id", UUID(as_uuid=True)),
     Column("created_at", TZ, nullable=False, server_default=text("now()")),
+    Column("reason", Text),  # why a tick started no run (migration 0026)
     UniqueConstraint("schedule_id", "tick_at", name="schedule_tick_uk"),
     CheckConstraint(
         "status IN (" + ", ".join(f"'{t}'" for t in TICK_STATUSES) + ")",
         name="schedule_tick_status_ck",
     ),
 )
+Index("schedule_tick_created_idx", schedule_tick.c.created_at)
 Index(
     "schedule_tick_queued_idx",
     schedule_tick.c.schedule_id,

@@ -27,6 +27,7 @@ from db.errors import (
     LeaseLost,
     QuotaExceeded,
     RunNotFound,
+    TooManyPending,
     ValueRefused,
     database_unavailable,
 )
@@ -278,17 +279,38 @@ def _usage_params(usage: Usage, cost: Decimal) -> dict[str, Any]:
     }
 
 
-def _record_audit(conn: Connection, run_id: uuid.UUID, audit: NewAudit) -> None:
+def _record_audit(
+    conn: Connection,
+    run_id: uuid.UUID | None,
+    audit: NewAudit,
+    *,
+    schedule_id: uuid.UUID | None = None,
+) -> None:
     conn.execute(
         Q["insert_audit_event"],
         {
             "run_id": run_id,
+            "schedule_id": schedule_id,
             "approval_id": audit.approval_id,
             "tenant": audit.tenant,
             "actor": audit.actor,
             "action": audit.action,
             "detail": _json(audit.detail),
         },
+    )
+
+
+def _audit_event(r: Mapping[Any, Any]) -> AuditEvent:
+    return AuditEvent(
+        id=r["id"],
+        at=r["at"],
+        run_id=r["run_id"],
+        approval_id=r["approval_id"],
+        tenant=r["tenant"],
+        actor=r["actor"],
+        action=r["action"],
+        detail=jsontext.loads(r["detail"]),
+        schedule_id=r["schedule_id"],
     )
 
 
@@ -1399,19 +1421,7 @@ class RunStore:
         """The run's audit trail, oldest first."""
         with self.engine.connect() as conn:
             rows = conn.execute(Q["list_audit_events"], {"run_id": run_id}).mappings().all()
-        return [
-            AuditEvent(
-                id=r["id"],
-                at=r["at"],
-                run_id=r["run_id"],
-                approval_id=r["approval_id"],
-                tenant=r["tenant"],
-                actor=r["actor"],
-                action=r["action"],
-                detail=jsontext.loads(r["detail"]),
-            )
-            for r in rows
-        ]
+        return [_audit_event(r) for r in rows]
 
     # -- forks ----------------------------------------------------------------------------
 
@@ -1472,11 +1482,17 @@ class RunStore:
                 return _same_request(seen, new.idempotency_key, new.request_hash), False
             copy = {"fork": fork_id, "source": new.source, "from_seq": new.from_seq}
             conn.execute(Q["copy_steps_to_fork"], copy)
-            conn.execute(Q["copy_approvals_to_fork"], copy)
-            if new.reuse_approval and not conn.execute(Q["carry_approval_to_fork"], copy).first():
+            copied = conn.execute(
+                Q["copy_approvals_to_fork"], {**copy, "reuse": new.reuse_approval}
+            ).all()
+            if not new.reuse_approval:
+                conn.execute(Q["ask_copied_approvals_again"], {"fork": fork_id})
+            elif not conn.execute(Q["carry_approval_to_fork"], copy).first() and not any(
+                r.status == ApprovalStatus.APPROVED for r in copied
+            ):
                 raise InvalidTransition(
-                    f"step {new.from_seq} of run {new.source} is not an approved approval: "
-                    "there is no decision to reuse"
+                    f"run {new.source} has no approved approval at step {new.from_seq} or "
+                    "before it: there is no decision to reuse"
                 )
             for edit in edits:
                 edited = conn.execute(
@@ -1582,17 +1598,33 @@ class RunStore:
         *,
         idempotency_key: str | None = None,
         sent_by: str | None = None,
+        limits: SendLimits | None = None,
+        audit: NewAudit | None = None,
     ) -> tuple[int, bool, Dispatch | None]:
         """Keep a signal for the run until a step of it consumes it, and wake the run in the
         same transaction if it is parked (a poster that dies after the commit leaves no run
         asleep on a signal it has). Returns its id, whether it is new (a retried request
         with the same idempotency key: the first) and the run's message to send (``None``:
-        not parked). Raises :class:`RunNotFound`, or :class:`InvalidTransition` when the run
-        ended."""
+        not parked).
+        Raises :class:`RunNotFound`, :class:`InvalidTransition` when the run ended,
+        :class:`IdempotencyConflict` for a key used before with another name or payload, and
+        past ``limits`` :class:`QuotaExceeded` or :class:`TooManyPending`. A new signal is
+        written to ``audit`` in the same transaction."""
         with self.engine.begin() as conn:
+            if audit is not None:
+                _check_send_rate(conn, audit.actor, limits)
             signal_id, created = _insert_signal(
-                conn, run_id, name, payload, idempotency_key, sent_by, None
+                conn,
+                run_id,
+                name,
+                payload,
+                idempotency_key,
+                sent_by,
+                None,
+                limits=limits or SendLimits(),
             )
+            if created and audit is not None:
+                _record_audit(conn, run_id, audit)
             woken = _wake(conn, run_id, send=True) if created else None
         return signal_id, created, woken
 
@@ -1603,14 +1635,25 @@ class RunStore:
         *,
         idempotency_key: str | None = None,
         sent_by: str | None = None,
+        limits: SendLimits | None = None,
+        audit: NewAudit | None = None,
+        resume_quota: SubmitQuota | None = None,
     ) -> tuple[int, bool, Dispatch | None]:
         """Keep a message for an agent-loop run until a step boundary delivers it. A
-        SUCCEEDED run is queued again (its next turn). Returns the message's id, whether it
-        is new (a retried request with the same key: the first, nothing counted again) and
-        the drive_run message of a run queued again or woken from its parking (in the same
+        SUCCEEDED run is queued again (its next turn): a resume by the sender, within
+        ``resume_quota`` and audited as one. Returns the message's id, whether it is new (a
+        retried request with the same key: the first, nothing counted again) and the
+        drive_run message of a run queued again or woken from its parking (in the same
         transaction). :class:`RunNotFound`;
-        :class:`InvalidTransition` for a run ended otherwise than SUCCEEDED."""
+        :class:`InvalidTransition` for a run ended otherwise than SUCCEEDED;
+        :class:`IdempotencyConflict` for a key used before with other content; past
+        ``limits`` :class:`QuotaExceeded` or :class:`TooManyPending`. A new message is
+        written to ``audit`` in the same transaction."""
         with self.engine.begin() as conn:
+            if audit is not None:
+                _check_send_rate(conn, audit.actor, limits)
+                if resume_quota is not None:  # before the run's row, as a resume takes them
+                    conn.execute(Q["lock_submitter"], {"submitted_by": audit.actor})
             run = conn.execute(Q["lock_run_row"], {"id": run_id}).first()
             if run is None:
                 raise RunNotFound(f"no run with id {run_id}")
@@ -1626,12 +1669,23 @@ class RunStore:
                 "idempotency_key": idempotency_key,
                 "sent_by": sent_by,
             }
+            seen = _seen_signal(conn, params)
+            if seen is not None:
+                return seen, False, None
+            _check_pending(conn, run_id, limits)
+            reopens = run.status == RunStatus.SUCCEEDED
+            if reopens and audit is not None and resume_quota is not None:
+                _check_quota(conn, audit.actor, resume_quota)
             row = conn.execute(Q["insert_signal"], params).first()
-            if row is None:
-                seen = conn.execute(
-                    Q["get_signal_by_key"], {"run_id": run_id, "idempotency_key": idempotency_key}
-                ).one()
-                return int(seen.id), False, None
+            if row is None:  # the same key committed meanwhile
+                seen = _seen_signal(conn, params)
+                return int(seen or 0), False, None
+            if audit is not None:
+                _record_audit(conn, run_id, audit)
+                if reopens:  # a message that reopens a run is a resume by its sender
+                    _record_audit(
+                        conn, run_id, replace(audit, action="resume", detail={"by": "message"})
+                    )
             after = conn.execute(Q["message_arrived"], {"id": run_id}).one()
             reopened = run.status == RunStatus.SUCCEEDED
             # a run parked (a wait, a timer) is woken with the message's commit, not after it
@@ -1751,7 +1805,18 @@ class RunStore:
 
     # -- schedules ------------------------------------------------------------------------
 
-    def create_schedule(self, new: NewSchedule) -> Schedule:
+    def create_schedule(
+        self,
+        new: NewSchedule,
+        *,
+        quota: SubmitQuota | None = None,
+        max_schedules: int = 0,
+        audit: NewAudit | None = None,
+    ) -> Schedule:
+        """Create a schedule. A schedule is a standing submit: with ``quota`` its creator must
+        be within it now (:class:`QuotaExceeded`), and have fewer than ``max_schedules``
+        schedules (``0``: no cap), checked under the creator's lock; ``audit`` is written on
+        the schedule in the same transaction."""
         params = {
             "id": uuid.uuid4(),
             "tenant": new.tenant,
@@ -1771,7 +1836,24 @@ class RunStore:
             "created_by": new.created_by,
         }
         with self.engine.begin() as conn:
-            return _schedule(conn.execute(Q["insert_schedule"], params).mappings().one())
+            if new.created_by is not None and (quota is not None or max_schedules):
+                conn.execute(Q["lock_submitter"], {"submitted_by": new.created_by})
+                if quota is not None:
+                    _check_quota(conn, new.created_by, quota)
+                held = conn.execute(
+                    Q["count_schedules_of"], {"created_by": new.created_by}
+                ).scalar_one()
+                if max_schedules and held >= max_schedules:
+                    raise QuotaExceeded(
+                        f"token {new.created_by!r} has {held} schedules; the limit is "
+                        f"{max_schedules} (DAR_TOKEN_MAX_SCHEDULES): delete one first",
+                        retry_after=60,
+                        limit="DAR_TOKEN_MAX_SCHEDULES",
+                    )
+            created = _schedule(conn.execute(Q["insert_schedule"], params).mappings().one())
+            if audit is not None:
+                _record_audit(conn, None, audit, schedule_id=created.id)
+            return created
 
     def get_schedule(self, schedule_id: uuid.UUID) -> Schedule | None:
         with self._statement() as conn:
@@ -1783,9 +1865,33 @@ class RunStore:
             rows = conn.execute(Q["list_schedules"], {"tenant": tenant, "limit": limit})
             return [_schedule(r) for r in rows.mappings()]
 
-    def delete_schedule(self, schedule_id: uuid.UUID) -> bool:
+    def delete_schedule(self, schedule_id: uuid.UUID, *, audit: NewAudit | None = None) -> bool:
+        """Delete a schedule (its ticks go with it, its runs stay), with ``audit`` written on
+        it in the same transaction. ``False``: no such schedule."""
         with self.engine.begin() as conn:
-            return conn.execute(Q["delete_schedule"], {"id": schedule_id}).first() is not None
+            deleted = conn.execute(Q["delete_schedule"], {"id": schedule_id}).first() is not None
+            if deleted and audit is not None:
+                _record_audit(conn, None, audit, schedule_id=schedule_id)
+            return deleted
+
+    def schedule_audit_events(self, schedule_id: uuid.UUID) -> list[AuditEvent]:
+        """The schedule's own audit trail (its create, its delete), oldest first."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                Q["list_schedule_audit_events"], {"schedule_id": schedule_id}
+            ).mappings()
+            return [_audit_event(r) for r in rows]
+
+    def delete_old_schedule_ticks(self, *, older_than_seconds: float, batch: int) -> int:
+        """Retention for tick rows, as for runs: one batch of ticks older than the cut-off
+        (a schedule's next ticks are decided by ``next_tick_at``, never by old rows; a
+        QUEUED tick waits for its run, and stays). Returns how many were deleted."""
+        with self.engine.begin() as conn:
+            rows = conn.execute(
+                Q["delete_old_schedule_ticks"],
+                {"older_than_seconds": older_than_seconds, "batch": batch},
+            ).all()
+        return len(rows)
 
     def schedule_ticks(self, schedule_id: uuid.UUID, *, limit: int = 20) -> list[ScheduleTick]:
         """The schedule's latest ticks, newest first."""
@@ -1795,7 +1901,12 @@ class RunStore:
             ).mappings()
             return [
                 ScheduleTick(
-                    r["schedule_id"], r["tick_at"], r["status"], r["run_id"], r["created_at"]
+                    r["schedule_id"],
+                    r["tick_at"],
+                    r["status"],
+                    r["run_id"],
+                    r["created_at"],
+                    r["reason"],
                 )
                 for r in rows
             ]
@@ -1808,12 +1919,21 @@ class RunStore:
         self,
         schedule_id: uuid.UUID,
         plan: Callable[[Schedule, datetime], tuple[Sequence[datetime], datetime]],
+        *,
+        quota: SubmitQuota | None = None,
+        creator_ok: Callable[[str], bool] | None = None,
     ) -> list[Dispatch]:
         """One pass over one due schedule, in one transaction: start its oldest queued tick
         when no run of it is live, then claim the ticks ``plan`` returns for the database's
         ``now`` (a unique row each: a tick another beat claimed is passed over) and apply
         the overlap policy to each, then move ``next_tick_at`` on. Returns the drive_run
-        messages of the runs started, to send after the commit."""
+        messages of the runs started, to send after the commit.
+
+        Each run a tick starts is a submit by the schedule's creator: audited, and only
+        while ``creator_ok`` says the creator's token is still configured and unexpired and
+        the creator is within ``quota`` (its rate and runs in flight, its scheduled runs
+        included); otherwise the tick is SKIPPED with the reason (a queued tick stays
+        queued)."""
         started: list[Dispatch] = []
         with self.engine.begin() as conn:
             row = conn.execute(Q["lock_due_schedule"], {"id": schedule_id}).mappings().first()
@@ -1824,26 +1944,39 @@ class RunStore:
             key = {"schedule_id": schedule.id}
             if not live and schedule.overlap == "queue":
                 queued = conn.execute(Q["oldest_queued_tick"], key).scalar()
-                if queued is not None:
+                if queued is not None and _refused_tick(conn, schedule, quota, creator_ok) is None:
                     run_id = self.run_ids()
                     conn.execute(
                         Q["start_queued_tick"], {**key, "tick_at": queued, "run_id": run_id}
                     )
-                    started.append(_start_scheduled_run(conn, schedule, run_id))
+                    started.append(_start_scheduled_run(conn, schedule, run_id, queued))
                     live = True
             ticks, next_tick_at = plan(schedule, row["db_now"])
             for tick_at in ticks:
                 start = schedule.overlap == "allow" or not live
+                reason = _refused_tick(conn, schedule, quota, creator_ok) if start else None
+                if reason is not None:
+                    start = False
                 status = (
-                    "STARTED" if start else "QUEUED" if schedule.overlap == "queue" else "SKIPPED"
+                    "STARTED"
+                    if start
+                    else "QUEUED"
+                    if schedule.overlap == "queue" and reason is None
+                    else "SKIPPED"
                 )
                 new_id = self.run_ids() if start else None
                 claimed = conn.execute(
                     Q["insert_schedule_tick"],
-                    {**key, "tick_at": tick_at, "status": status, "run_id": new_id},
+                    {
+                        **key,
+                        "tick_at": tick_at,
+                        "status": status,
+                        "run_id": new_id,
+                        "reason": reason,
+                    },
                 ).first()
                 if claimed is not None and new_id is not None:
-                    started.append(_start_scheduled_run(conn, schedule, new_id))
+                    started.append(_start_scheduled_run(conn, schedule, new_id, tick_at))
                     live = True
             if next_tick_at != schedule.next_tick_at:
                 conn.execute(
@@ -1885,7 +2018,33 @@ def _check_quota(conn: Connection, submitter: str, quota: SubmitQuota) -> None:
         )
 
 
-def _start_scheduled_run(conn: Connection, schedule: Schedule, run_id: uuid.UUID) -> Dispatch:
+def _refused_tick(
+    conn: Connection,
+    schedule: Schedule,
+    quota: SubmitQuota | None,
+    creator_ok: Callable[[str], bool] | None,
+) -> str | None:
+    """Why a tick of ``schedule`` may not start a run now (``None``: it may): its creator's
+    token revoked or expired, or the creator over its quota (checked under its lock, as a
+    submit is, so the runs this pass starts count)."""
+    creator = schedule.created_by
+    if creator is None:
+        return None
+    if creator_ok is not None and not creator_ok(creator):
+        return f"token {creator!r} that created the schedule is revoked or expired"
+    if quota is None:
+        return None
+    conn.execute(Q["lock_submitter"], {"submitted_by": creator})
+    try:
+        _check_quota(conn, creator, quota)
+    except QuotaExceeded as e:
+        return str(e)
+    return None
+
+
+def _start_scheduled_run(
+    conn: Connection, schedule: Schedule, run_id: uuid.UUID, tick_at: datetime
+) -> Dispatch:
     new = NewRun(
         agent=schedule.agent,
         input=schedule.input,
@@ -1900,7 +2059,76 @@ def _start_scheduled_run(conn: Connection, schedule: Schedule, run_id: uuid.UUID
         schedule_id=schedule.id,
     )
     row = conn.execute(Q["create_run"], _new_run_params(new, run_id)).mappings().one()
+    _record_audit(
+        conn,
+        row["id"],
+        NewAudit(
+            actor=schedule.created_by or "schedule",
+            action="submit",
+            tenant=schedule.tenant,
+            detail={
+                "agent": schedule.agent,
+                "model": schedule.model,
+                "tokenBudget": schedule.token_budget,
+                "schedule": str(schedule.id),
+                "tickAt": tick_at.isoformat(),
+            },
+        ),
+    )
     return Dispatch(row["id"], row["dispatch_token"])
+
+
+@dataclass(frozen=True)
+class SendLimits:
+    """What a token's messages and signals may take (``0``: no limit): sends per minute, all
+    runs together (``DAR_MESSAGE_RATE_PER_MINUTE``), and undelivered messages and signals one
+    run holds (``DAR_MAX_PENDING_PER_RUN``)."""
+
+    per_minute: int = 0
+    max_pending: int = 0
+
+
+def _check_send_rate(conn: Connection, actor: str, limits: SendLimits | None) -> None:
+    """Under the sender's lock: :class:`QuotaExceeded` when one more message or signal would
+    break its rate."""
+    if limits is None or not limits.per_minute:
+        return
+    conn.execute(Q["lock_sender"], {"actor": actor})
+    row = conn.execute(Q["sender_usage"], {"actor": actor, "window_seconds": 60}).one()
+    if row.n >= limits.per_minute:
+        raise QuotaExceeded(
+            f"token {actor!r} sent {row.n} messages and signals in the last minute; the limit "
+            f"is {limits.per_minute} (DAR_MESSAGE_RATE_PER_MINUTE)",
+            retry_after=max(1, int(60 - float(row.oldest_age or 0)) + 1),
+            limit="DAR_MESSAGE_RATE_PER_MINUTE",
+        )
+
+
+def _check_pending(conn: Connection, run_id: uuid.UUID, limits: SendLimits | None) -> None:
+    if limits is None or not limits.max_pending:
+        return
+    held = conn.execute(Q["count_pending_signals"], {"run_id": run_id}).scalar_one()
+    if held >= limits.max_pending:
+        raise TooManyPending(
+            f"run {run_id} holds {held} undelivered messages and signals; the limit is "
+            f"{limits.max_pending} (DAR_MAX_PENDING_PER_RUN): send again once it has read some"
+        )
+
+
+def _seen_signal(conn: Connection, params: dict[str, Any]) -> int | None:
+    """The id of the signal (or message) ``params``' key made before, if any: the same one
+    again is a retry; another under that key is :class:`IdempotencyConflict`."""
+    if params["idempotency_key"] is None:
+        return None
+    seen = conn.execute(Q["get_signal_by_key"], params).first()
+    if seen is None:
+        return None
+    if not seen.same:
+        raise IdempotencyConflict(
+            f"Idempotency-Key {params['idempotency_key']!r} was used for another message or "
+            f"signal to run {params['run_id']} (id {seen.id}); use a new key for a new one"
+        )
+    return int(seen.id)
 
 
 def _insert_signal(
@@ -1911,6 +2139,8 @@ def _insert_signal(
     idempotency_key: str | None,
     sent_by: str | None,
     tenant: str | None,
+    *,
+    limits: SendLimits | None = None,
 ) -> tuple[int, bool]:
     # No lock on the target: its waiter holds its own row's lock while it checks and parks,
     # and the wake after this commit waits for that lock (see wait_for_signal).
@@ -1926,13 +2156,16 @@ def _insert_signal(
         "idempotency_key": idempotency_key,
         "sent_by": sent_by,
     }
+    if limits is not None:  # a client's signal: a retry, or a new one within the run's cap
+        seen = _seen_signal(conn, params)
+        if seen is not None:
+            return seen, False
+        _check_pending(conn, run_id, limits)
     row = conn.execute(Q["insert_signal"], params).first()
     if row is not None:
         return int(row.id), True
-    seen = conn.execute(
-        Q["get_signal_by_key"], {"run_id": run_id, "idempotency_key": idempotency_key}
-    ).one()
-    return int(seen.id), False
+    seen_row = conn.execute(Q["get_signal_by_key"], params).one()
+    return int(seen_row.id), False
 
 
 def _wake(conn: Connection, run_id: uuid.UUID, *, send: bool) -> Dispatch | None:

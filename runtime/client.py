@@ -442,8 +442,9 @@ class Client:
         reuse_approvals: bool = False,
     ) -> Accepted:
         """A new run that copies this one's steps before ``from_seq`` and runs on from there,
-        with the edits given. ``reuse_approvals``: keep the decision on the approval at
-        ``from_seq`` (the token must hold its role); otherwise the fork asks again."""
+        with the edits given. ``reuse_approvals``: keep the decisions on the approval at
+        ``from_seq`` and the approved ones before it (the token needs ``approve`` and each
+        approval's role); otherwise the fork asks again for each of them."""
         body: dict[str, Any] = {"fromSeq": from_seq}
         if input is not _UNSET:
             body["input"] = input

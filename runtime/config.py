@@ -139,6 +139,19 @@ class Settings:
     token_max_priority: int = 10
     """DAR_TOKEN_MAX_PRIORITY: the highest ``priority`` a submit by a token without ``admin``
     may carry (403 above it), so one tenant cannot jump every queue."""
+    token_max_schedules: int = 20
+    """DAR_TOKEN_MAX_SCHEDULES: schedules one token may have at once (0: no limit); a create
+    past it is 429."""
+    schedule_min_interval_seconds: int = 10
+    """DAR_SCHEDULE_MIN_INTERVAL_SECONDS: the shortest gap between two ticks of a schedule a
+    token without ``admin`` may create (``* * * * * *`` ticks every second: 400 at the
+    default)."""
+    message_rate_per_minute: int = 60
+    """DAR_MESSAGE_RATE_PER_MINUTE: messages and signals one token may send per minute, all
+    runs together (0: no limit); past it, 429 with Retry-After."""
+    max_pending_per_run: int = 100
+    """DAR_MAX_PENDING_PER_RUN: messages, and signals, a run may hold undelivered at once;
+    one more is 409 until the run reads some."""
     key_concurrency: int = 0
     """DAR_KEY_CONCURRENCY: at most this many runs of one concurrencyKey inside a step at
     once (0: no limit)."""
@@ -259,6 +272,10 @@ class Settings:
             flow_control=_bool(e, "DAR_FLOW_CONTROL", True),
             token_max_active_runs=_int(e, "DAR_TOKEN_MAX_ACTIVE_RUNS", 0),
             token_max_priority=_int(e, "DAR_TOKEN_MAX_PRIORITY", 10, minimum=-1000),
+            token_max_schedules=_int(e, "DAR_TOKEN_MAX_SCHEDULES", 20),
+            schedule_min_interval_seconds=_int(e, "DAR_SCHEDULE_MIN_INTERVAL_SECONDS", 10),
+            message_rate_per_minute=_int(e, "DAR_MESSAGE_RATE_PER_MINUTE", 60),
+            max_pending_per_run=_int(e, "DAR_MAX_PENDING_PER_RUN", 100, minimum=1),
             key_concurrency=_int(e, "DAR_KEY_CONCURRENCY", 0),
             key_concurrency_overrides_json=e.get("DAR_KEY_CONCURRENCY_OVERRIDES") or None,
             key_recheck_seconds=_num(e, "DAR_KEY_RECHECK_SECONDS", 30.0, minimum=0.5),

@@ -12,9 +12,10 @@ from __future__ import annotations
 from celery import Celery
 
 from db.engine import make_engine
-from db.store import RunStore
+from db.store import RunStore, SubmitQuota
 from runtime.config import Settings
 from runtime.engine.sweeps import ScheduleLoop
+from runtime.engine.tokens import TokenSource
 from tasks.dispatch import send_drive
 
 
@@ -27,6 +28,16 @@ def start_schedule_loop(app: Celery, settings: Settings) -> ScheduleLoop:
         prepare=settings.db_prepare,
     )
     store = RunStore(engine)
-    loop = ScheduleLoop(store, settings.schedule_poll_seconds, lambda d: send_drive(app, store, d))
+    # A schedule is a standing submit by its creator: its ticks start runs within the
+    # creator's quota, and only while its token is configured and unexpired (the token file
+    # is read again when it changes, as the API does).
+    tokens = TokenSource(settings.api_tokens, settings.api_tokens_file)
+    loop = ScheduleLoop(
+        store,
+        settings.schedule_poll_seconds,
+        lambda d: send_drive(app, store, d),
+        quota=SubmitQuota(settings.submit_rate_per_minute, settings.token_max_active_runs),
+        creator_ok=tokens.may_act_for,
+    )
     loop.start()
     return loop

@@ -14,6 +14,10 @@ anything is written:
 - the fork point is never inside a step (between a durable step and the steps nested in it);
 - an edited result belongs to a copied step (``toolResult.seq`` below ``fromSeq``).
 
+A decision authorises its effects once: without ``reuse_approval`` the fork asks again for
+every approval it copies as approved (before running anything after it) or starts at; the
+approval of an action that failed is never copied as a decision.
+
 At run time: a copied approval whose payload the edits changed is asked again
 (:mod:`runtime.durable.execution`), copied steps are never compensated by the fork
 (:mod:`runtime.durable.compensation`), and with ``replay_model`` model steps are answered
@@ -76,7 +80,8 @@ class ForkRequest:
     """A retry with this key and the same ``request_hash`` gets the fork made first."""
     request_hash: str | None = None
     reuse_approval: bool = False
-    """Keep the source's decision on the approval at ``from_seq`` (:class:`NewFork`)."""
+    """Keep the source's decisions on the approval at ``from_seq`` and the approved ones
+    before it (:class:`NewFork`); otherwise the fork asks again for each."""
 
     @property
     def edits_input(self) -> bool:

@@ -1,8 +1,9 @@
 """Schedules: which ticks of a cron expression are due, and which of them start a run.
 
 A schedule is a cron expression read in an IANA time zone (so ``0 9 * * 1-5`` is 09:00 in
-Paris summer and winter alike). Five fields are the usual minute-to-weekday; a sixth, last,
-field is seconds (``*/10 * * * * *``: every ten seconds).
+Paris summer and winter alike). Five fields are the usual minute-to-weekday; with six, the
+FIRST is seconds (``*/10 * * * * *``: every ten seconds; ``30 0 9 * * 1-5``: 09:00:30 on
+weekdays), as in Quartz, Spring and most six-field crons.
 
 The tick times come from the expression alone, never from when a beat happened to look, so
 every beat computes the same times and the unique ``(schedule, tick)`` row in PostgreSQL
@@ -19,6 +20,7 @@ by the store under the schedule's row lock.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -27,7 +29,7 @@ from croniter import CroniterBadCronError, croniter
 
 from db.errors import DarError
 from db.records import Dispatch, Schedule
-from db.store import RunStore
+from db.store import RunStore, SubmitQuota
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +55,13 @@ class Cron:
     def _zone(self) -> ZoneInfo:
         return ZoneInfo(self.timezone)
 
+    def _fields(self) -> dict[str, bool]:
+        """Six fields: seconds first (croniter's default reads them last)."""
+        return {"second_at_beginning": len(self.expression.split()) == 6}
+
     def next_after(self, after: datetime) -> datetime:
         """The first tick strictly after ``after``, in UTC."""
-        it = croniter(self.expression, after.astimezone(self._zone()))
+        it = croniter(self.expression, after.astimezone(self._zone()), **self._fields())
         found: datetime = it.get_next(datetime)
         return found.astimezone(UTC)
 
@@ -65,7 +71,7 @@ class Cron:
 
     def latest_at(self, now: datetime) -> datetime:
         """The last tick at or before ``now``, in UTC."""
-        it = croniter(self.expression, (now + _EPSILON).astimezone(self._zone()))
+        it = croniter(self.expression, (now + _EPSILON).astimezone(self._zone()), **self._fields())
         found: datetime = it.get_prev(datetime)
         return found.astimezone(UTC)
 
@@ -79,8 +85,8 @@ def parse_cron(expression: str, timezone: str) -> Cron:
     fields = expression.split()
     if len(fields) not in (5, 6):
         raise ScheduleError(
-            f"cron must have 5 fields (minute hour day month weekday) or 6 (a sixth for "
-            f"seconds); got {len(fields)} in {expression!r}"
+            f"cron must have 5 fields (minute hour day month weekday) or 6 (seconds first, "
+            f"then those five); got {len(fields)} in {expression!r}"
         )
     try:
         zone_ok = bool(timezone) and ZoneInfo(timezone) is not None
@@ -93,7 +99,7 @@ def parse_cron(expression: str, timezone: str) -> Cron:
         )
     cron = Cron(" ".join(fields), timezone)
     try:
-        if not croniter.is_valid(cron.expression):
+        if not croniter.is_valid(cron.expression, second_at_beginning=len(fields) == 6):
             raise CroniterBadCronError(cron.expression)
         cron.next_after(datetime.now(UTC))
     except Exception as e:  # croniter raises many types on garbage; all mean "not a cron"
@@ -137,14 +143,38 @@ def plan_schedule(schedule: Schedule, now: datetime) -> tuple[list[datetime], da
     return plan.ticks, plan.next_tick_at
 
 
-def tick_schedules(store: RunStore, *, limit: int = 100) -> list[Dispatch]:
+def tick_schedules(
+    store: RunStore,
+    *,
+    limit: int = 100,
+    quota: SubmitQuota | None = None,
+    creator_ok: Callable[[str], bool] | None = None,
+) -> list[Dispatch]:
     """One pass of a beat: claim the due ticks of every due schedule. Returns the drive_run
     messages of the runs started (committed already; send them now). Any number of beats
-    may run this at once: each tick starts one run (a unique row), whoever inserts it."""
+    may run this at once: each tick starts one run (a unique row), whoever inserts it.
+
+    A tick's run is a submit by the schedule's creator: within ``quota`` and only while
+    ``creator_ok`` (its token configured and unexpired); otherwise the tick is SKIPPED with
+    its reason (:meth:`RunStore.claim_schedule_ticks`)."""
     started: list[Dispatch] = []
     for schedule_id in store.due_schedules(limit=limit):
         try:
-            started += store.claim_schedule_ticks(schedule_id, plan_schedule)
+            started += store.claim_schedule_ticks(
+                schedule_id, plan_schedule, quota=quota, creator_ok=creator_ok
+            )
         except Exception:  # one broken schedule must not stop the others
             log.exception("schedule=%s: its due ticks could not be claimed", schedule_id)
     return started
+
+
+def shortest_gap(cron: Cron, start: datetime, ticks: int = 60) -> timedelta:
+    """The shortest time between two of the next ``ticks`` ticks of ``cron`` after
+    ``start`` (what ``DAR_SCHEDULE_MIN_INTERVAL_SECONDS`` bounds)."""
+    previous = cron.next_after(start)
+    gap = timedelta.max
+    for _ in range(ticks):
+        tick = cron.next_after(previous)
+        gap = min(gap, tick - previous)
+        previous = tick
+    return gap

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 
 from db.records import ApprovalStatus, Dispatch, NewAudit, StepStatus
-from db.store import RunStore
+from db.store import RunStore, SubmitQuota
 from runtime.config import Settings
 from runtime.engine.schedules import tick_schedules
 
@@ -114,10 +114,20 @@ def delete_expired(store: RunStore, settings: Settings) -> int:
         deleted += n
         if n < settings.retention_batch:
             break
-    if deleted:
+    ticks = 0
+    for _ in range(MAX_RETENTION_BATCHES):  # a schedule's tick rows are kept like runs
+        n = store.delete_old_schedule_ticks(
+            older_than_seconds=settings.retention_days * 86400,
+            batch=settings.retention_batch,
+        )
+        ticks += n
+        if n < settings.retention_batch:
+            break
+    if deleted or ticks:
         log.info(
-            "retention: deleted %d finished runs older than %g days",
+            "retention: deleted %d finished runs and %d schedule ticks older than %g days",
             deleted,
+            ticks,
             settings.retention_days,
         )
     return deleted
@@ -139,10 +149,22 @@ class ScheduleLoop:
     started (after their commit). A thread of each beat process; two beats start exactly one
     run per tick (each tick is a unique row)."""
 
-    def __init__(self, store: RunStore, interval_seconds: float, send: Send) -> None:
+    def __init__(
+        self,
+        store: RunStore,
+        interval_seconds: float,
+        send: Send,
+        *,
+        quota: SubmitQuota | None = None,
+        creator_ok: Callable[[str], bool] | None = None,
+    ) -> None:
         self.store = store
         self.interval_seconds = interval_seconds
         self.send = send
+        self.quota = quota
+        """Each schedule's creator's quota: a tick's run is a submit in its name."""
+        self.creator_ok = creator_ok
+        """Whether a creator's token is still configured and unexpired (``None``: always)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dar-schedules", daemon=True)
 
@@ -154,7 +176,7 @@ class ScheduleLoop:
         self._stop.set()
 
     def pass_once(self) -> int:
-        started = tick_schedules(self.store)
+        started = tick_schedules(self.store, quota=self.quota, creator_ok=self.creator_ok)
         for dispatch in started:
             log.info(
                 "run=%s started by its schedule's tick",

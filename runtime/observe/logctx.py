@@ -202,8 +202,31 @@ def configure_logging(
         logging.getLogger(chatty).setLevel(
             logging.NOTSET if root.level <= logging.DEBUG else logging.WARNING
         )
+    _log_greenlet_errors()
     if log_data():
         logging.getLogger(__name__).warning(
             "DAR_LOG_DATA IS ON: log lines carry inputs, results, comments, model and tool "
             "output and exception messages. Use it to debug, never in production."
         )
+
+
+def _log_greenlet_errors() -> None:
+    """gevent's hub reports a greenlet that died with an exception by printing its traceback
+    (message included) and the greenlet (its arguments included) to stderr, past the log's
+    redaction. Route it through the log instead: frames and the exception's type, its
+    message as :func:`data`, the greenlet named by its type only."""
+    try:
+        from gevent.hub import Hub
+    except ImportError:  # no gevent here: nothing prints past the log
+        return
+
+    def print_exception(hub: Any, context: Any, t: Any, v: Any, tb: Any) -> None:
+        where = type(context).__name__ if context is not None else "the hub"
+        logging.getLogger("gevent").error(
+            "a greenlet (%s) died with %s",
+            where,
+            getattr(t, "__name__", "an exception"),
+            exc_info=(t, v, tb) if v is not None else None,
+        )
+
+    Hub.print_exception = print_exception

@@ -76,11 +76,31 @@ def request_hash(task: Task, body: dict[str, Any]) -> str:
     return prompt_hash(body) if hashes is None else hashes.hash(task.run_id, body)
 
 
+LEAST_CHARS_PER_TOKEN = 6
+"""For a lower bound of a request's input tokens: text tokenises at ~4 characters per token
+(English), JSON and code at fewer; hardly any text at more than 6."""
+
+
+def least_tokens(body: dict[str, Any]) -> int:
+    """A deliberately low estimate of a request's input tokens: a call is refused on it
+    (its input alone past the budget) only when it would surely cross the budget."""
+    return len(json.dumps(body, separators=(",", ":"), ensure_ascii=False)) // LEAST_CHARS_PER_TOKEN
+
+
 def strict_budget_refusal(task: Task, request: LlmRequest, body: dict[str, Any]) -> str | None:
-    """With DAR_STRICT_BUDGET, refuse a call whose worst case could cross a budget."""
+    """Refuse a call whose input alone would surely cross the token budget (always: the
+    check after a call cannot take back a million-character input), and with
+    DAR_STRICT_BUDGET one whose worst case could cross a budget."""
+    run = task.claim.run
+    least_in = least_tokens(body)
+    spent_now = run.tokens_used + run.unrecorded_tokens + task.spent.total
+    if spent_now + least_in > run.token_budget:
+        return (
+            f"token budget: the next model call's input alone is at least {least_in} tokens "
+            f"and {spent_now} of {run.token_budget} are spent (not sent)"
+        )
     if not task.settings.strict_budget:
         return None
-    run = task.claim.run
     worst_in = estimate_tokens(body)
     worst = Usage(input_tokens=worst_in, output_tokens=request.max_tokens)
     spent = run.tokens_used + run.unrecorded_tokens + task.spent.total

@@ -178,6 +178,22 @@ def test_a_slow_body_gets_408_and_a_chunked_body_over_the_limit_413(web: int) ->
     assert time.monotonic() - started < 6
 
 
+def test_a_chunked_body_arrives_whole_through_gunicorn(web: int) -> None:
+    """What streaming clients send (fetch with a stream body, requests with a generator): the
+    body in chunks, no Content-Length. It used to arrive empty (400 "must be a JSON
+    object")."""
+    with socket.create_connection(("127.0.0.1", web), timeout=10) as s:
+        s.sendall(
+            b"POST /api/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        for chunk in (b'{"input": ', b'"Which tickets', b' are overdue?"}'):
+            s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        s.sendall(b"0\r\n\r\n")
+        reply = _reply(s)
+    assert reply.startswith(b"HTTP/1.1 201"), reply[:400]
+
+
 # -- nothing unauthenticated costs memory (issue 28.1) -------------------------------------
 
 TOKEN = "tok-serving-e2e"

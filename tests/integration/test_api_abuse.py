@@ -389,8 +389,10 @@ def test_submits_and_timeout_decisions_are_audited(client: FlaskClient, runtime:
 
 
 def test_a_forks_copied_approval_is_labelled_with_the_run_that_decided_it(
-    client: FlaskClient, runtime: Runtime
+    runtime: Runtime, settings: Settings
 ) -> None:
+    tokens = {**TOKENS, "lead": ("read+submit+approve+finance", "tok-lead", "red")}
+    client = make_client(runtime, settings, tokens)
     approval = _approval(client, runtime)
     run_id = approval["runId"]
     assert (
@@ -403,7 +405,12 @@ def test_a_forks_copied_approval_is_labelled_with_the_run_that_decided_it(
     drive_to_end(runtime.driver(), Dispatch(run.id, run.dispatch_token))
     steps = client.get(f"/api/runs/{run_id}/timeline", headers=auth("alice")).get_json()
     after = max(s["seq"] or 0 for s in steps) + 1
-    made = client.post(f"/api/runs/{run_id}/fork", json={"fromSeq": after}, headers=auth("amy"))
+    # Only a token that may decide it keeps the decision for the steps the fork runs after it.
+    made = client.post(
+        f"/api/runs/{run_id}/fork",
+        json={"fromSeq": after, "reuseApprovals": True},
+        headers={"Authorization": "Bearer tok-lead"},
+    )
     assert made.status_code == 201, made.get_json()
     fork_id = made.get_json()["id"]
     (copied,) = runtime.store.list_approvals(status=None, run_id=uuid.UUID(fork_id))
@@ -420,7 +427,11 @@ def test_a_forks_copied_approval_is_labelled_with_the_run_that_decided_it(
 def test_reusing_an_approval_in_a_fork_needs_its_role_and_an_approval_to_reuse(
     runtime: Runtime, settings: Settings
 ) -> None:
-    tokens = {**TOKENS, "fin": ("read+submit+finance", "tok-fin", "red")}
+    tokens = {
+        **TOKENS,
+        "fin": ("read+submit+approve+finance", "tok-fin", "red"),
+        "payer": ("read+submit+finance", "tok-payer", "red"),
+    }
     client = make_client(runtime, settings, tokens)
     approval = _approval(client, runtime)
     run_id = approval["runId"]
@@ -438,6 +449,12 @@ def test_reusing_an_approval_in_a_fork_needs_its_role_and_an_approval_to_reuse(
     refused = client.post(f"/api/runs/{run_id}/fork", json=body, headers=auth("amy"))
     assert refused.status_code == 403, refused.get_json()
     assert "finance" in refused.get_json()["error"]["message"]
+    # The approval's role is not enough: reusing a decision is deciding, which needs approve.
+    no_approve = client.post(
+        f"/api/runs/{run_id}/fork", json=body, headers={"Authorization": "Bearer tok-payer"}
+    )
+    assert no_approve.status_code == 403, no_approve.get_json()
+    assert "'approve'" in no_approve.get_json()["error"]["message"]
     not_one = client.post(
         f"/api/runs/{run_id}/fork",
         json={"fromSeq": 1, "reuseApprovals": True},

@@ -240,9 +240,10 @@ def test_conversation_reads_as_input_text_tool_call_result(
 def test_conversation_shows_a_tool_error_and_the_run_error(
     client: FlaskClient, runtime: Runtime, llm: ScriptedLlm
 ) -> None:
-    # An unknown tool answers with an error result; the spent budget then stops the run.
+    # An unknown tool answers with an error result; the spent budget then stops the run (a
+    # budget the first request fits: one its input alone would cross is not even sent).
     llm.then_tool_use("toolu_x", "no_such_tool", {}, 800, 60)
-    run, dispatch = submit(runtime.store, "q", agent="acme-tickets", model=MODEL, token_budget=100)
+    run, dispatch = submit(runtime.store, "q", agent="acme-tickets", model=MODEL, token_budget=800)
     drive_to_end(runtime.driver(), dispatch)
     body = client.get(f"/api/runs/{run.id}/conversation").get_json()
     entries = body["entries"]

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from db.errors import InvalidTransition
 from db.records import ApprovalStatus, Dispatch, RunStatus, StepKind, StepOrigin, StepStatus
 from runtime.durable import DurableAgent, Steps, durable_agent
 from runtime.engine.bootstrap import Runtime
@@ -106,11 +107,11 @@ def fork(tester: DurableTester, source: uuid.UUID, **kwargs: Any) -> RunResult:
     return tester._drive(Dispatch(run.id, run.dispatch_token))
 
 
-def test_an_unchanged_approval_is_copied_as_decided(
+def test_an_unchanged_approval_reused_is_copied_as_decided(
     tester: DurableTester, model: FakeModel, shop: Shop, runtime: Runtime
 ) -> None:
     first = original(tester, model)
-    done = fork(tester, first.run_id, from_seq=NOTIFY)
+    done = fork(tester, first.run_id, from_seq=NOTIFY, reuse_approval=True)
     assert_run(done).completed().output({"receipt": [1, 20]})
     assert shop.by(done.run_id) == [("notify", [1, 20])], "nothing before N ran again"
     assert model.calls == 1
@@ -121,6 +122,67 @@ def test_an_unchanged_approval_is_copied_as_decided(
     pay = next(s for s in done.steps if s.step_key == "pay:0")
     assert pay.origin is StepOrigin.COPIED
     assert runtime.store.get_run(done.run_id).tokens_used == 0
+
+
+def test_a_fork_after_an_approval_asks_again_before_anything_after_it_runs(
+    tester: DurableTester, model: FakeModel, shop: Shop, runtime: Runtime
+) -> None:
+    """A decision authorises its effects once: a fork from a step after the approval (the
+    approved action copied, its downstream steps run by the fork) asks the approver again
+    before any of them runs, unless the decision is reused explicitly."""
+    first = original(tester, model)
+    waiting = fork(tester, first.run_id, from_seq=NOTIFY)
+    assert_run(waiting).waiting()
+    assert shop.by(waiting.run_id) == [], "notify did not run on the original's decision"
+    (pending,) = runtime.store.list_approvals(run_id=waiting.run_id)
+    assert (pending.status, pending.copied_from, pending.step_key) == (
+        ApprovalStatus.PENDING,
+        None,
+        "pay:0",
+    )
+    done = tester.approve(waiting.run_id, "bob")
+    assert_run(done).completed().output({"receipt": [1, 20]})
+    assert shop.by(done.run_id) == [("pay", [1, 20]), ("notify", [1, 20])]
+    (decided,) = runtime.store.list_approvals(status=None, run_id=done.run_id)
+    assert (decided.decided_by, decided.copied_from) == ("bob", None)
+
+
+def test_the_approval_of_a_failed_action_is_never_copied_as_a_decision(
+    tester: DurableTester, model: FakeModel, runtime: Runtime
+) -> None:
+    """An approved action that failed: a fork copies its failed step, never the approval as a
+    decision, so resuming the fork asks again instead of running the action on it."""
+    ran: list[uuid.UUID] = []
+    broken = {"yes": True}
+
+    @durable_agent("fork-failed-approval", approval_roles=["lead"])
+    def act(_: Any, steps: Steps) -> str:
+        def pay() -> str:
+            ran.append(steps.run_id)
+            if broken["yes"]:
+                raise RuntimeError("gateway down")
+            return "paid"
+
+        return str(steps.approval("lead", 3600).run("pay", pay))
+
+    runtime.agents.register(act)
+    waiting = tester.run(act, {})
+    failed = tester.approve(waiting.run_id, "alice")
+    assert_run(failed).failed()
+    after_all = max(s.seq for s in failed.steps) + 1
+    forked = fork(tester, failed.run_id, from_seq=after_all, reuse_approval=False)
+    assert_run(forked).failed()
+    assert [
+        a
+        for a in runtime.store.list_approvals(status=None, run_id=forked.run_id)
+        if a.status is ApprovalStatus.APPROVED
+    ] == [], "an approval of a failed action is no decision the fork may act on"
+    with pytest.raises(InvalidTransition, match="no decision to reuse"):
+        fork(tester, failed.run_id, from_seq=after_all, reuse_approval=True)
+    broken["yes"] = False
+    resumed = tester._drive(runtime.store.resume_failed(forked.run_id))
+    assert_run(resumed).waiting()
+    assert forked.run_id not in ran, "the fork asked before it paid"
 
 
 def test_an_approval_whose_payload_an_edit_changed_is_asked_again(
@@ -182,7 +244,8 @@ def test_a_fork_of_a_compensated_run_before_its_failure_can_succeed(
     first = original(tester, model, {**ORDER, "fail_notify": True})
     assert_run(first).failed().compensated("reserve", "hold")
     assert first.steps[6].step_key == "compensate:reserve:0"
-    done = fork(tester, first.run_id, from_seq=7, input=ORDER)  # before the compensations
+    # before the compensations; the decision reused, so only notify runs
+    done = fork(tester, first.run_id, from_seq=7, input=ORDER, reuse_approval=True)
     assert_run(done).completed().output({"receipt": [1, 20]})
     assert shop.by(done.run_id) == [("notify", [1, 20])]
     assert not any(s.kind is StepKind.COMPENSATION for s in done.steps), "not copied: after N"

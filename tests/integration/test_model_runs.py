@@ -364,6 +364,23 @@ def test_strict_budget_never_exceeds_the_token_budget(
     assert fake.calls == 0
 
 
+def test_a_call_whose_input_alone_would_cross_the_budget_is_not_made(
+    claude: Runtime, fake: FakeMessagesApi
+) -> None:
+    """Without DAR_STRICT_BUDGET too: a request whose input alone is surely more tokens than
+    the budget has left (a 600,000-character input against 100,000 tokens) is refused before
+    it is sent, not billed and found over the budget after."""
+    fake.then_text("never sent")
+    register_agent(claude.agents)
+    run, dispatch = submit(claude.store, "x " * 300_000, model=MODEL, token_budget=100_000)
+    drive_to_end(claude.driver(), dispatch)
+    ended = claude.store.get_run(run.id)
+    assert ended.status is RunStatus.FAILED
+    assert "input alone" in (ended.error or "")
+    assert fake.calls == 0
+    assert ended.tokens_used == 0
+
+
 def test_a_model_without_a_price_is_charged_the_highest_rate_not_zero(
     claude: Runtime, fake: FakeMessagesApi, caplog: pytest.LogCaptureFixture
 ) -> None:

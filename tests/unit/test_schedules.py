@@ -67,6 +67,14 @@ def test_six_fields_tick_every_second() -> None:
     assert plan.ticks == [T0, T0 + timedelta(seconds=1), T0 + timedelta(seconds=2)]
 
 
+def test_six_fields_read_seconds_first_as_the_readme_says() -> None:
+    every_ten = parse_cron("*/10 * * * * *", "UTC")
+    plan = plan_ticks(every_ten, T0, T0 + timedelta(seconds=35), "none")
+    assert plan.ticks == [T0 + timedelta(seconds=s) for s in (0, 10, 20, 30)]
+    late = parse_cron("30 0 9 * * *", "UTC")  # 09:00:30 every day
+    assert late.next_after(T0.replace(hour=8)) == T0.replace(hour=9, minute=0, second=30)
+
+
 def test_the_expression_is_read_in_the_schedules_time_zone_across_dst() -> None:
     cron = parse_cron("0 9 * * *", "Europe/Paris")
     winter = cron.next_after(datetime(2026, 3, 1, tzinfo=UTC))

@@ -6,14 +6,14 @@ forward by a wake (a signal, a message, ``steps.send``, a child's end): the wake
 parked on what can arrive (a signal, a child, a key slot) is. NULL: no floor.
 
 Revision ID: 0040
-Revises: 0025
+Revises: 0026
 Create Date: 2026-12-07
 """
 
 from alembic import op
 
 revision = "0040"
-down_revision = "0025"
+down_revision = "0026"
 branch_labels = None
 depends_on = None
 
