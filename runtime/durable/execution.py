@@ -62,7 +62,7 @@ from runtime.mcp.errors import McpRemoteError, McpUnavailable
 from runtime.mcp.servers import McpServer, namespaced
 from runtime.mcp.toolset import OfferedTool, idempotent, offered
 from runtime.observe.logctx import error_text, set_step
-from runtime.pipeline import effects, mcpcall, modelcall
+from runtime.pipeline import effects, mcpcall, modelcall, usage
 from runtime.pipeline.checkpoint import Outcome, StepResult, Task
 from runtime.pipeline.codec import decode, encode
 from runtime.pipeline.guard import Stop
@@ -1005,11 +1005,11 @@ class Execution:
         if child.status is RunStatus.SUCCEEDED:
             row = NewStep(rec.seq, key, row_kind, StepStatus.DONE, attempt=1,
                           response=child.result, usage=child.usage, cost_usd=cost,
-                          unrecorded_tokens=child.unrecorded_tokens)  # fmt: skip
+                          unrecorded_tokens=usage.unrecorded_in_tree(child))  # fmt: skip
         else:
             row = NewStep(rec.seq, key, row_kind, StepStatus.ERROR, attempt=1,
                           usage=child.usage, cost_usd=cost,
-                          unrecorded_tokens=child.unrecorded_tokens,
+                          unrecorded_tokens=usage.unrecorded_in_tree(child),
                           error=f"ChildRunFailed: child run {child_id} ended {child.status}: "
                           f"{child.error or 'no error recorded'}")  # fmt: skip
         log.info("run=%s seq=%d CHILD %s: run=%s %s", task.rid, rec.seq, key, str(child_id)[:8],

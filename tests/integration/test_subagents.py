@@ -110,6 +110,11 @@ def responder(body: dict[str, Any]) -> Reply:
         n = len(body["messages"])
         real = {"input_tokens": count_input_tokens(body), "output_tokens": 50}
         return tool_uses([(f"toolu_d{n}", "dig", {"topic": "x"})], usage=real)
+    if system in ("top", "middle"):  # three levels: top -> middle -> researcher
+        if results:
+            return text(f"{system}: done", usage=usage())
+        below = "middle" if system == "top" else "researcher"
+        return tool_uses([(f"toolu_{system}", below, {"task": "acme"})], usage=usage())
     task = body["messages"][0]["content"]
     return text(f"{task}: 2 overdue", usage=usage())
 
@@ -764,6 +769,50 @@ def test_a_childs_unrecorded_tokens_count_against_the_parent(rt: Runtime) -> Non
     assert done.tokens_used == 4 * STEP_TOKENS + 127
     rows = [s for s in rt.store.steps(run.id) if s.kind is StepKind.CHILD]
     assert sorted(r.usage.total for r in rows) == [STEP_TOKENS, STEP_TOKENS], "rows: recorded"
+
+
+def test_a_grandchilds_unrecorded_tokens_and_cost_reach_the_root(
+    settings: Settings, fake: FakeMessagesApi
+) -> None:
+    """Usage rolls up whole through every level of a tree: what a grandchild was billed
+    without a row of its own (a cut stream, a call lost with its worker, a fenced-out
+    answer) counts in the child's totals, and through them in the root's, tokens and cost:
+    the root's budget sees every token its tree was billed."""
+    top = Agent("top", "top", max_tokens=100, subagents=(Subagent("middle"),))
+    middle = Agent("middle", "middle", max_tokens=100, subagents=(Subagent("researcher"),))
+    rt = build(settings, fake, extra=(top, middle))
+    extra, extra_cost = Usage(input_tokens=120, output_tokens=7), Decimal("0.25")
+    try:
+        root, dispatch = submit(rt.store, "go", agent="top")
+        driver = rt.driver()
+        queue, cut = [dispatch], None
+        for _ in range(100):
+            if not queue:
+                break
+            d = queue.pop(0)
+            result = driver.drive(d.run_id, d.token)
+            if result.dispatch is not None and result.outcome is not Outcome.WAITING:
+                queue.append(result.dispatch)
+            queue += result.wakes
+            [mid] = children(rt, root.id) or [None]
+            leaves = children(rt, mid.id) if mid is not None else []
+            if cut is None and leaves:  # the grandchild is billed a call it cannot record
+                cut = leaves[0].id
+                rt.store.record_unrecorded_usage(cut, extra, extra_cost)
+        done = rt.store.get_run(root.id)
+        assert done.status is RunStatus.SUCCEEDED, done.error
+        assert cut is not None
+        assert rt.store.get_run(cut).status is RunStatus.SUCCEEDED
+        billed = fake.billed_tokens  # top 2 calls, middle 2, researcher 1
+        assert billed == 5 * STEP_TOKENS
+        assert done.tokens_used + done.unrecorded_tokens == billed + extra.total
+        priced = sum(
+            (rt.pricing.cost(b.model, Usage(b.input_tokens, b.output_tokens)) for b in fake.billed),
+            Decimal(0),
+        )
+        assert done.cost_usd + done.unrecorded_cost_usd == priced + extra_cost
+    finally:
+        rt.close()
 
 
 def test_a_child_runs_on_its_own_agents_model_and_step_cap(settings: Settings) -> None:
