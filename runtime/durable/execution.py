@@ -27,11 +27,12 @@ from datetime import datetime, timedelta
 from typing import Any, NoReturn
 
 from db.errors import InvalidTransition, RunNotFound
-from db.records import NewRun, NewStep, RunStatus, Step, StepStatus
+from db.records import NewRun, NewStep, RunStatus, Step, StepStatus, Usage
 from db.records import StepKind as RowKind
 from runtime.durable.api import (
     ApprovalBuilder,
     Billed,
+    BilledFailure,
     DurableAgent,
     StepOptions,
     Steps,
@@ -683,7 +684,9 @@ class Execution:
             with self.engine_call():
                 self.stop(outcome.status, outcome.reason)
         assert not isinstance(outcome, modelcall.Interrupted)  # its kind is not interruptible
-        text = f"{type_name(outcome.error)}: {outcome.error}"
+        billed = outcome.error if isinstance(outcome.error, BilledFailure) else None
+        error = billed.error if billed is not None else outcome.error  # billed all the same
+        text = f"{type_name(error)}: {error}"
         row = NewStep(
             seq,
             key,
@@ -695,8 +698,28 @@ class Execution:
             model=model,
         )
         log.info("run=%s seq=%d MODEL %s failed: %s", task.rid, seq, key, error_text(text))
+        if billed is not None:
+            with self.engine_call():
+                self.end(self._record_billed_failure(request, body, row, billed))
         with self.engine_call():
             self.end(task.checkpoint([row]))
+
+    def _record_billed_failure(
+        self, request: LlmRequest, body: dict[str, Any], row: NewStep, failure: BilledFailure
+    ) -> StepResult:
+        """The error row of a framework's call the provider billed, with its usage; an
+        estimate (its input from the request, its output at ``max_tokens`` unless the
+        framework said) when the framework raised before its usage could be read."""
+        usage, model = failure.billed.usage, failure.billed.model or request.model
+        if failure.estimated:
+            usage = Usage(
+                input_tokens=usage.input_tokens or modelcall.estimate_tokens(body),
+                output_tokens=usage.output_tokens or request.max_tokens,
+            )
+        return modelcall.record_failed(
+            self.task, request, body, row, usage, model,
+            request_id=failure.billed.request_id, estimated=failure.estimated,
+        )  # fmt: skip
 
     # -- approvals ----------------------------------------------------------------------------
 

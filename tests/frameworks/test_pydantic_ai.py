@@ -40,7 +40,7 @@ from runtime.llm.scripted import ScriptedLlm
 from runtime.observe.metrics import Metrics
 from runtime.testing.testkit import SimulatedCrash
 from tasks.celery_app import make_celery
-from tests.fakes.messages_api import FakeMessagesApi, RateLimit, slow, text
+from tests.fakes.messages_api import FakeMessagesApi, RateLimit, slow, text, wait_until
 from tests.mcp.support import COUNTING, Ledger
 from tests.support import drive_to_end, events_over_http, expire_lease
 
@@ -335,6 +335,9 @@ def test_a_cancel_aborts_the_frameworks_model_request_in_flight(
     assert done.status is RunStatus.CANCELLED, done.error
     assert took < 10, f"the request was not aborted ({took:.1f}s)"
     assert [s.step_key for s in rt.store.steps(run.id)] == ["agent:0"], "nothing recorded"
+    # billed all the same (its input, the output so far): counted, as an upper bound
+    assert wait_until(lambda: len(fake.billed) == 1, timeout=5)
+    assert done.unrecorded_tokens == done.unrecorded_estimated_tokens >= fake.billed_tokens > 0
 
 
 def test_the_model_text_streams_to_the_runs_event_stream_while_it_is_produced(
