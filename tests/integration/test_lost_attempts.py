@@ -232,6 +232,41 @@ def test_a_worker_fenced_out_mid_call_replaces_the_estimate_with_the_real_usage(
     assert flow.admit(MODEL, 100, 64, waiter=str(run.id), run=str(run.id)).lost is None  # type: ignore[union-attr]
 
 
+def test_an_answer_owed_by_its_worker_keeps_the_call_record_until_it_is_written(
+    runtime: Runtime,
+) -> None:
+    """The answered call's checkpoint could not be written (the database away past the
+    lease): its usage is owed in the worker's memory, and its settle keeps the call's record
+    (``keep_record``), to be erased once the usage is written. A worker killed while it owes
+    leaves the record, and the run's next admission counts the call as lost: billed tokens
+    are never lost with the worker."""
+    flow = runtime.flow_control()
+    assert flow is not None
+    run, _ = submit(runtime.store, model=MODEL)
+    estimate, a_grant = _died_in_a_call(runtime, run.id)
+    assert flow.settle(a_grant, 250, 9, keep_record=True) is None  # A owes it, then dies
+    b_grant = flow.admit(MODEL, 100, 64, waiter=str(run.id), run=str(run.id))
+    assert isinstance(b_grant, Grant)
+    assert b_grant.lost == estimate, "the owed call is still covered by its estimate"
+
+
+def test_a_lost_call_that_brings_the_run_to_its_budget_exactly_ends_it_before_the_next(
+    runtime: Runtime, llm: ScriptedLlm
+) -> None:
+    """A budget is exhausted at its limit, not past it: the estimate of a lost call that
+    makes the run's spend equal its budget ends the run before one more call is made."""
+    register_agent(runtime.agents)
+    llm.then_text("done", 20, 2)
+    run, dispatch = submit(runtime.store, model=MODEL, token_budget=364)
+    estimate, _ = _died_in_a_call(runtime, run.id)
+    assert estimate.total == 364
+    drive_to_end(runtime.driver(), dispatch)
+    done = runtime.store.get_run(run.id)
+    assert done.status is RunStatus.FAILED
+    assert "token budget exhausted" in (done.error or "")
+    assert llm.requests == [], "no call made once the spend reached the budget"
+
+
 def test_a_worker_dying_between_the_answer_and_its_checkpoint_leaves_its_estimate(
     runtime: Runtime, llm: ScriptedLlm, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -884,6 +884,38 @@ def test_a_hold_left_by_a_worker_that_died_after_recording_its_call_is_swept(
     assert holds(rt) == []
 
 
+def test_the_hold_of_a_call_lost_by_a_run_that_then_ended_is_swept(
+    rt: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child's worker dies in its model call (its hold on the tree's budget stays, a lost
+    call) and the child then ends without another call (cancelled, timed out): nothing of
+    that run will release the hold, so the tree's next admission sweeps it, or the tree's
+    budget would shrink by it for ever."""
+    _run, driver, started = start_two_children(rt)
+    a, b = started.wakes
+
+    def dies(request: Any) -> Any:
+        raise Crash()
+
+    with monkeypatch.context() as m:
+        m.setattr(rt.llm, "send", dies)
+        with pytest.raises(Crash):
+            driver.drive(a.run_id, a.token)
+    [(held_run, _epoch, _held)] = holds(rt)
+    assert held_run == a.run_id
+    assert rt.store.steps(a.run_id) == [], "the lost call left no row"
+    with rt.engine.begin() as conn:  # the child ends (an operator's cancel, its deadline)
+        conn.execute(
+            sql(
+                "UPDATE run SET status = 'CANCELLED', finished_at = now(), locked_by = NULL, "
+                "locked_until = NULL WHERE id = :id"
+            ),
+            {"id": a.run_id},
+        )
+    driver.drive(b.run_id, b.token)  # b's call is admitted: a's hold is swept
+    assert holds(rt) == []
+
+
 def test_a_run_with_no_parent_asks_nothing_of_the_tree(
     rt: Runtime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
