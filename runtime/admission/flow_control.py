@@ -522,6 +522,7 @@ class FlowControl:
         key: str | None = None,
         run: str = "",
         step: tuple[str, int] | None = None,
+        estimate: Usage | None = None,
     ) -> Grant | Refusal | None:
         """A :class:`Grant` to hold until :meth:`settle`, a :class:`Refusal` (come back
         after its delay), or ``None``: Redis is unreachable (fail open). A model with no
@@ -529,12 +530,13 @@ class FlowControl:
         callers queue by ``priority`` (higher first), then arrival; the callers of each
         concurrency ``key`` are interleaved with other keys' round-robin.
 
-        With ``run``, a granted call is written down (its lease and estimate: ``input_tokens``
-        in, ``max_tokens`` out) until :meth:`settle`; the next admission of that run finds a
-        record never settled (its worker died in the call) and returns it once as ``lost``:
-        the API billed that call, and nobody recorded it. ``step`` (key, lease epoch) names
-        the call's step in the record, returned as ``lost_step``: the next admission can tell
-        a call recorded after all (a step row of that key and epoch) from one lost."""
+        With ``run``, a granted call is written down (its lease and estimate: ``estimate``,
+        by default ``input_tokens`` in and ``max_tokens`` out) until :meth:`settle`; the
+        next admission of that run finds a record never settled (its worker died in the
+        call) and returns it once as ``lost``: the API billed that call, and nobody recorded
+        it. ``step`` (key, lease epoch) names the call's step in the record, returned as
+        ``lost_step``: the next admission can tell a call recorded after all (a step row of
+        that key and epoch) from one lost."""
         limit = self.limit(model)
         lease = uuid.uuid4().hex
         # one key's waiters are spaced by about one request's share of the limit
@@ -557,7 +559,11 @@ class FlowControl:
                     key or "",
                     spacing,
                     run,
-                    f"{input_tokens}:{max_tokens}"
+                    (
+                        f"{input_tokens}:{max_tokens}"
+                        if estimate is None
+                        else f"{estimate.input_tokens}:{estimate.output_tokens}"
+                    )
                     + (f":{step[1]}:{step[0]}" if step is not None else ""),
                     self.charged_marker_seconds,
                 ],

@@ -70,6 +70,29 @@ def estimate_tokens(body: dict[str, Any]) -> int:
     return len(json.dumps(body, separators=(",", ":"), ensure_ascii=False)) // 3 + 1
 
 
+LOST_OUTPUT_FLOOR = 256
+"""A lost call's output is estimated at no less than this many tokens (see
+:func:`lost_call_estimate`)."""
+
+
+def lost_call_estimate(task: Task, request: LlmRequest, body: dict[str, Any]) -> Usage:
+    """What a call is counted as if its worker dies in it (its admission writes it down; the
+    run's next admission counts it, and the call's own answer, if it comes after all,
+    replaces it): its input estimated high from the request (:func:`estimate_tokens`), its
+    output at ``max_tokens``; or, when the run has answers already, at twice the longest of
+    them (at least :data:`LOST_OUTPUT_FLOOR`, at most ``max_tokens``): a run's answers are
+    rarely far apart, and ``max_tokens`` over-counted a typical lost call 10 to 20 times."""
+    out = request.max_tokens
+    answers = [
+        s.usage.output_tokens
+        for s in task.steps
+        if s.kind in (StepKind.MODEL, StepKind.LLM) and s.prompt_hash is not None
+    ]
+    if answers:
+        out = min(out, max(LOST_OUTPUT_FLOOR, 2 * max(answers)))
+    return Usage(input_tokens=estimate_tokens(body), output_tokens=out)
+
+
 def request_hash(task: Task, body: dict[str, Any]) -> str:
     """:func:`prompt_hash` of the body of the run's model call (incremental on a worker)."""
     hashes = task.services.hashes
@@ -217,6 +240,7 @@ def admit(task: Task, request: LlmRequest, body: dict[str, Any], key: str) -> Wa
         key=tenant_key(run.tenant, run.concurrency_key) if run.concurrency_key else None,
         run=str(run.id),
         step=(key, task.claim.epoch),
+        estimate=lost_call_estimate(task, request, body),
     )
     if decision is not None and decision.lost is not None and recorded(task, decision.lost_step):
         # its worker died between the checkpoint and erasing the record: its row counts it

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx2
 import pytest
@@ -24,7 +25,18 @@ from runtime.llm.base import LlmError, LlmRequest
 from runtime.llm.billing import metering
 from runtime.llm.retry import TimeLimitedLlmClient
 from runtime.llm.scripted import ScriptedLlm
-from tests.fakes.messages_api import FakeMessagesApi, cut, error, slow, text, wait_until
+from runtime.tools import tool
+from tests.fakes.messages_api import (
+    FakeMessagesApi,
+    Reply,
+    count_input_tokens,
+    cut,
+    error,
+    slow,
+    text,
+    tool_uses,
+    wait_until,
+)
 from tests.support import drive_to_end, pointed_at, register_agent, submit
 
 MODEL = "claude-test-model"
@@ -265,6 +277,65 @@ def test_a_lost_call_that_brings_the_run_to_its_budget_exactly_ends_it_before_th
     assert done.status is RunStatus.FAILED
     assert "token budget exhausted" in (done.error or "")
     assert llm.requests == [], "no call made once the spend reached the budget"
+
+
+@tool(idempotent=True)
+def look(topic: str) -> str:
+    """Look a topic up."""
+    return f"{topic}: " + "a finding, " * 40
+
+
+def test_a_lost_calls_estimate_covers_it_and_follows_the_runs_own_answers(
+    claude: Runtime, fake: FakeMessagesApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call lost with its worker (answered, billed, the worker killed before its
+    checkpoint) is counted as its estimate: its input estimated high from the request, its
+    output at twice the run's longest answer so far (at least 256 tokens), not at
+    ``max_tokens`` (4096): still above what the call was billed, by far less."""
+    import runtime.pipeline.modelcall as modelcall_module
+    from tests.support import SimulatedCrash, expire_lease
+
+    def billed_as_sent(output_tokens: int) -> Callable[[dict[str, Any]], Reply]:
+        def reply(body: dict[str, Any]) -> Reply:
+            usage = {"input_tokens": count_input_tokens(body), "output_tokens": output_tokens}
+            if len(body["messages"]) == 1:
+                return tool_uses([("toolu_1", "look", {"topic": "acme"})], usage=usage)
+            return text("acme: two findings, " * 8, usage=usage)
+
+        return reply
+
+    fake.default_responder = billed_as_sent(60)
+    register_agent(claude.agents, look)
+    run, dispatch = submit(claude.store, model=MODEL)
+    answers = 0
+
+    def crash(name: str) -> None:
+        nonlocal answers
+        if name == "after_model_response":
+            answers += 1
+            if answers == 2:  # the second answer arrived; the worker dies before recording it
+                raise SimulatedCrash
+
+    with monkeypatch.context() as m:
+        m.setattr(modelcall_module, "crash_point", crash)
+        with pytest.raises(SimulatedCrash):
+            drive_to_end(claude.driver(worker="worker-A"), dispatch)
+    lost = fake.billed[-1]
+    expire_lease(claude.engine, run.id)
+    (again,) = claude.store.redispatch_due(redispatch_after=3600)
+    drive_to_end(claude.driver(worker="worker-B"), again)
+    done = claude.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    estimated = done.unrecorded_estimated_tokens
+    before = (estimated - 256) + claude.settings.max_tokens  # its output at max_tokens
+    print(
+        f"lost call billed {lost.input_tokens} in + {lost.output_tokens} out = {lost.total}; "
+        f"estimated {estimated} ({estimated / lost.total:.1f}x; at max_tokens it was "
+        f"{before}, {before / lost.total:.1f}x)"
+    )
+    assert estimated >= lost.total, "the estimate covers the lost call"
+    assert estimated - lost.total < lost.total, "within the call's own size of it"
+    assert done.tokens_used + done.unrecorded_tokens >= fake.billed_tokens
 
 
 def test_a_worker_dying_between_the_answer_and_its_checkpoint_leaves_its_estimate(
