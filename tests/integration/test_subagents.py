@@ -771,19 +771,26 @@ def test_a_childs_unrecorded_tokens_count_against_the_parent(rt: Runtime) -> Non
     assert sorted(r.usage.total for r in rows) == [STEP_TOKENS, STEP_TOKENS], "rows: recorded"
 
 
+@durable_agent("handsoff")
+def handsoff(task: str, steps: Steps) -> Any:
+    return steps.child("middle", task)
+
+
+@pytest.mark.parametrize(("root_agent", "calls"), [("top", 5), ("handsoff", 3)])
 def test_a_grandchilds_unrecorded_tokens_and_cost_reach_the_root(
-    settings: Settings, fake: FakeMessagesApi
+    settings: Settings, fake: FakeMessagesApi, root_agent: str, calls: int
 ) -> None:
     """Usage rolls up whole through every level of a tree: what a grandchild was billed
     without a row of its own (a cut stream, a call lost with its worker, a fenced-out
     answer) counts in the child's totals, and through them in the root's, tokens and cost:
-    the root's budget sees every token its tree was billed."""
+    the root's budget sees every token its tree was billed. The root an agent loop (its
+    sub-agent's result) or a durable function (``steps.child``)."""
     top = Agent("top", "top", max_tokens=100, subagents=(Subagent("middle"),))
     middle = Agent("middle", "middle", max_tokens=100, subagents=(Subagent("researcher"),))
-    rt = build(settings, fake, extra=(top, middle))
+    rt = build(settings, fake, extra=(top, middle, handsoff))
     extra, extra_cost = Usage(input_tokens=120, output_tokens=7), Decimal("0.25")
     try:
-        root, dispatch = submit(rt.store, "go", agent="top")
+        root, dispatch = submit(rt.store, "go", agent=root_agent)
         driver = rt.driver()
         queue, cut = [dispatch], None
         for _ in range(100):
@@ -803,8 +810,8 @@ def test_a_grandchilds_unrecorded_tokens_and_cost_reach_the_root(
         assert done.status is RunStatus.SUCCEEDED, done.error
         assert cut is not None
         assert rt.store.get_run(cut).status is RunStatus.SUCCEEDED
-        billed = fake.billed_tokens  # top 2 calls, middle 2, researcher 1
-        assert billed == 5 * STEP_TOKENS
+        billed = fake.billed_tokens  # (top 2 calls,) middle 2, researcher 1
+        assert billed == calls * STEP_TOKENS
         assert done.tokens_used + done.unrecorded_tokens == billed + extra.total
         priced = sum(
             (rt.pricing.cost(b.model, Usage(b.input_tokens, b.output_tokens)) for b in fake.billed),
