@@ -182,6 +182,17 @@ class Answered:
 
 
 @dataclass(frozen=True, slots=True)
+class Superseded:
+    """Not admitted, and nothing changed: the run's record holds a call of a newer claim
+    (a later lease epoch) than the caller's. The caller was taken over while it was away
+    (stopped past its lease): the call in flight is its new holder's, not a lost one, and
+    the caller must not call the model (its writes will be refused)."""
+
+    epoch: int
+    """The newer claim's lease epoch."""
+
+
+@dataclass(frozen=True, slots=True)
 class Refusal:
     limit: str
     """Which limit refused: ``requests``, ``input``, ``output`` or ``concurrent``."""
@@ -223,6 +234,13 @@ for _, w in ipairs(stale) do redis.call('ZREM', KEYS[3], w); redis.call('ZREM', 
 local lost = ''
 if ARGV[14] ~= '' then
   local prev = redis.call('HGET', KEYS[6], ARGV[14])
+  -- a call of a newer claim of the run is in flight: the caller was taken over while it
+  -- was away (stopped, paused), so that call is not lost: touch nothing, say so
+  local theirs = prev and tonumber(string.match(prev, '^[^:]*:[^:]*:[^:]*:(%d+):') or '')
+  local ours = tonumber(string.match(ARGV[15], '^[^:]*:[^:]*:(%d+):') or '')
+  if theirs and ours and theirs > ours then
+    return {0, 'superseded', tostring(theirs), '', ''}
+  end
   if prev then
     lost = prev
     redis.call('HDEL', KEYS[6], ARGV[14])
@@ -523,9 +541,10 @@ class FlowControl:
         run: str = "",
         step: tuple[str, int] | None = None,
         estimate: Usage | None = None,
-    ) -> Grant | Refusal | None:
+    ) -> Grant | Refusal | Superseded | None:
         """A :class:`Grant` to hold until :meth:`settle`, a :class:`Refusal` (come back
-        after its delay), or ``None``: Redis is unreachable (fail open). A model with no
+        after its delay), :class:`Superseded` (a newer claim of the run has a call in
+        flight), or ``None``: Redis is unreachable (fail open). A model with no
         configured limit is admitted at once until the API's headers taught its limits. Refused
         callers queue by ``priority`` (higher first), then arrival; the callers of each
         concurrency ``key`` are interleaved with other keys' round-robin.
@@ -588,6 +607,8 @@ class FlowControl:
                 lost_step=_step(lost),
             )
         dim = why.decode() if isinstance(why, bytes) else str(why)
+        if dim == "superseded":
+            return Superseded(int(float(wait)))
         if self.metrics is not None:
             self.metrics.flow_refused.labels(model, dim).inc()
         return Refusal(

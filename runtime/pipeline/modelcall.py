@@ -34,7 +34,7 @@ from db.records import (
     Usage,
 )
 from runtime.admission.concurrency_keys import tenant_key
-from runtime.admission.flow_control import Answered, Grant, Refusal
+from runtime.admission.flow_control import Answered, Grant, Refusal, Superseded
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.billing import Meter, metering
 from runtime.llm.live_call import ModelCallCancelled, ModelCallInterrupted, live_call
@@ -242,6 +242,16 @@ def admit(task: Task, request: LlmRequest, body: dict[str, Any], key: str) -> Wa
         step=(key, task.claim.epoch),
         estimate=lost_call_estimate(task, request, body),
     )
+    if isinstance(decision, Superseded):
+        # taken over while away (stopped, paused): the call in flight is the new holder's
+        log.warning(
+            "run=%s taken over while this worker was away (a call of lease %d is in flight): "
+            "no model call from here",
+            task.rid,
+            decision.epoch,
+            extra={"run_id": str(task.run_id), "event": "llm.superseded"},
+        )
+        raise LeaseLost(task.run_id, "a newer claim of the run is calling the model")
     if decision is not None and decision.lost is not None and recorded(task, decision.lost_step):
         # its worker died between the checkpoint and erasing the record: its row counts it
         log.info(

@@ -338,6 +338,66 @@ def test_a_lost_calls_estimate_covers_it_and_follows_the_runs_own_answers(
     assert done.tokens_used + done.unrecorded_tokens >= fake.billed_tokens
 
 
+def test_a_worker_that_wakes_up_fenced_out_does_not_count_the_new_holders_call_as_lost(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker A is stopped (SIGSTOP, a long pause) after its claim, before its model call's
+    admission; its lease lapses and worker B takes the run over and calls the model. A
+    wakes up: its admission finds B's call in flight, written under a newer lease. That
+    call is not lost (its worker is alive and will record it): A learns it was taken over
+    and stops, counting no estimate and making no call of its own."""
+    import threading
+
+    import runtime.pipeline.modelcall as modelcall_module
+    from db.errors import LeaseLost
+    from runtime.llm.base import LlmResponse
+    from tests.support import expire_lease
+
+    register_agent(runtime.agents)
+    run, dispatch = submit(runtime.store, model=MODEL)
+    b_calling, b_go = threading.Event(), threading.Event()
+    answered: list[str] = []
+
+    class TwoWorkers:
+        def send(self, request: LlmRequest) -> LlmResponse:
+            who = threading.current_thread().name
+            if who == "worker-B":
+                b_calling.set()
+                assert b_go.wait(10)
+            answered.append(who)
+            usage = Usage(20, 2) if who == "worker-B" else Usage(30, 3)
+            return LlmResponse([{"type": "text", "text": f"from {who}"}], "end_turn", usage, MODEL)
+
+    monkeypatch.setattr(runtime, "llm", TwoWorkers())
+    real = modelcall_module.share_tree_budget
+    b_thread: list[threading.Thread] = []
+
+    def a_stops_here(task: Any, *args: Any) -> Any:
+        monkeypatch.setattr(modelcall_module, "share_tree_budget", real)  # A's call only
+        expire_lease(runtime.engine, run.id)
+        (again,) = runtime.store.redispatch_due(redispatch_after=3600)
+        worker_b = runtime.driver(worker="worker-B")
+        t = threading.Thread(
+            target=lambda: worker_b.drive(again.run_id, again.token), name="worker-B"
+        )
+        t.start()
+        b_thread.append(t)
+        assert b_calling.wait(10), "B's call is in flight"
+        return real(task, *args)
+
+    monkeypatch.setattr(modelcall_module, "share_tree_budget", a_stops_here)
+    with pytest.raises(LeaseLost):
+        runtime.driver(worker="worker-A").drive(dispatch.run_id, dispatch.token)
+    b_go.set()
+    b_thread[0].join(10)
+    done = runtime.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    billed = sum(22 if who == "worker-B" else 33 for who in answered)
+    assert done.unrecorded_estimated_tokens == 0, "B's call was not lost"
+    assert done.tokens_used + done.unrecorded_tokens == billed
+    assert answered == ["worker-B"], "A, taken over, made no call"
+
+
 def test_a_worker_dying_between_the_answer_and_its_checkpoint_leaves_its_estimate(
     runtime: Runtime, llm: ScriptedLlm, monkeypatch: pytest.MonkeyPatch
 ) -> None:
