@@ -482,6 +482,29 @@ MUTANTS = (
         "one more call is made past a budget the lost call's estimate exhausted",
     ),
     Mutant(
+        "stale-admission-takes-the-new-holders-call",
+        "runtime/admission/flow_control.py",
+        "  if theirs and ours and theirs > ours then",
+        "  if false then",
+        (
+            T + "test_lost_attempts.py::test_a_worker_that_wakes_up_fenced_out_does_not_count_the"
+            "_new_holders_call_as_lost",
+        ),
+        "issue 35's SIGSTOP over-count: a worker woken up fenced out counts the new holder's "
+        "call in flight as lost, and the estimate stays beside its recorded count",
+    ),
+    Mutant(
+        "lost-call-estimated-at-max-tokens",
+        "runtime/pipeline/modelcall.py",
+        "        out = min(out, max(LOST_OUTPUT_FLOOR, 2 * max(answers)))\n",
+        "        pass\n",
+        (
+            T + "test_lost_attempts.py::test_a_lost_calls_estimate_covers_it_and_follows_the_runs"
+            "_own_answers",
+        ),
+        "a lost call's output is estimated at max_tokens whatever the run's answers (~15x)",
+    ),
+    Mutant(
         "framework-billed-failure-unrecorded",
         "runtime/durable/execution.py",
         "        if billed is not None:\n            with self.engine_call():",
