@@ -422,8 +422,14 @@ def send(
         refusal = e.rate_limits  # a 429 says the limit and what remains: learn them
         task.observe("MODEL", "error", started)
         raise
-    except Exception:
+    except Exception as e:
         task.observe("MODEL", "error", started)
+        billed = getattr(e, "billed", None)  # a failure the provider billed (BilledFailure)
+        usage = getattr(billed, "usage", None)
+        if isinstance(usage, Usage) and getattr(e, "estimated", True) is False:
+            # settled as an answer: its record stays until its error row counts it
+            model = str(getattr(billed, "model", None) or request.model)
+            response = LlmResponse([], None, usage, model)
         raise
     finally:
         reset_prior_attempts(token)
