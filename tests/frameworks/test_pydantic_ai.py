@@ -309,6 +309,27 @@ def test_the_example_agent_runs_offline(rt: Runtime, monkeypatch: pytest.MonkeyP
     assert "".join(e.text for e in deltas) == done.result
 
 
+@pytest.mark.parametrize("stop_reason", ["max_tokens", "refusal"])
+def test_an_answer_cut_at_max_tokens_or_refused_is_counted_as_billed(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel, stop_reason: str
+) -> None:
+    """Pydantic AI returns an answer that ended at ``max_tokens`` or was refused (a content
+    filter) as an answer, and raises only afterwards, if at all: its model request is
+    recorded with the usage the provider billed, whatever the run makes of it."""
+    rt.agents.register(PydanticAgent(model, name="cut"))
+    cut = [{"type": "text", "text": "It left on"}]
+    fake.then_message(cut, stop_reason, usage={"input_tokens": 40, "output_tokens": 16})
+    fake.then_text("It left on Monday.")  # if the run goes on
+    run, dispatch = rt.submit("cut", "Where is A-7?")
+    drive_to_end(rt.driver(), dispatch)
+
+    done = rt.store.get_run(run.id)
+    assert done.status.terminal
+    [first, *_] = [s for s in rt.store.steps(run.id) if s.step_key.startswith("model.request")]
+    assert first.usage == Usage(40, 16)
+    assert done.tokens_used + done.unrecorded_tokens == fake.billed_tokens
+
+
 def test_a_cancel_aborts_the_frameworks_model_request_in_flight(
     rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel
 ) -> None:
