@@ -251,6 +251,8 @@ def admit(task: Task, request: LlmRequest, body: dict[str, Any], key: str) -> Wa
             decision.epoch,
             extra={"run_id": str(task.run_id), "event": "llm.superseded"},
         )
+        if task.claim.run.parent_run_id is not None:
+            release_tree_budget(task)  # no call: nothing of it to hold against the tree
         raise LeaseLost(task.run_id, "a newer claim of the run is calling the model")
     if decision is not None and decision.lost is not None and recorded(task, decision.lost_step):
         # its worker died between the checkpoint and erasing the record: its row counts it
