@@ -39,6 +39,7 @@ from runtime import native
 from runtime.durable.api import Billed, Steps
 from runtime.durable.errors import ApprovalRejected, NonDeterministicReplay
 from runtime.llm.base import LlmError
+from runtime.llm.billing import bill_lost
 from runtime.llm.live_call import LiveCall, ModelCallCancelled
 from runtime.llm.retry import RetryLater, RetryPolicy, classify, current_prior_attempts
 from runtime.pipeline import modelcall, usage
@@ -178,11 +179,13 @@ def _call_live(
     body: Callable[[], Awaitable[Any]],
     live: LiveCall | None,
     estimate_input: Callable[[], int] = lambda: 0,
+    model: str = "",
 ) -> Any:
     """Run a model unit's body on the loop, its text streamed live; a cancel of the run
-    aborts it there. The provider bills an aborted call what it read and generated, which
-    no framework reports: it is counted as an estimate (``estimate_input()`` in, the text
-    streamed so far out, each at about 3 characters a token: an upper bound)."""
+    aborts it there. The provider bills an aborted call, or one whose stream was cut after
+    its text began, what it read and generated, which no framework reports: it is counted
+    as an estimate (``estimate_input()`` in, the text streamed so far out, each at about 3
+    characters a token: an upper bound)."""
     text = LiveText(live, live.begin_attempt()) if live is not None else None
 
     async def run() -> Any:
@@ -202,6 +205,12 @@ def _call_live(
             usage=cut,
             estimated_tokens=cut.total,
         ) from None
+    except Exception as e:
+        error = http_error(e)
+        if text is not None and text.chars and error is not None and error.status == -1:
+            cut = Usage(input_tokens=estimate_input(), output_tokens=text.chars // 3 + 1)
+            bill_lost(cut, model, "framework stream cut mid-way", estimated=True)
+        raise
     finally:
         if unregister is not None:
             unregister()
@@ -487,7 +496,9 @@ class Bridge:
             return modelcall.estimate_tokens({"model": billing.model, "prompt": billing.prompt})
 
         def call(live: LiveCall | None) -> Billed:
-            return billing.billed(_retried(lambda: _call_live(item.body, live, estimate)))
+            return billing.billed(
+                _retried(lambda: _call_live(item.body, live, estimate, billing.model))
+            )
 
         return self.steps.model_call(item.name, call, prompt=billing.prompt, model=billing.model)
 

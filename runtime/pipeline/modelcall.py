@@ -456,9 +456,11 @@ def _lost_attempts(task: Task) -> Meter:
         task.run_id,
     )
 
-    def meter(usage: Usage, model: str, why: str) -> None:
+    def meter(usage: Usage, model: str, why: str, *, estimated: bool = False) -> None:
         cost = pricing.cost(model, usage)
-        store.record_unrecorded_usage(run_id, usage, cost)
+        store.record_unrecorded_usage(
+            run_id, usage, cost, estimated_tokens=usage.total if estimated else 0
+        )
         if metrics is not None:
             metrics.model_call(model, usage, cost)
         log.info(
