@@ -484,9 +484,9 @@ MUTANTS = (
     ),
     Mutant(
         "send-keyed-without-the-sender-run",
-        "runtime/durable/execution.py",
-        'idempotency_key=f"{self.run_id}/{key}",',
-        "idempotency_key=key,",
+        "runtime/durable/simple.py",
+        'idempotency_key=f"{at.ex.run_id}/{at.key}",',
+        "idempotency_key=at.key,",
         (T + "test_signals.py::test_two_runs_sending_one_name_to_a_run_both_arrive",),
         "two runs sending one name to a run: the second silently dropped",
     ),
@@ -580,6 +580,109 @@ MUTANTS = (
         "    dispatch = task.store.deliver_message(task.claim, lambda c: \n",
         ("tests/unit/test_one_pipeline.py::test_only_the_pipeline_writes_a_runs_steps_or_state",),
         "issue 35 U6: a program records its own step, around the checkpoint's blip retry",
+    ),
+    # issue 35.4: every billed call counted once
+    Mutant(
+        "collect-subagent-drops-unrecorded-cost",
+        "runtime/agentloop/loop.py",
+        "            cost = child.cost_usd + child.unrecorded_cost_usd\n",
+        "            cost = child.cost_usd\n",
+        (T + "test_subagents.py::test_a_grandchilds_unrecorded_tokens_and_cost_reach_the_root",),
+        "a child's unrecorded cost is left out of its parent's: the cost budget under-counts",
+    ),
+    Mutant(
+        "child-row-drops-the-trees-unrecorded-tokens",
+        "runtime/agentloop/loop.py",
+        "unrecorded_tokens=usage.unrecorded_in_tree(child),",
+        "unrecorded_tokens=child.unrecorded_tokens,",
+        (T + "test_subagents.py::test_a_grandchilds_unrecorded_tokens_and_cost_reach_the_root",),
+        "issue 35 U8: a grandchild's unrecorded tokens reach the child only, never the root",
+    ),
+    Mutant(
+        "sweep-tree-holds-keeps-ended-runs",
+        "db/queries.sql",
+        "  AND (r.status IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT')\n       OR EXISTS",
+        "  AND (EXISTS",
+        (T + "test_subagents.py::test_the_hold_of_a_call_lost_by_a_run_that_then_ended_is_swept",),
+        "the hold of a call lost by a run that ended is never swept: the tree's budget shrinks",
+    ),
+    Mutant(
+        "settle-erases-a-kept-call-record",
+        "runtime/admission/flow_control.py",
+        "  if ARGV[11] ~= '1' and cur and",
+        "  if cur and",
+        (
+            T + "test_lost_attempts.py::test_an_answer_owed_by_its_worker_keeps_the_call_record"
+            "_until_it_is_written",
+        ),
+        "the settle erases the record of a call whose usage is owed: lost with a dead worker",
+    ),
+    Mutant(
+        "owed-usage-settle-skips-then",
+        "db/owed.py",
+        "                else:\n                    _after(params, then)\n",
+        "",
+        (
+            T + "test_owed_usage.py::test_usage_written_when_the_database_returns_runs_what"
+            "_follows_it",
+        ),
+        "a call answered during an outage is counted twice (its record outlives the count)",
+    ),
+    Mutant(
+        "admit-lost-call-past-the-budget",
+        "runtime/pipeline/modelcall.py",
+        "        over = spent >= run.token_budget or (",
+        "        over = spent > run.token_budget or (",
+        (
+            T + "test_lost_attempts.py::test_a_lost_call_that_brings_the_run_to_its_budget"
+            "_exactly_ends_it_before_the_next",
+        ),
+        "one more call is made past a budget the lost call's estimate exhausted",
+    ),
+    Mutant(
+        "stale-admission-takes-the-new-holders-call",
+        "runtime/admission/flow_control.py",
+        "  if theirs and ours and theirs > ours then",
+        "  if false then",
+        (
+            T + "test_lost_attempts.py::test_a_worker_that_wakes_up_fenced_out_does_not_count_the"
+            "_new_holders_call_as_lost",
+        ),
+        "issue 35's SIGSTOP over-count: a worker woken up fenced out counts the new holder's "
+        "call in flight as lost, and the estimate stays beside its recorded count",
+    ),
+    Mutant(
+        "lost-call-estimated-at-max-tokens",
+        "runtime/pipeline/modelcall.py",
+        "        out = min(out, max(LOST_OUTPUT_FLOOR, 2 * max(answers)))\n",
+        "        pass\n",
+        (
+            T + "test_lost_attempts.py::test_a_lost_calls_estimate_covers_it_and_follows_the_runs"
+            "_own_answers",
+        ),
+        "a lost call's output is estimated at max_tokens whatever the run's answers (~15x)",
+    ),
+    Mutant(
+        "framework-billed-failure-unrecorded",
+        "runtime/durable/execution.py",
+        "        if billed is not None:\n            with self.engine_call():",
+        "        if False:\n            with self.engine_call():",
+        (
+            "tests/frameworks/test_openai_agents.py::test_a_response_that_ends_incomplete_is"
+            "_counted_with_what_it_billed",
+        ),
+        "issue 35 U7: an incomplete response, billed, is recorded without its usage",
+    ),
+    Mutant(
+        "framework-cancel-counts-nothing",
+        "runtime/frameworks/bridge.py",
+        "        cut = Usage(input_tokens=estimate_input(), output_tokens=out)\n",
+        "        cut = Usage()\n",
+        (
+            "tests/frameworks/test_openai_agents.py::test_a_cancel_aborts_the_sdks_streamed_model"
+            "_call_in_flight",
+        ),
+        "issue 35 U7: a cancelled framework call, billed, is recorded with zero usage",
     ),
 )
 

@@ -182,6 +182,17 @@ class Answered:
 
 
 @dataclass(frozen=True, slots=True)
+class Superseded:
+    """Not admitted, and nothing changed: the run's record holds a call of a newer claim
+    (a later lease epoch) than the caller's. The caller was taken over while it was away
+    (stopped past its lease): the call in flight is its new holder's, not a lost one, and
+    the caller must not call the model (its writes will be refused)."""
+
+    epoch: int
+    """The newer claim's lease epoch."""
+
+
+@dataclass(frozen=True, slots=True)
 class Refusal:
     limit: str
     """Which limit refused: ``requests``, ``input``, ``output`` or ``concurrent``."""
@@ -223,6 +234,13 @@ for _, w in ipairs(stale) do redis.call('ZREM', KEYS[3], w); redis.call('ZREM', 
 local lost = ''
 if ARGV[14] ~= '' then
   local prev = redis.call('HGET', KEYS[6], ARGV[14])
+  -- a call of a newer claim of the run is in flight: the caller was taken over while it
+  -- was away (stopped, paused), so that call is not lost: touch nothing, say so
+  local theirs = prev and tonumber(string.match(prev, '^[^:]*:[^:]*:[^:]*:(%d+):') or '')
+  local ours = tonumber(string.match(ARGV[15], '^[^:]*:[^:]*:(%d+):') or '')
+  if theirs and ours and theirs > ours then
+    return {0, 'superseded', tostring(theirs), '', ''}
+  end
   if prev then
     lost = prev
     redis.call('HDEL', KEYS[6], ARGV[14])
@@ -522,19 +540,22 @@ class FlowControl:
         key: str | None = None,
         run: str = "",
         step: tuple[str, int] | None = None,
-    ) -> Grant | Refusal | None:
+        estimate: Usage | None = None,
+    ) -> Grant | Refusal | Superseded | None:
         """A :class:`Grant` to hold until :meth:`settle`, a :class:`Refusal` (come back
-        after its delay), or ``None``: Redis is unreachable (fail open). A model with no
+        after its delay), :class:`Superseded` (a newer claim of the run has a call in
+        flight), or ``None``: Redis is unreachable (fail open). A model with no
         configured limit is admitted at once until the API's headers taught its limits. Refused
         callers queue by ``priority`` (higher first), then arrival; the callers of each
         concurrency ``key`` are interleaved with other keys' round-robin.
 
-        With ``run``, a granted call is written down (its lease and estimate: ``input_tokens``
-        in, ``max_tokens`` out) until :meth:`settle`; the next admission of that run finds a
-        record never settled (its worker died in the call) and returns it once as ``lost``:
-        the API billed that call, and nobody recorded it. ``step`` (key, lease epoch) names
-        the call's step in the record, returned as ``lost_step``: the next admission can tell
-        a call recorded after all (a step row of that key and epoch) from one lost."""
+        With ``run``, a granted call is written down (its lease and estimate: ``estimate``,
+        by default ``input_tokens`` in and ``max_tokens`` out) until :meth:`settle`; the
+        next admission of that run finds a record never settled (its worker died in the
+        call) and returns it once as ``lost``: the API billed that call, and nobody recorded
+        it. ``step`` (key, lease epoch) names the call's step in the record, returned as
+        ``lost_step``: the next admission can tell a call recorded after all (a step row of
+        that key and epoch) from one lost."""
         limit = self.limit(model)
         lease = uuid.uuid4().hex
         # one key's waiters are spaced by about one request's share of the limit
@@ -557,7 +578,11 @@ class FlowControl:
                     key or "",
                     spacing,
                     run,
-                    f"{input_tokens}:{max_tokens}"
+                    (
+                        f"{input_tokens}:{max_tokens}"
+                        if estimate is None
+                        else f"{estimate.input_tokens}:{estimate.output_tokens}"
+                    )
                     + (f":{step[1]}:{step[0]}" if step is not None else ""),
                     self.charged_marker_seconds,
                 ],
@@ -582,6 +607,8 @@ class FlowControl:
                 lost_step=_step(lost),
             )
         dim = why.decode() if isinstance(why, bytes) else str(why)
+        if dim == "superseded":
+            return Superseded(int(float(wait)))
         if self.metrics is not None:
             self.metrics.flow_refused.labels(model, dim).inc()
         return Refusal(

@@ -22,7 +22,7 @@ from runtime.mcp.client import CallResult
 from runtime.mcp.toolset import Toolset
 from runtime.observe.logctx import set_step
 from runtime.observe.tracing import Span, step_span
-from runtime.pipeline import effects, kinds, mcpcall, modelcall
+from runtime.pipeline import effects, kinds, mcpcall, modelcall, usage
 from runtime.pipeline.checkpoint import Outcome, StepResult, Task
 from runtime.pipeline.faults import crash_point
 from runtime.pipeline.replay import (
@@ -291,7 +291,7 @@ def _collect_subagent(task: Task, calls: list[dict[str, Any]]) -> StepResult:
                 attempt=1,
                 usage=child.usage,
                 cost_usd=cost,
-                unrecorded_tokens=child.unrecorded_tokens,
+                unrecorded_tokens=usage.unrecorded_in_tree(child),
                 latency_ms=_took_ms(found.started_at, child.finished_at),
                 tool_name=use["name"],
                 tool_use_id=use["id"],

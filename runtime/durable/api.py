@@ -64,6 +64,20 @@ class Billed:
     stop_reason: str | None = None
 
 
+class BilledFailure(Exception):
+    """Raised by the body of ``steps.model_call`` for a call that failed after the provider
+    billed it (a response that ended ``incomplete``: max output tokens, a content filter).
+    The step is recorded as ``error`` (what the framework sees, then and on replay) with
+    ``billed``'s tokens and cost; with ``estimated``, the usage is an upper bound (the
+    framework raised before its usage could be read) counted as the run's estimated tokens."""
+
+    def __init__(self, error: Exception, billed: Billed, *, estimated: bool = False) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.billed = billed
+        self.estimated = estimated
+
+
 @dataclass(frozen=True)
 class DurableAgent:
     name: str

@@ -25,11 +25,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from db.records import NewStep, RunStatus, Step, StepStatus
+from db.records import NewStep, RunStatus, Step, StepStatus, Usage
 from db.records import StepKind as RowKind
 from runtime.durable.api import (
     ApprovalBuilder,
     Billed,
+    BilledFailure,
     DurableAgent,
     StepOptions,
     Steps,
@@ -60,7 +61,7 @@ from runtime.mcp.errors import McpRemoteError, McpUnavailable
 from runtime.mcp.servers import McpServer, namespaced
 from runtime.mcp.toolset import OfferedTool, idempotent, offered
 from runtime.observe.logctx import error_text, set_step
-from runtime.pipeline import effects, mcpcall, modelcall
+from runtime.pipeline import effects, mcpcall, modelcall, usage
 from runtime.pipeline.checkpoint import Outcome, StepResult, Task
 from runtime.pipeline.codec import decode, encode
 from runtime.pipeline.guard import Stop
@@ -677,7 +678,9 @@ class Execution:
             with self.engine_call():
                 self.stop(outcome.status, outcome.reason)
         assert not isinstance(outcome, modelcall.Interrupted)  # its kind is not interruptible
-        text = f"{type_name(outcome.error)}: {outcome.error}"
+        billed = outcome.error if isinstance(outcome.error, BilledFailure) else None
+        error = billed.error if billed is not None else outcome.error  # billed all the same
+        text = f"{type_name(error)}: {error}"
         row = NewStep(
             seq,
             key,
@@ -689,8 +692,28 @@ class Execution:
             model=model,
         )
         log.info("run=%s seq=%d MODEL %s failed: %s", task.rid, seq, key, error_text(text))
+        if billed is not None:
+            with self.engine_call():
+                self.end(self._record_billed_failure(request, body, row, billed))
         with self.engine_call():
             self.end(task.checkpoint([row]))
+
+    def _record_billed_failure(
+        self, request: LlmRequest, body: dict[str, Any], row: NewStep, failure: BilledFailure
+    ) -> StepResult:
+        """The error row of a framework's call the provider billed, with its usage; an
+        estimate (its input from the request, its output at ``max_tokens`` unless the
+        framework said) when the framework raised before its usage could be read."""
+        usage, model = failure.billed.usage, failure.billed.model or request.model
+        if failure.estimated:
+            usage = Usage(
+                input_tokens=usage.input_tokens or modelcall.estimate_tokens(body),
+                output_tokens=usage.output_tokens or request.max_tokens,
+            )
+        return modelcall.record_failed(
+            self.task, request, body, row, usage, model,
+            request_id=failure.billed.request_id, estimated=failure.estimated,
+        )  # fmt: skip
 
     # -- approvals ----------------------------------------------------------------------------
 
@@ -892,11 +915,11 @@ class Execution:
         if child.status is RunStatus.SUCCEEDED:
             row = NewStep(rec.seq, key, row_kind, StepStatus.DONE, attempt=rec.attempt,
                           response=child.result, usage=child.usage, cost_usd=cost,
-                          unrecorded_tokens=child.unrecorded_tokens)  # fmt: skip
+                          unrecorded_tokens=usage.unrecorded_in_tree(child))  # fmt: skip
         else:
             row = NewStep(rec.seq, key, row_kind, StepStatus.ERROR, attempt=rec.attempt,
                           usage=child.usage, cost_usd=cost,
-                          unrecorded_tokens=child.unrecorded_tokens,
+                          unrecorded_tokens=usage.unrecorded_in_tree(child),
                           error=f"ChildRunFailed: child run {child_id} ended {child.status}: "
                           f"{child.error or 'no error recorded'}")  # fmt: skip
         log.info("run=%s seq=%d CHILD %s: run=%s %s", task.rid, rec.seq, key, str(child_id)[:8],

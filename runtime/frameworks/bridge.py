@@ -39,9 +39,10 @@ from runtime import native
 from runtime.durable.api import Billed, Steps
 from runtime.durable.errors import ApprovalRejected, NonDeterministicReplay
 from runtime.llm.base import LlmError
+from runtime.llm.billing import bill_lost
 from runtime.llm.live_call import LiveCall, ModelCallCancelled
 from runtime.llm.retry import RetryLater, RetryPolicy, classify, current_prior_attempts
-from runtime.pipeline import usage
+from runtime.pipeline import modelcall, usage
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +123,12 @@ class LiveText:
     def __init__(self, call: LiveCall, attempt: int) -> None:
         self.call = call
         self.attempt = attempt
+        self.chars = 0
+        """Characters of text out so far (a cut call's output is estimated from them)."""
 
     def __call__(self, text: str) -> None:
         if text:
+            self.chars += len(text)
             self.call.delta(self.attempt, text)
 
     @property
@@ -171,9 +175,17 @@ def _abort(future: concurrent.futures.Future[Any]) -> None:
     future.cancel()
 
 
-def _call_live(body: Callable[[], Awaitable[Any]], live: LiveCall | None) -> Any:
+def _call_live(
+    body: Callable[[], Awaitable[Any]],
+    live: LiveCall | None,
+    estimate_input: Callable[[], int] = lambda: 0,
+    model: str = "",
+) -> Any:
     """Run a model unit's body on the loop, its text streamed live; a cancel of the run
-    aborts it there."""
+    aborts it there. The provider bills an aborted call, or one whose stream was cut after
+    its text began, what it read and generated, which no framework reports: it is counted
+    as an estimate (``estimate_input()`` in, the text streamed so far out, each at about 3
+    characters a token: an upper bound)."""
     text = LiveText(live, live.begin_attempt()) if live is not None else None
 
     async def run() -> Any:
@@ -186,9 +198,19 @@ def _call_live(body: Callable[[], Awaitable[Any]], live: LiveCall | None) -> Any
     try:
         return future.result()
     except concurrent.futures.CancelledError:
+        out = text.chars // 3 + 1 if text is not None and text.chars else 0
+        cut = Usage(input_tokens=estimate_input(), output_tokens=out)
         raise ModelCallCancelled(
-            "the run was cancelled while its model call was in flight", usage=Usage()
+            "the run was cancelled while its model call was in flight",
+            usage=cut,
+            estimated_tokens=cut.total,
         ) from None
+    except Exception as e:
+        error = http_error(e)
+        if text is not None and text.chars and error is not None and error.status == -1:
+            cut = Usage(input_tokens=estimate_input(), output_tokens=text.chars // 3 + 1)
+            bill_lost(cut, model, "framework stream cut mid-way", estimated=True)
+        raise
     finally:
         if unregister is not None:
             unregister()
@@ -470,8 +492,13 @@ class Bridge:
                 idempotent=item.policy.idempotent,
             )
 
+        def estimate() -> int:  # as the engine estimates the request (its model and prompt)
+            return modelcall.estimate_tokens({"model": billing.model, "prompt": billing.prompt})
+
         def call(live: LiveCall | None) -> Billed:
-            return billing.billed(_retried(lambda: _call_live(item.body, live)))
+            return billing.billed(
+                _retried(lambda: _call_live(item.body, live, estimate, billing.model))
+            )
 
         return self.steps.model_call(item.name, call, prompt=billing.prompt, model=billing.model)
 

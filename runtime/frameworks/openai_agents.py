@@ -65,7 +65,7 @@ from openai.types.responses import (
 from pydantic import TypeAdapter
 
 from db.records import Usage
-from runtime.durable.api import Billed, DurableAgent, Steps
+from runtime.durable.api import Billed, BilledFailure, DurableAgent, Steps
 from runtime.frameworks.bridge import (
     APPROVAL_ROLE,
     APPROVAL_TIMEOUT_SECONDS,
@@ -214,14 +214,25 @@ class DurableModel(Model):
         if bridge is None:
             return await self.inner.get_response(*args, **kwargs)
 
-        async def body() -> dict[str, Any]:
-            live = current_live()
-            if live is None:
-                return dump_response(await self.inner.get_response(*args, **kwargs))
-            return dump_response(await streamed(self.inner, live, args, kwargs))
-
         prompt = _prompt(args, kwargs)
         name = _model_name(self.inner, self.name)
+
+        async def body() -> dict[str, Any]:
+            live = current_live()
+            if live is not None:
+                return dump_response(await streamed(self.inner, live, args, kwargs, name))
+            try:
+                return dump_response(await self.inner.get_response(*args, **kwargs))
+            except ModelBehaviorError as e:
+                if _INCOMPLETE not in str(e):
+                    raise
+                # billed, and the SDK raised before its usage could be read: an estimate,
+                # its output at the call's max_tokens when the settings say
+                settings = kwargs.get("model_settings", args[2] if len(args) > 2 else None)
+                most = getattr(settings, "max_tokens", None) or 0
+                usage = Usage(output_tokens=int(most))
+                raise BilledFailure(e, Billed(None, name, usage), estimated=True) from e
+
         value = await bridge.unit(
             "model",
             body,
@@ -248,13 +259,21 @@ class DurableModel(Model):
 
 
 _FAILED = ("response.failed", "response.incomplete", "error")
+_INCOMPLETE = "terminal event `response.incomplete`"
+"""How the SDK's error for a response that ended ``incomplete`` reads (it carries no more)."""
 
 
 async def streamed(
-    model: Model, live: LiveText, args: tuple[Any, ...], kwargs: dict[str, Any]
+    model: Model,
+    live: LiveText,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    name: str = "",
 ) -> ModelResponse:
     """One model call, streamed: its text goes to the run's event stream as it arrives; the
-    answer is the completed response, as ``get_response`` would have returned it."""
+    answer is the completed response, as ``get_response`` would have returned it. A response
+    that ends ``incomplete`` or ``failed`` with its usage (billed) raises
+    :class:`BilledFailure` with that usage, as model ``name``."""
     final: Response | None = None
     done: list[Any] = []
     stream = model.stream_response(*args, **kwargs)
@@ -267,13 +286,27 @@ async def streamed(
             elif isinstance(event, ResponseCompletedEvent):
                 final = event.response
             elif getattr(event, "type", None) in _FAILED:
-                raise ModelBehaviorError(f"the model's stream ended with {event.type}")
+                error = ModelBehaviorError(f"the model's stream ended with {event.type}")
+                ended = getattr(event, "response", None)
+                if isinstance(ended, Response) and ended.usage is not None:
+                    reason = getattr(ended.incomplete_details, "reason", None)
+                    if reason:
+                        error = ModelBehaviorError(f"{error} ({reason})")
+                    value = dump_response(_answer(ended, done))
+                    raise BilledFailure(error, billed(value, name or ended.model))
+                raise error
     finally:
         closing = getattr(stream, "aclose", None)
         if closing is not None:
             await closing()
     if final is None:
         raise ModelBehaviorError("the model's stream ended without a completed response")
+    return _answer(final, done)
+
+
+def _answer(final: Response, done: list[Any]) -> ModelResponse:
+    """A streamed response as ``get_response`` returns it (its output items, or those the
+    stream delivered one by one)."""
     u = final.usage
     usage = SdkUsage(
         requests=1,

@@ -20,15 +20,21 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import Protocol
 
 from db.records import Usage
 
 log = logging.getLogger(__name__)
 
-Meter = Callable[[Usage, str, str], None]
-"""``meter(usage, model, why)``: count ``usage`` of a call to ``model`` billed with no
-response; ``why`` says how it was lost (for the log line)."""
+
+class Meter(Protocol):
+    """``meter(usage, model, why)``: count ``usage`` of a call to ``model`` billed with no
+    response; ``why`` says how it was lost (for the log line); with ``estimated``, the usage
+    is an estimate (an upper bound), not what the API reported."""
+
+    def __call__(self, usage: Usage, model: str, why: str, *, estimated: bool = False) -> None: ...
+
 
 _meter: contextvars.ContextVar[Meter | None] = contextvars.ContextVar("dar_meter", default=None)
 
@@ -48,9 +54,12 @@ def current_meter() -> Meter | None:
     return _meter.get()
 
 
-def bill_lost(usage: Usage, model: str, why: str, meter: Meter | None = None) -> None:
-    """Count ``usage`` (billed, never returned) on ``meter`` (by default the current one).
-    Never raises: an attempt already lost must not also fail the call beside it."""
+def bill_lost(
+    usage: Usage, model: str, why: str, meter: Meter | None = None, *, estimated: bool = False
+) -> None:
+    """Count ``usage`` (billed, never returned; ``estimated``: an estimate of it) on
+    ``meter`` (by default the current one). Never raises: an attempt already lost must not
+    also fail the call beside it."""
     if usage.total <= 0:
         return
     target = meter if meter is not None else _meter.get()
@@ -64,7 +73,10 @@ def bill_lost(usage: Usage, model: str, why: str, meter: Meter | None = None) ->
         )
         return
     try:
-        target(usage, model, why)
+        if estimated:
+            target(usage, model, why, estimated=True)
+        else:
+            target(usage, model, why)
     except Exception:
         log.exception(
             "could not record %d billed tokens of a lost model call (%s)",

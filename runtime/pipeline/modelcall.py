@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -34,13 +34,13 @@ from db.records import (
     Usage,
 )
 from runtime.admission.concurrency_keys import tenant_key
-from runtime.admission.flow_control import Answered, Grant, Refusal
+from runtime.admission.flow_control import Answered, Grant, Refusal, Superseded
 from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.billing import Meter, metering
 from runtime.llm.live_call import ModelCallCancelled, ModelCallInterrupted, live_call
 from runtime.llm.retry import RetryLater, prior_attempts, reset_prior_attempts
-from runtime.pipeline import kinds
-from runtime.pipeline.checkpoint import Earlier, Task, plus
+from runtime.pipeline import checkpoint, kinds
+from runtime.pipeline.checkpoint import Earlier, StepResult, Task, plus
 from runtime.pipeline.faults import crash_point
 from runtime.pipeline.prompthash import prompt_hash as prompt_hash
 
@@ -68,6 +68,29 @@ def estimate_tokens(body: dict[str, Any]) -> int:
     """A deliberately high estimate of a request's input tokens (about 3 characters per
     token; real English text averages nearer 4)."""
     return len(json.dumps(body, separators=(",", ":"), ensure_ascii=False)) // 3 + 1
+
+
+LOST_OUTPUT_FLOOR = 256
+"""A lost call's output is estimated at no less than this many tokens (see
+:func:`lost_call_estimate`)."""
+
+
+def lost_call_estimate(task: Task, request: LlmRequest, body: dict[str, Any]) -> Usage:
+    """What a call is counted as if its worker dies in it (its admission writes it down; the
+    run's next admission counts it, and the call's own answer, if it comes after all,
+    replaces it): its input estimated high from the request (:func:`estimate_tokens`), its
+    output at ``max_tokens``; or, when the run has answers already, at twice the longest of
+    them (at least :data:`LOST_OUTPUT_FLOOR`, at most ``max_tokens``): a run's answers are
+    rarely far apart, and ``max_tokens`` over-counted a typical lost call 10 to 20 times."""
+    out = request.max_tokens
+    answers = [
+        s.usage.output_tokens
+        for s in task.steps
+        if s.kind in (StepKind.MODEL, StepKind.LLM) and s.prompt_hash is not None
+    ]
+    if answers:
+        out = min(out, max(LOST_OUTPUT_FLOOR, 2 * max(answers)))
+    return Usage(input_tokens=estimate_tokens(body), output_tokens=out)
 
 
 def request_hash(task: Task, body: dict[str, Any]) -> str:
@@ -237,7 +260,20 @@ def admit(task: Task, request: LlmRequest, body: dict[str, Any], key: str) -> Wa
         key=tenant_key(run.tenant, run.concurrency_key) if run.concurrency_key else None,
         run=str(run.id),
         step=(key, task.claim.epoch),
+        estimate=lost_call_estimate(task, request, body),
     )
+    if isinstance(decision, Superseded):
+        # taken over while away (stopped, paused): the call in flight is the new holder's
+        log.warning(
+            "run=%s taken over while this worker was away (a call of lease %d is in flight): "
+            "no model call from here",
+            task.rid,
+            decision.epoch,
+            extra={"run_id": str(task.run_id), "event": "llm.superseded"},
+        )
+        if task.claim.run.parent_run_id is not None:
+            release_tree_budget(task)  # no call: nothing of it to hold against the tree
+        raise LeaseLost(task.run_id, "a newer claim of the run is calling the model")
     if decision is not None and decision.lost is not None and recorded(task, decision.lost_step):
         # its worker died between the checkpoint and erasing the record: its row counts it
         log.info(
@@ -408,8 +444,14 @@ def send(
         refusal = e.rate_limits  # a 429 says the limit and what remains: learn them
         task.observe("MODEL", "error", started)
         raise
-    except Exception:
+    except Exception as e:
         task.observe("MODEL", "error", started)
+        billed = getattr(e, "billed", None)  # a failure the provider billed (BilledFailure)
+        usage = getattr(billed, "usage", None)
+        if isinstance(usage, Usage) and getattr(e, "estimated", True) is False:
+            # settled as an answer: its record stays until its error row counts it
+            model = str(getattr(billed, "model", None) or request.model)
+            response = LlmResponse([], None, usage, model)
         raise
     finally:
         reset_prior_attempts(token)
@@ -434,9 +476,11 @@ def _lost_attempts(task: Task) -> Meter:
         task.run_id,
     )
 
-    def meter(usage: Usage, model: str, why: str) -> None:
+    def meter(usage: Usage, model: str, why: str, *, estimated: bool = False) -> None:
         cost = pricing.cost(model, usage)
-        store.record_unrecorded_usage(run_id, usage, cost)
+        store.record_unrecorded_usage(
+            run_id, usage, cost, estimated_tokens=usage.total if estimated else 0
+        )
         if metrics is not None:
             metrics.model_call(model, usage, cost)
         log.info(
@@ -557,6 +601,41 @@ def record_billed(
     task.spent = plus(task.spent, answer.response.usage)
     task.spent_cost += answer.cost
     return result
+
+
+def record_failed(
+    task: Task,
+    request: LlmRequest,
+    body: dict[str, Any],
+    row: NewStep,
+    usage: Usage,
+    model: str,
+    *,
+    request_id: str | None = None,
+    estimated: bool = False,
+) -> StepResult:
+    """Record ``row``, the error of a call the provider billed all the same (a response that
+    ended ``incomplete``), and hand the lease on. Its tokens and cost are the row's, counted
+    on the run as any answer's (against the run even when the fence refuses the row, see
+    :func:`record_billed`); with ``estimated`` (the usage could not be read: an upper bound)
+    they are the run's estimated unrecorded tokens instead, beside a row without usage."""
+    cost = task.services.pricing.cost(model, usage)
+    if task.services.metrics is not None:
+        task.services.metrics.model_call(model, usage, cost)
+    if estimated:
+        task.store.record_unrecorded_usage(task.run_id, usage, cost, estimated_tokens=usage.total)
+        return task.checkpoint([row])
+    row = replace(row, usage=usage, cost_usd=cost, model=model, request_id=request_id)
+    response = LlmResponse([], row.stop_reason, usage, model, request_id)
+    answer = Answer(request, body, response, cost, row.latency_ms or 0)
+    dispatch = record_billed(
+        task,
+        answer,
+        lambda: task.store.record_steps(task.claim, [row]),
+        row=row,
+        committed=lambda: Dispatch(task.run_id, task.store.get_run(task.run_id).dispatch_token),
+    )
+    return StepResult(checkpoint.Outcome.CONTINUE, dispatch=dispatch)
 
 
 # -- the whole sequence, for every kind of step that calls the model --------------------------

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from db.errors import DatabaseUnavailable, LeaseLost
-from db.records import NewStep, StepStatus, Usage
+from db.records import NewStep, Run, StepStatus, Usage
 from db.records import StepKind as RowKind
 from runtime.pipeline.checkpoint import Task, plus
 
@@ -187,3 +187,12 @@ def record_usage(
     if not usage.total:
         return
     recorder.record(str(model or ""), usage, request_id)
+
+
+def unrecorded_in_tree(child: Run) -> int:
+    """The tokens a child run's whole tree was billed beyond its counts by direction
+    (``child.usage``): its own unrecorded tokens (cut, fenced-out or lost calls) and those its
+    own children's results brought in (counted in its ``tokens_used``, in no direction). Its
+    step in the parent carries them as ``unrecorded_tokens``, so usage rolls up whole through
+    every level of a tree (its cost already does: ``cost_usd + unrecorded_cost_usd``)."""
+    return child.tokens_used + child.unrecorded_tokens - child.usage.total

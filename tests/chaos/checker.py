@@ -199,6 +199,9 @@ COMPENSATION = "compensation-at-most-once-after-a-failure"
 APPROVALS = "approval-decided-once"
 BILLED = "billed-tokens-recorded"
 LOST_COVERED = "lost-calls-estimated"
+COST = "recorded-as-billed"
+KILLS = ("kill_worker", "kill_pool_child", "crash_point", "worker_exit_on_broker_loss")
+"""Faults that kill a process (a crash point's kind is ``crash_point:<point>``)."""
 
 
 def check(ev: Evidence) -> list[Violation]:
@@ -237,6 +240,7 @@ def check(ev: Evidence) -> list[Violation]:
         out += _check_fencing(ev, run, steps)
         out += _check_tokens(run, steps, calls)
         out += _check_lost_covered(ev, run, steps, calls)
+        out += _check_cost(ev, run, calls)
 
     for key, rows in comments_by_key.items():
         if key not in side_effect_keys:
@@ -714,6 +718,42 @@ def _check_lost_covered(
     ]  # fmt: skip
 
 
+def _check_cost(ev: Evidence, run: Run, calls: list[ModelCall]) -> list[Violation]:
+    """Issue 35.4: what the run records (``tokens_used + unrecorded_tokens``) is what the
+    API billed for it when no process was killed while it ran (a worker stopped past its
+    lease, a database or broker away: the fenced-out or owed calls' real counts replace any
+    estimate of them); when one was, the estimates of the calls lost with it may exceed
+    those calls, never more than the estimates themselves (anything beyond is a call counted
+    twice). Not judged for a run that lived through a Redis restart: the call records the
+    estimates come from are in Redis."""
+    billed = sum(c.usage_total for c in calls if c.status == 200)
+    recorded = run.tokens_used + run.unrecorded_tokens
+    estimated = run.unrecorded_estimated_tokens
+    began, ended = run.created_at.timestamp(), (run.finished_at or run.updated_at).timestamp()
+    during = [
+        f
+        for f in ev.faults
+        if run.id in f.repeat_runs or run.id in f.disturbed or began - 1.0 <= f.at <= ended
+    ]
+    if any(f.kind == "restart_redis" for f in during):
+        return []
+    if not any(f.kind.split(":")[0] in KILLS for f in during):
+        if recorded == billed:
+            return []
+        return [
+            Violation(COST, run.id, f"no process was killed while it ran, yet it records "
+                      f"{recorded} tokens (of which {estimated} estimated) and the API billed "
+                      f"{billed}")
+        ]  # fmt: skip
+    if recorded - billed > estimated:
+        return [
+            Violation(COST, run.id, f"it records {recorded} tokens, {recorded - billed} more "
+                      f"than the API billed ({billed}), beyond its estimates ({estimated}): a "
+                      "call counted twice")
+        ]  # fmt: skip
+    return []
+
+
 # -- durable functions --------------------------------------------------------------------------
 
 COMPENSATE_PREFIX = "compensate:"
@@ -781,6 +821,7 @@ def check_durable(ev: Evidence, runs: list[Run]) -> list[Violation]:
         out += _check_counters(run, steps)
         out += _durable_billed(ev, run, steps, calls.get(run_tag(run) or "", []))
         out += _check_lost_covered(ev, run, steps, calls.get(run_tag(run) or "", []))
+        out += _check_cost(ev, run, calls.get(run_tag(run) or "", []))
     return out
 
 
@@ -1122,7 +1163,8 @@ def cost_line(ev: Evidence) -> str:
     return (
         f"cost: billed {billed} tokens; step rows {rows}, exact unrecorded {exact}; lost with "
         f"their worker {lost}, estimated {estimated} ({covered}; the estimates exceed the lost "
-        f"calls by {estimated - lost}: max_tokens and a ~33% input margin per lost call)"
+        f"calls by {estimated - lost}: a ~33% input margin, and the output at twice the run's "
+        "longest answer (at least 256 tokens) or max_tokens, per lost call)"
     )
 
 

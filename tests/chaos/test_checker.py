@@ -310,6 +310,35 @@ def test_a_repeat_paid_for_by_a_fault_and_its_unrecorded_tokens_pass() -> None:
     assert check(ev) == []
 
 
+def _during_the_run(kind: str) -> Fault:
+    return Fault(kind, "worker-A", at(2.0).timestamp(), repeat_runs=frozenset({RUN_ID}))
+
+
+def test_with_no_process_killed_the_run_records_exactly_what_was_billed() -> None:
+    """Issue 35.4: a worker stopped past its lease is not killed: the estimate of its call
+    counted meanwhile must have been replaced by the call's real count."""
+    ev = repeat_turn_2(good_evidence())
+    billed = ev.calls[-1].usage_total
+    stopped = [_during_the_run("sigstop_past_lease")]
+    exact = make_run(unrecorded_tokens=billed)
+    ev = dataclasses.replace(ev, runs=[exact], faults=stopped)
+    assert check(ev) == []
+    left = make_run(unrecorded_tokens=billed + 500, unrecorded_estimated_tokens=500)
+    violations = check(dataclasses.replace(ev, runs=[left]))
+    assert {v.invariant for v in violations} == {checker.COST}, violations
+
+
+def test_with_a_process_killed_estimates_may_exceed_the_lost_call_never_more() -> None:
+    ev = repeat_turn_2(good_evidence())  # turn 2 answered twice: the first lost with A
+    lost = ev.calls[-1].usage_total
+    killed = [_during_the_run("kill_worker")]
+    over = make_run(unrecorded_tokens=lost + 500, unrecorded_estimated_tokens=lost + 500)
+    assert check(dataclasses.replace(ev, runs=[over], faults=killed)) == []
+    twice = make_run(unrecorded_tokens=lost + 500, unrecorded_estimated_tokens=400)
+    violations = check(dataclasses.replace(ev, runs=[twice], faults=killed))
+    assert checker.COST in {v.invariant for v in violations}, violations
+
+
 def _stopped(at: float, until: float, worker: str = "worker-A") -> Fault:
     return Fault("sigstop_past_lease", worker, at, repeat_runs=frozenset({RUN_ID}), until=until)
 

@@ -54,6 +54,10 @@ class Turn:
     """Not 200: the request is refused with this status (a 429 with ``retry-after``), not
     billed."""
     retry_after: int = 0
+    incomplete: str | None = None
+    """Responses API: the response ends ``incomplete`` for this reason (``max_output_tokens``,
+    ``content_filter``): status ``incomplete``, streamed as ``response.incomplete``; billed
+    (its usage in it) as the real API bills it."""
 
 
 def _response(turn: Turn, number: int, model: str) -> JsonObj:
@@ -83,7 +87,8 @@ def _response(turn: Turn, number: int, model: str) -> JsonObj:
         "id": f"resp_fake_{number:04d}",
         "object": "response",
         "created_at": 0,
-        "status": "completed",
+        "status": "incomplete" if turn.incomplete else "completed",
+        "incomplete_details": {"reason": turn.incomplete} if turn.incomplete else None,
         "model": model,
         "output": output,
         "parallel_tool_calls": True,
@@ -166,7 +171,8 @@ def response_events(turn: Turn, number: int, model: str, chunk: int) -> list[Jso
                     }
                 )
         events.append({"type": "response.output_item.done", "output_index": index, "item": item})
-    events.append({"type": "response.completed", "response": done})
+    end = "response.incomplete" if turn.incomplete else "response.completed"
+    events.append({"type": end, "response": done})
     return [{**e, "sequence_number": i} for i, e in enumerate(events)]
 
 

@@ -282,6 +282,46 @@ def test_a_cancel_aborts_the_sdks_streamed_model_call_in_flight(
     assert done.status is RunStatus.CANCELLED, done.error
     assert took < 10, f"the call was not aborted ({took:.1f}s)"
     assert [s.step_key for s in rt.store.steps(run.id)] == ["agent:0"], "nothing recorded"
+    # billed all the same (what it read, what it generated): counted, as an upper bound
+    assert fake.billed_tokens > 0
+    assert done.unrecorded_tokens == done.unrecorded_estimated_tokens >= fake.billed_tokens
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_response_that_ends_incomplete_is_counted_with_what_it_billed(
+    rt: Runtime,
+    fake: FakeOpenAiApi,
+    client: AsyncOpenAI,
+    streamed: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The provider bills a response that ends ``incomplete`` (max output tokens, a content
+    filter); the SDK raises on it. Its step is the error the framework sees, and its tokens
+    count against the run: the usage the response reported (streamed, as the runtime calls
+    the model when the run has a live stream); without a stream the SDK raises before the
+    usage can be read, so the call is counted as an estimate (an upper bound)."""
+    if not streamed:  # a runtime without a live stream
+        monkeypatch.setattr(Runtime, "live", property(lambda self: None))
+    model = OpenAIResponsesModel(MODEL, openai_client=client)
+    rt.agents.register(Agent(name="cut", model=model))
+    cut = Turn(text="It left on", input_tokens=40, output_tokens=16, incomplete="max_output_tokens")
+    fake.then(cut)
+    run, dispatch = rt.submit("cut", "Where is A-7?")
+    drive_to_end(rt.driver(), dispatch)
+
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.FAILED
+    assert "incomplete" in (done.error or "")
+    [step] = [s for s in rt.store.steps(run.id) if s.step_key == "model:0"]
+    assert step.status is StepStatus.ERROR
+    assert fake.billed_tokens == 56
+    if streamed:
+        assert step.usage == Usage(40, 16)
+        assert step.cost_usd > 0
+        assert (done.tokens_used, done.unrecorded_tokens) == (56, 0)
+    else:
+        assert done.unrecorded_estimated_tokens == done.unrecorded_tokens >= 56
+        assert done.unrecorded_cost_usd > 0
 
 
 PRICES = {

@@ -40,7 +40,7 @@ from runtime.llm.scripted import ScriptedLlm
 from runtime.observe.metrics import Metrics
 from runtime.testing.testkit import SimulatedCrash
 from tasks.celery_app import make_celery
-from tests.fakes.messages_api import FakeMessagesApi, RateLimit, slow, text
+from tests.fakes.messages_api import FakeMessagesApi, RateLimit, cut, slow, text, wait_until
 from tests.mcp.support import COUNTING, Ledger
 from tests.support import drive_to_end, events_over_http, expire_lease
 
@@ -309,6 +309,47 @@ def test_the_example_agent_runs_offline(rt: Runtime, monkeypatch: pytest.MonkeyP
     assert "".join(e.text for e in deltas) == done.result
 
 
+@pytest.mark.parametrize("stop_reason", ["max_tokens", "refusal"])
+def test_an_answer_cut_at_max_tokens_or_refused_is_counted_as_billed(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel, stop_reason: str
+) -> None:
+    """Pydantic AI returns an answer that ended at ``max_tokens`` or was refused (a content
+    filter) as an answer, and raises only afterwards, if at all: its model request is
+    recorded with the usage the provider billed, whatever the run makes of it."""
+    rt.agents.register(PydanticAgent(model, name="cut"))
+    cut = [{"type": "text", "text": "It left on"}]
+    fake.then_message(cut, stop_reason, usage={"input_tokens": 40, "output_tokens": 16})
+    fake.then_text("It left on Monday.")  # if the run goes on
+    run, dispatch = rt.submit("cut", "Where is A-7?")
+    drive_to_end(rt.driver(), dispatch)
+
+    done = rt.store.get_run(run.id)
+    assert done.status.terminal
+    [first, *_] = [s for s in rt.store.steps(run.id) if s.step_key.startswith("model.request")]
+    assert first.usage == Usage(40, 16)
+    assert done.tokens_used + done.unrecorded_tokens == fake.billed_tokens
+
+
+def test_a_stream_cut_after_its_text_began_is_counted_and_the_request_made_again(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel
+) -> None:
+    """The connection drops mid-answer: the provider billed the input and the text so far,
+    which the framework does not report; it is counted as an estimate (an upper bound), and
+    the request is made again."""
+    rt.agents.register(PydanticAgent(model, name="cut"))
+    fake.then(cut(text("It left the warehouse on Monday " * 4), 9))  # reset mid-text
+    fake.then_text("It left on Monday.")
+    run, dispatch = rt.submit("cut", "Where is A-7?")
+    drive_to_end(rt.driver(), dispatch)
+
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert wait_until(lambda: len(fake.billed) == 2, timeout=5)
+    assert not fake.billed[0].complete, "the first answer was cut"
+    assert done.tokens_used == fake.billed[1].total, "the answer made again is recorded"
+    assert done.unrecorded_tokens == done.unrecorded_estimated_tokens >= fake.billed[0].total
+
+
 def test_a_cancel_aborts_the_frameworks_model_request_in_flight(
     rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel
 ) -> None:
@@ -335,6 +376,9 @@ def test_a_cancel_aborts_the_frameworks_model_request_in_flight(
     assert done.status is RunStatus.CANCELLED, done.error
     assert took < 10, f"the request was not aborted ({took:.1f}s)"
     assert [s.step_key for s in rt.store.steps(run.id)] == ["agent:0"], "nothing recorded"
+    # billed all the same (its input, the output so far): counted, as an upper bound
+    assert wait_until(lambda: len(fake.billed) == 1, timeout=5)
+    assert done.unrecorded_tokens == done.unrecorded_estimated_tokens >= fake.billed_tokens > 0
 
 
 def test_the_model_text_streams_to_the_runs_event_stream_while_it_is_produced(

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx2
 import pytest
@@ -24,7 +25,18 @@ from runtime.llm.base import LlmError, LlmRequest
 from runtime.llm.billing import metering
 from runtime.llm.retry import TimeLimitedLlmClient
 from runtime.llm.scripted import ScriptedLlm
-from tests.fakes.messages_api import FakeMessagesApi, cut, error, slow, text, wait_until
+from runtime.tools import tool
+from tests.fakes.messages_api import (
+    FakeMessagesApi,
+    Reply,
+    count_input_tokens,
+    cut,
+    error,
+    slow,
+    text,
+    tool_uses,
+    wait_until,
+)
 from tests.support import drive_to_end, pointed_at, register_agent, submit
 
 MODEL = "claude-test-model"
@@ -230,6 +242,160 @@ def test_a_worker_fenced_out_mid_call_replaces_the_estimate_with_the_real_usage(
     assert flow.settle(a_grant, 250, 9) == estimate  # A: already counted as lost
     assert flow.settle(b_grant, 90, 5) is None
     assert flow.admit(MODEL, 100, 64, waiter=str(run.id), run=str(run.id)).lost is None  # type: ignore[union-attr]
+
+
+def test_an_answer_owed_by_its_worker_keeps_the_call_record_until_it_is_written(
+    runtime: Runtime,
+) -> None:
+    """The answered call's checkpoint could not be written (the database away past the
+    lease): its usage is owed in the worker's memory, and its settle keeps the call's record
+    (``keep_record``), to be erased once the usage is written. A worker killed while it owes
+    leaves the record, and the run's next admission counts the call as lost: billed tokens
+    are never lost with the worker."""
+    flow = runtime.flow_control()
+    assert flow is not None
+    run, _ = submit(runtime.store, model=MODEL)
+    estimate, a_grant = _died_in_a_call(runtime, run.id)
+    assert flow.settle(a_grant, 250, 9, keep_record=True) is None  # A owes it, then dies
+    b_grant = flow.admit(MODEL, 100, 64, waiter=str(run.id), run=str(run.id))
+    assert isinstance(b_grant, Grant)
+    assert b_grant.lost == estimate, "the owed call is still covered by its estimate"
+
+
+def test_a_lost_call_that_brings_the_run_to_its_budget_exactly_ends_it_before_the_next(
+    runtime: Runtime, llm: ScriptedLlm
+) -> None:
+    """A budget is exhausted at its limit, not past it: the estimate of a lost call that
+    makes the run's spend equal its budget ends the run before one more call is made."""
+    register_agent(runtime.agents)
+    llm.then_text("done", 20, 2)
+    run, dispatch = submit(runtime.store, model=MODEL, token_budget=364)
+    estimate, _ = _died_in_a_call(runtime, run.id)
+    assert estimate.total == 364
+    drive_to_end(runtime.driver(), dispatch)
+    done = runtime.store.get_run(run.id)
+    assert done.status is RunStatus.FAILED
+    assert "token budget exhausted" in (done.error or "")
+    assert llm.requests == [], "no call made once the spend reached the budget"
+
+
+@tool(idempotent=True)
+def look(topic: str) -> str:
+    """Look a topic up."""
+    return f"{topic}: " + "a finding, " * 40
+
+
+def test_a_lost_calls_estimate_covers_it_and_follows_the_runs_own_answers(
+    claude: Runtime, fake: FakeMessagesApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call lost with its worker (answered, billed, the worker killed before its
+    checkpoint) is counted as its estimate: its input estimated high from the request, its
+    output at twice the run's longest answer so far (at least 256 tokens), not at
+    ``max_tokens`` (4096): still above what the call was billed, by far less."""
+    import runtime.pipeline.modelcall as modelcall_module
+    from tests.support import SimulatedCrash, expire_lease
+
+    def billed_as_sent(output_tokens: int) -> Callable[[dict[str, Any]], Reply]:
+        def reply(body: dict[str, Any]) -> Reply:
+            usage = {"input_tokens": count_input_tokens(body), "output_tokens": output_tokens}
+            if len(body["messages"]) == 1:
+                return tool_uses([("toolu_1", "look", {"topic": "acme"})], usage=usage)
+            return text("acme: two findings, " * 8, usage=usage)
+
+        return reply
+
+    fake.default_responder = billed_as_sent(60)
+    register_agent(claude.agents, look)
+    run, dispatch = submit(claude.store, model=MODEL)
+    answers = 0
+
+    def crash(name: str) -> None:
+        nonlocal answers
+        if name == "after_model_response":
+            answers += 1
+            if answers == 2:  # the second answer arrived; the worker dies before recording it
+                raise SimulatedCrash
+
+    with monkeypatch.context() as m:
+        m.setattr(modelcall_module, "crash_point", crash)
+        with pytest.raises(SimulatedCrash):
+            drive_to_end(claude.driver(worker="worker-A"), dispatch)
+    lost = fake.billed[-1]
+    expire_lease(claude.engine, run.id)
+    (again,) = claude.store.redispatch_due(redispatch_after=3600)
+    drive_to_end(claude.driver(worker="worker-B"), again)
+    done = claude.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    estimated = done.unrecorded_estimated_tokens
+    before = (estimated - 256) + claude.settings.max_tokens  # its output at max_tokens
+    print(
+        f"lost call billed {lost.input_tokens} in + {lost.output_tokens} out = {lost.total}; "
+        f"estimated {estimated} ({estimated / lost.total:.1f}x; at max_tokens it was "
+        f"{before}, {before / lost.total:.1f}x)"
+    )
+    assert estimated >= lost.total, "the estimate covers the lost call"
+    assert estimated - lost.total < lost.total, "within the call's own size of it"
+    assert done.tokens_used + done.unrecorded_tokens >= fake.billed_tokens
+
+
+def test_a_worker_that_wakes_up_fenced_out_does_not_count_the_new_holders_call_as_lost(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker A is stopped (SIGSTOP, a long pause) after its claim, before its model call's
+    admission; its lease lapses and worker B takes the run over and calls the model. A
+    wakes up: its admission finds B's call in flight, written under a newer lease. That
+    call is not lost (its worker is alive and will record it): A learns it was taken over
+    and stops, counting no estimate and making no call of its own."""
+    import threading
+
+    import runtime.pipeline.modelcall as modelcall_module
+    from db.errors import LeaseLost
+    from runtime.llm.base import LlmResponse
+    from tests.support import expire_lease
+
+    register_agent(runtime.agents)
+    run, dispatch = submit(runtime.store, model=MODEL)
+    b_calling, b_go = threading.Event(), threading.Event()
+    answered: list[str] = []
+
+    class TwoWorkers:
+        def send(self, request: LlmRequest) -> LlmResponse:
+            who = threading.current_thread().name
+            if who == "worker-B":
+                b_calling.set()
+                assert b_go.wait(10)
+            answered.append(who)
+            usage = Usage(20, 2) if who == "worker-B" else Usage(30, 3)
+            return LlmResponse([{"type": "text", "text": f"from {who}"}], "end_turn", usage, MODEL)
+
+    monkeypatch.setattr(runtime, "llm", TwoWorkers())
+    real = modelcall_module.share_tree_budget
+    b_thread: list[threading.Thread] = []
+
+    def a_stops_here(task: Any, *args: Any) -> Any:
+        monkeypatch.setattr(modelcall_module, "share_tree_budget", real)  # A's call only
+        expire_lease(runtime.engine, run.id)
+        (again,) = runtime.store.redispatch_due(redispatch_after=3600)
+        worker_b = runtime.driver(worker="worker-B")
+        t = threading.Thread(
+            target=lambda: worker_b.drive(again.run_id, again.token), name="worker-B"
+        )
+        t.start()
+        b_thread.append(t)
+        assert b_calling.wait(10), "B's call is in flight"
+        return real(task, *args)
+
+    monkeypatch.setattr(modelcall_module, "share_tree_budget", a_stops_here)
+    with pytest.raises(LeaseLost):
+        runtime.driver(worker="worker-A").drive(dispatch.run_id, dispatch.token)
+    b_go.set()
+    b_thread[0].join(10)
+    done = runtime.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    billed = sum(22 if who == "worker-B" else 33 for who in answered)
+    assert done.unrecorded_estimated_tokens == 0, "B's call was not lost"
+    assert done.tokens_used + done.unrecorded_tokens == billed
+    assert answered == ["worker-B"], "A, taken over, made no call"
 
 
 def test_a_worker_dying_between_the_answer_and_its_checkpoint_leaves_its_estimate(

@@ -69,6 +69,24 @@ def test_usage_billed_while_the_database_is_away_is_counted_when_it_returns(
     assert after.unrecorded_cost_usd == Decimal("0.01")
 
 
+def test_usage_written_when_the_database_returns_runs_what_follows_it(
+    runtime: Runtime, cut_store: tuple[RunStore, TcpProxy]
+) -> None:
+    """An owed count's ``then`` (erasing the call's record, taking back an estimate counted
+    meanwhile) runs once the count is written, late as it is: else the record outlives the
+    count and the run's next admission counts the call a second time, as lost."""
+    store, proxy = cut_store
+    run, _ = submit(runtime.store)
+    done = threading.Event()
+    proxy.cut(reject=True)
+    assert store.record_unrecorded_usage(run.id, USAGE, Decimal(0), then=done.set) is False
+    assert not done.is_set(), "not before it is written"
+    proxy.heal()
+    _settled(store)
+    assert runtime.store.get_run(run.id).unrecorded_tokens == USAGE.total
+    assert done.wait(5), "written, and what follows it never ran"
+
+
 def test_usage_whose_checkpoint_did_commit_is_not_counted_twice(
     runtime: Runtime, cut_store: tuple[RunStore, TcpProxy]
 ) -> None:

@@ -110,6 +110,11 @@ def responder(body: dict[str, Any]) -> Reply:
         n = len(body["messages"])
         real = {"input_tokens": count_input_tokens(body), "output_tokens": 50}
         return tool_uses([(f"toolu_d{n}", "dig", {"topic": "x"})], usage=real)
+    if system in ("top", "middle"):  # three levels: top -> middle -> researcher
+        if results:
+            return text(f"{system}: done", usage=usage())
+        below = "middle" if system == "top" else "researcher"
+        return tool_uses([(f"toolu_{system}", below, {"task": "acme"})], usage=usage())
     task = body["messages"][0]["content"]
     return text(f"{task}: 2 overdue", usage=usage())
 
@@ -797,6 +802,57 @@ def test_a_childs_unrecorded_tokens_count_against_the_parent(rt: Runtime) -> Non
     assert sorted(r.usage.total for r in rows) == [STEP_TOKENS, STEP_TOKENS], "rows: recorded"
 
 
+@durable_agent("handsoff")
+def handsoff(task: str, steps: Steps) -> Any:
+    return steps.child("middle", task)
+
+
+@pytest.mark.parametrize(("root_agent", "calls"), [("top", 5), ("handsoff", 3)])
+def test_a_grandchilds_unrecorded_tokens_and_cost_reach_the_root(
+    settings: Settings, fake: FakeMessagesApi, root_agent: str, calls: int
+) -> None:
+    """Usage rolls up whole through every level of a tree: what a grandchild was billed
+    without a row of its own (a cut stream, a call lost with its worker, a fenced-out
+    answer) counts in the child's totals, and through them in the root's, tokens and cost:
+    the root's budget sees every token its tree was billed. The root an agent loop (its
+    sub-agent's result) or a durable function (``steps.child``)."""
+    top = Agent("top", "top", max_tokens=100, subagents=(Subagent("middle"),))
+    middle = Agent("middle", "middle", max_tokens=100, subagents=(Subagent("researcher"),))
+    rt = build(settings, fake, extra=(top, middle, handsoff))
+    extra, extra_cost = Usage(input_tokens=120, output_tokens=7), Decimal("0.25")
+    try:
+        root, dispatch = submit(rt.store, "go", agent=root_agent)
+        driver = rt.driver()
+        queue, cut = [dispatch], None
+        for _ in range(100):
+            if not queue:
+                break
+            d = queue.pop(0)
+            result = driver.drive(d.run_id, d.token)
+            if result.dispatch is not None and result.outcome is not Outcome.WAITING:
+                queue.append(result.dispatch)
+            queue += result.wakes
+            [mid] = children(rt, root.id) or [None]
+            leaves = children(rt, mid.id) if mid is not None else []
+            if cut is None and leaves:  # the grandchild is billed a call it cannot record
+                cut = leaves[0].id
+                rt.store.record_unrecorded_usage(cut, extra, extra_cost)
+        done = rt.store.get_run(root.id)
+        assert done.status is RunStatus.SUCCEEDED, done.error
+        assert cut is not None
+        assert rt.store.get_run(cut).status is RunStatus.SUCCEEDED
+        billed = fake.billed_tokens  # (top 2 calls,) middle 2, researcher 1
+        assert billed == calls * STEP_TOKENS
+        assert done.tokens_used + done.unrecorded_tokens == billed + extra.total
+        priced = sum(
+            (rt.pricing.cost(b.model, Usage(b.input_tokens, b.output_tokens)) for b in fake.billed),
+            Decimal(0),
+        )
+        assert done.cost_usd + done.unrecorded_cost_usd == priced + extra_cost
+    finally:
+        rt.close()
+
+
 def test_a_child_runs_on_its_own_agents_model_and_step_cap(settings: Settings) -> None:
     """A sub-agent whose agent names a model and a step cap runs with them, as if submitted
     on its own; one that names neither takes the parent's model and the default cap."""
@@ -863,6 +919,38 @@ def test_a_hold_left_by_a_worker_that_died_after_recording_its_call_is_swept(
     assert (held_run, row.lease_epoch, row.step_key) == (a.run_id, epoch, "model:1")
     nxt = driver.drive(b.run_id, b.token)  # b's call is admitted: a's hold is swept
     assert nxt.outcome is Outcome.FINISHED  # its answer ended b, in the same task
+    assert holds(rt) == []
+
+
+def test_the_hold_of_a_call_lost_by_a_run_that_then_ended_is_swept(
+    rt: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child's worker dies in its model call (its hold on the tree's budget stays, a lost
+    call) and the child then ends without another call (cancelled, timed out): nothing of
+    that run will release the hold, so the tree's next admission sweeps it, or the tree's
+    budget would shrink by it for ever."""
+    _run, driver, started = start_two_children(rt)
+    a, b = started.wakes
+
+    def dies(request: Any) -> Any:
+        raise Crash()
+
+    with monkeypatch.context() as m:
+        m.setattr(rt.llm, "send", dies)
+        with pytest.raises(Crash):
+            driver.drive(a.run_id, a.token)
+    [(held_run, _epoch, _held)] = holds(rt)
+    assert held_run == a.run_id
+    assert rt.store.steps(a.run_id) == [], "the lost call left no row"
+    with rt.engine.begin() as conn:  # the child ends (an operator's cancel, its deadline)
+        conn.execute(
+            sql(
+                "UPDATE run SET status = 'CANCELLED', finished_at = now(), locked_by = NULL, "
+                "locked_until = NULL WHERE id = :id"
+            ),
+            {"id": a.run_id},
+        )
+    driver.drive(b.run_id, b.token)  # b's call is admitted: a's hold is swept
     assert holds(rt) == []
 
 
