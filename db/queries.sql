@@ -1,4 +1,4 @@
--- Every SQL statement of the system, named once. Loaded by db/queries.py; only db/store.py
+-- Every SQL statement of the system, named once. Loaded by db/queries.py; only db/store/
 -- and db/demo.py use them. Parameters are SQLAlchemy ":name" binds. A name starting with "_"
 -- is a fragment shared by statements, not a statement: a line {{_name}} stands for it.
 --

@@ -23,7 +23,7 @@ from tasks.names import RETENTION as RETENTION
 from tasks.names import STATS_ROLLUP as STATS_ROLLUP
 
 STATS_ROLLUP_INTERVAL_SECONDS = 300.0
-"""How often the beat rolls up the closed hours of the console's stats (db/store.py)."""
+"""How often the beat rolls up the closed hours of the console's stats (db/store/)."""
 
 
 def make_celery(settings: Settings, *, register: bool = True) -> Celery:

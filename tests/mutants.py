@@ -295,7 +295,7 @@ MUTANTS = (
     ),
     Mutant(
         "jsontext-response-read-back-wrapped",
-        "db/store.py",
+        "db/store/base.py",
         'response=jsontext.loads(row["response"]),',
         'response=row["response"],',
         (
@@ -437,7 +437,7 @@ MUTANTS = (
     ),
     Mutant(
         "message-does-not-wake-a-parked-run",
-        "db/store.py",
+        "db/store/api.py",
         "woken = None if reopened else _wake(conn, run_id, send=True)",
         "woken = None",
         (
@@ -474,7 +474,7 @@ MUTANTS = (
     ),
     Mutant(
         "signal-wait-without-the-run-lock",
-        "db/store.py",
+        "db/store/worker.py",
         "                if signal is not None:\n"
         '                    conn.execute(Q["lock_run_row"], {"id": claim.run_id})\n',
         "                if signal is not None:\n",
@@ -492,7 +492,7 @@ MUTANTS = (
     ),
     Mutant(
         "cancel-children-one-level",
-        "db/store.py",
+        "db/store/base.py",
         '            conn.execute(Q["cancel_pending_approvals"], {"id": child})\n'
         "            _cancel_children(conn, child)\n",
         '            conn.execute(Q["cancel_pending_approvals"], {"id": child})\n',
@@ -501,7 +501,7 @@ MUTANTS = (
     ),
     Mutant(
         "stop-leaves-the-child-step-pending",
-        "db/store.py",
+        "db/store/base.py",
         "    if cancelled:\n",
         "    if False:\n",
         (
@@ -544,7 +544,7 @@ MUTANTS = (
     ),
     Mutant(
         "send-wakes-after-its-commit",
-        "db/store.py",
+        "db/store/worker.py",
         "                woken = _wake(conn, target, send=True)\n",
         "                woken = None\n",
         (
@@ -555,7 +555,7 @@ MUTANTS = (
     ),
     Mutant(
         "cancel-undoes-steps-and-approvals-only",
-        "db/store.py",
+        "db/store/base.py",
         "COMPENSABLE_KINDS = (StepKind.STEP, StepKind.LLM, StepKind.SIDE_EFFECT, "
         "StepKind.APPROVAL)",
         "COMPENSABLE_KINDS = (StepKind.STEP, StepKind.APPROVAL)",
