@@ -28,7 +28,7 @@ from sqlalchemy.dialects.postgresql import TIMESTAMP
 from sqlalchemy.exc import DBAPIError
 
 from db.errors import DatabaseUnavailable, database_unavailable
-from db.queries import QUERIES as Q
+from db.queries import DEMO_QUERIES as Q
 
 T = TypeVar("T")
 

@@ -1,4 +1,5 @@
-"""Loads the named statements of ``queries.sql``: ``QUERIES["claim_run"]``.
+"""Loads the named statements of ``queries.sql``: ``QUERIES["claim_run"]`` (and the demo's,
+``demo.sql``, as ``DEMO_QUERIES``).
 
 A section whose name starts with ``_`` is a fragment, not a statement: a line ``{{_name}}``
 of a statement stands for its text, as written (its indentation kept)."""
@@ -15,8 +16,8 @@ _HEADER = re.compile(r"^-- (?P<name>[a-z_]+) --$", re.MULTILINE)
 _FRAGMENT = re.compile(r"^\{\{(?P<name>_[a-z_]+)\}\}$", re.MULTILINE)
 
 
-def _load() -> dict[str, TextClause]:
-    source = resources.files(__package__).joinpath("queries.sql").read_text(encoding="utf-8")
+def _load(filename: str) -> dict[str, TextClause]:
+    source = resources.files(__package__).joinpath(filename).read_text(encoding="utf-8")
     parts = _HEADER.split(source)
     # parts = [preamble, name1, body1, name2, body2, ...]
     bodies: dict[str, str] = {}
@@ -38,4 +39,7 @@ def _load() -> dict[str, TextClause]:
     }
 
 
-QUERIES = MappingProxyType(_load())
+QUERIES = MappingProxyType(_load("queries.sql"))
+"""The runtime's statements (the store's)."""
+DEMO_QUERIES = MappingProxyType(_load("demo.sql"))
+"""The demo agent's statements, for its own tables (:mod:`db.demo`)."""

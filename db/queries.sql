@@ -1,5 +1,5 @@
--- Every SQL statement of the system, named once. Loaded by db/queries.py; only db/store/
--- and db/demo.py use them. Parameters are SQLAlchemy ":name" binds. A name starting with "_"
+-- Every SQL statement of the runtime, named once. Loaded by db/queries.py; only db/store/
+-- uses them (the demo's own tables have theirs in db/demo.sql). Parameters are SQLAlchemy ":name" binds. A name starting with "_"
 -- is a fragment shared by statements, not a statement: a line {{_name}} stands for it.
 --
 -- The fence: every write a worker makes after claiming is conditioned on
@@ -983,46 +983,6 @@ FROM (
 
 -- current_migration --
 SELECT version_num FROM dar_alembic_version;
-
--- demo_setup_lock --
-SELECT pg_advisory_xact_lock(:k);
-
--- acme_tables_exist --
-SELECT to_regclass('acme_ticket') IS NOT NULL AND to_regclass('acme_comment') IS NOT NULL;
-
--- seed_acme_tickets --
-INSERT INTO acme_ticket (id, title, status, priority, assignee, customer, due_at)
-VALUES (:id, :title, :status, :priority, :assignee, :customer,
-        now() + make_interval(days => :due_in_days))
-ON CONFLICT (id) DO NOTHING;
-
--- acme_ticket_exists --
-SELECT 1 FROM acme_ticket WHERE id = :ticket_id;
-
--- add_acme_comment --
--- Idempotent by key: a re-executed tool call inserts nothing the second time.
-INSERT INTO acme_comment (ticket_id, body, idempotency_key)
-VALUES (:ticket_id, :body, :idempotency_key)
-ON CONFLICT (idempotency_key) DO NOTHING
-RETURNING id;
-
--- get_acme_comment_by_key --
-SELECT id FROM acme_comment WHERE idempotency_key = :idempotency_key;
-
--- count_acme_comments --
-SELECT count(*) FROM acme_comment WHERE (CAST(:ticket_id AS integer) IS NULL OR ticket_id = :ticket_id);
-
--- list_acme_tickets --
-SELECT id, title, status, priority, assignee, customer, due_at,
-       (due_at < now() AND status <> 'closed') AS overdue
-FROM acme_ticket
-WHERE (CAST(:status AS text) IS NULL OR status = :status)
-  AND (CAST(:priority AS text) IS NULL OR priority = :priority)
-  AND (CAST(:assignee AS text) IS NULL OR assignee = :assignee)
-  AND (CAST(:overdue AS boolean) IS NULL
-       OR (due_at < now() AND status <> 'closed') = CAST(:overdue AS boolean))
-ORDER BY due_at, id
-LIMIT :limit;
 
 -- run_events_after --
 -- The live stream's durable events of one run after event number :after, with what each
