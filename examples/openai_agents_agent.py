@@ -3,8 +3,8 @@
     OPENAI_API_KEY=... DAR_AGENT_MODULES=examples.openai_agents_agent \\
         dar demo --agent order-desk-sdk --question "Where is order A-7?"
 
-Model calls, the function tool and the handoff are steps of the run (see the README,
-"OpenAI Agents SDK"). The model is given by name, so the SDK's provider resolves it
+Model calls, the function tool and the handoff are steps of the run (see
+docs/frameworks/openai-agents.md). The model is given by name, so the SDK's provider resolves it
 (``OPENAI_API_KEY``, ``OPENAI_BASE_URL`` for an OpenAI-compatible server).
 """
 

@@ -3,7 +3,7 @@
     DAR_AGENT_MODULES=examples.pydantic_ai_agent dar demo --agent order-desk \\
         --question "Where is order A-7?"
 
-Every model request and tool call is a step of the run (see the README, "Pydantic AI").
+Every model request and tool call is a step of the run (see docs/frameworks/pydantic-ai.md).
 With ANTHROPIC_API_KEY set it talks to Claude; without, to an offline demo model (Pydantic
 AI's ``FunctionModel``) that looks the order up and answers from what the tool said, its
 answer streamed word by word (``dar follow <run>`` shows it as it comes).

@@ -365,7 +365,9 @@ def check_identity(steps: Steps, agent: str, identity: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class UnitPolicy:
-    """How a unit may run again after a crash left it in doubt (see the README's crash table)."""
+    """How a unit may run again after a crash left it in doubt (see docs/frameworks/pydantic-ai.md
+    and docs/frameworks/openai-agents.md, "After a crash", and the crash table of
+    docs/durable/after-a-crash.md)."""
 
     idempotent: bool = False
 
