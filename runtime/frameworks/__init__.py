@@ -15,7 +15,7 @@ from typing import Any
 
 from runtime.durable.api import DurableAgent
 from runtime.frameworks.bridge import idempotency_key
-from runtime.frameworks.versions import FrameworkVersionError
+from runtime.frameworks.versions import SUPPORTED, FrameworkVersionError
 
 __all__ = ["FrameworkVersionError", "adapt", "framework_of", "idempotency_key"]
 
@@ -36,6 +36,8 @@ def adapt(agent: Any, **options: Any) -> DurableAgent | None:
     (``options``: the framework adapter's, e.g. ``deps=``). An installed framework version
     outside the supported range raises :class:`FrameworkVersionError`, one line naming it."""
     framework = framework_of(agent)
+    if framework is not None:  # checked here too: the adapter may be imported already
+        SUPPORTED[framework].require()
     if framework == "pydantic_ai":
         from runtime.frameworks import pydantic_ai
 
