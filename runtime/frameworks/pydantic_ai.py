@@ -113,10 +113,10 @@ TOOL: Config = {"idempotent": False}
 
 
 def named_by_type(operation_id: object) -> str:
-    """A durable operation of a release newer than the range's oldest, named by its type (and
-    its model, as the model operations above): ``ModelCountTokensId`` (what
-    ``UsageLimits(count_tokens_before_request=True)`` asks before a request) is
-    ``model.count_tokens``. Stable as long as the framework keeps the type's name."""
+    """A durable operation the namer below does not know (one a later Pydantic AI release
+    added), named by its type and, as the model operations are, its model:
+    ``ModelCountTokensId`` (what ``UsageLimits(count_tokens_before_request=True)`` asks before
+    a request, from 2.7x) is ``model.count_tokens``. Stable while the type keeps its name."""
     words = re.findall(r"[A-Z][a-z0-9]*", type(operation_id).__name__.removesuffix("Id"))
     name = ".".join(filter(None, ["".join(words[:1]), "_".join(words[1:])])).lower()
     model_id = getattr(operation_id, "model_id", None)
