@@ -3,8 +3,10 @@
 ``registry.register(agent)`` accepts a ``pydantic_ai.Agent`` (:mod:`runtime.frameworks.pydantic_ai`)
 and an ``agents.Agent`` of the OpenAI Agents SDK (:mod:`runtime.frameworks.openai_agents`) as they
 are; :func:`adapt` turns one into the durable function that runs it. The frameworks are
-optional dependencies (the ``frameworks`` extra): nothing here imports them until an agent of
-theirs is registered.
+optional dependencies (the ``frameworks`` extra, or your own install within the ranges of
+:mod:`runtime.frameworks.versions`): nothing here imports them until an agent of theirs is
+registered, and an adapter imports none of its framework's optional features (Pydantic AI's
+MCP support, its ``mcp`` extra) that the agent does not use.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from typing import Any
 
 from runtime.durable.api import DurableAgent
 from runtime.frameworks.bridge import idempotency_key
+from runtime.frameworks.versions import SUPPORTED, FrameworkVersionError
 
-__all__ = ["adapt", "framework_of", "idempotency_key"]
+__all__ = ["FrameworkVersionError", "adapt", "framework_of", "idempotency_key"]
 
 
 def framework_of(agent: object) -> str | None:
@@ -30,8 +33,11 @@ def framework_of(agent: object) -> str | None:
 
 def adapt(agent: Any, **options: Any) -> DurableAgent | None:
     """The durable function running ``agent`` when it is a framework's agent, else ``None``
-    (``options``: the framework adapter's, e.g. ``deps=``)."""
+    (``options``: the framework adapter's, e.g. ``deps=``). An installed framework version
+    outside the supported range raises :class:`FrameworkVersionError`, one line naming it."""
     framework = framework_of(agent)
+    if framework is not None:  # checked here too: the adapter may be imported already
+        SUPPORTED[framework].require()
     if framework == "pydantic_ai":
         from runtime.frameworks import pydantic_ai
 

@@ -37,6 +37,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.frameworks.versions import OPENAI_AGENTS
+
+OPENAI_AGENTS.require()  # outside the supported range: one line naming it, before an import fails
+
 from agents import (
     Agent,
     FunctionTool,

@@ -24,9 +24,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import re
+import sys
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, assert_never
+from typing import TYPE_CHECKING, Any
+
+from runtime.frameworks.versions import PYDANTIC_AI
+
+PYDANTIC_AI.require()  # outside the supported range: one line naming it, before an import fails
 
 from pydantic_ai import Agent as PydanticAgent
 from pydantic_ai import DeferredToolRequests, DeferredToolResults, RunContext, ToolDenied
@@ -55,7 +61,6 @@ from pydantic_ai.durable_exec import (
     conversation_id_from_run_id,
 )
 from pydantic_ai.durable_exec._operation_names import DurableInvocationName
-from pydantic_ai.mcp import CallToolFunc, MCPToolset
 from pydantic_ai.messages import (
     AgentStreamEvent,
     ModelResponse,
@@ -89,6 +94,9 @@ from runtime.frameworks.bridge import (
 )
 from runtime.pipeline import usage
 
+if TYPE_CHECKING:  # the `mcp` extra (fastmcp): an agent without MCP toolsets runs without it
+    from pydantic_ai.mcp import CallToolFunc, MCPToolset
+
 OUTPUT_CHARS = 4000
 """A tool output on the event stream is cut at this many characters (the step has it whole)."""
 
@@ -102,6 +110,17 @@ READ: Config = {"idempotent": True}
 """Listings, validation, event handling: no effect outside the run."""
 TOOL: Config = {"idempotent": False}
 """A tool call is not run twice unless it says it may (else the run stops for an operator)."""
+
+
+def named_by_type(operation_id: object) -> str:
+    """A durable operation the namer below does not know (one a later Pydantic AI release
+    added), named by its type and, as the model operations are, its model:
+    ``ModelCountTokensId`` (what ``UsageLimits(count_tokens_before_request=True)`` asks before
+    a request, from 2.7x) is ``model.count_tokens``. Stable while the type keeps its name."""
+    words = re.findall(r"[A-Z][a-z0-9]*", type(operation_id).__name__.removesuffix("Id"))
+    name = ".".join(filter(None, ["".join(words[:1]), "_".join(words[1:])])).lower()
+    model_id = getattr(operation_id, "model_id", None)
+    return (name or "operation") + (f".{model_id}" if model_id else "")
 
 
 class StepNamer(DurableOperationNamer):
@@ -131,7 +150,7 @@ class StepNamer(DurableOperationNamer):
                 return f"mcp.{toolset_id}"
             case ToolsetCallToolId():
                 return "tool"
-        assert_never(operation_id)
+        return named_by_type(operation_id)
 
     def invocation_name(
         self, operation_id: DurableOperationId, *, label: str | None
@@ -461,10 +480,18 @@ KEY_META = "dar/idempotency_key"
 
 def _keyed_mcp_calls(agent: PydanticAgent[Any, Any]) -> None:
     """Every MCP toolset of ``agent`` sends the step's idempotency key in each call's
-    ``_meta`` (through its public ``process_tool_call`` hook, around the user's own)."""
+    ``_meta`` (through its public ``process_tool_call`` hook, around the user's own).
+
+    Pydantic AI's MCP support (its ``mcp`` extra: fastmcp) is not imported here: an agent
+    holding an ``MCPToolset`` was made by code that imported it, so while ``pydantic_ai.mcp``
+    is not loaded the agent has no MCP toolset to key."""
+    mcp = sys.modules.get("pydantic_ai.mcp")
+    if mcp is None:
+        return
+    mcp_toolset: type[MCPToolset] = mcp.MCPToolset
 
     def visit(toolset: Any) -> None:
-        if not isinstance(toolset, MCPToolset) or getattr(
+        if not isinstance(toolset, mcp_toolset) or getattr(
             toolset.process_tool_call, "__dar_keyed__", False
         ):
             return
