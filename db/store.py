@@ -140,6 +140,7 @@ def _run(row: Mapping[Any, Any]) -> Run:
         parent_run_id=row.get("parent_run_id"),
         unrecorded_estimated_tokens=row.get("unrecorded_estimated_tokens", 0),
         messages_pending=row.get("messages_pending") or 0,
+        deployment=row.get("deployment"),
     )
 
 
@@ -303,8 +304,11 @@ def _same_request(existing: RowMapping, key: str | None, request_hash: str | Non
     return _run(existing)
 
 
-def _new_run_params(new: NewRun, run_id: uuid.UUID) -> dict[str, Any]:
+def _new_run_params(
+    new: NewRun, run_id: uuid.UUID, deployment: str | None = None
+) -> dict[str, Any]:
     return {
+        "deployment": new.deployment or deployment,
         "id": run_id,
         "agent": new.agent,
         "input": _json(new.input),
@@ -375,8 +379,12 @@ class RunStore:
         *,
         step_log_cache: int = 512,
         run_ids: Callable[[], uuid.UUID] = uuid.uuid4,
+        deployment: str | None = None,
     ) -> None:
         self.engine = engine
+        self.deployment = deployment
+        """The version of the code of the process using this store: the runs it stores start
+        on it (a child on its parent's), and its claims take only runs of it (or of none)."""
         self.run_ids = run_ids
         """Makes the id of each new run (submit, fork, schedule tick)."""
         self.step_logs = StepLogCache(step_log_cache)
@@ -403,7 +411,7 @@ class RunStore:
         earlier request differed). With ``quota`` and a submitter, the submitter's quota is
         checked atomically with the insert (:class:`QuotaExceeded`); a retry of an accepted
         idempotent submit gets its run, whatever the quota says."""
-        params = _new_run_params(new, self.run_ids())
+        params = _new_run_params(new, self.run_ids(), self.deployment)
         with self.engine.begin() as conn:
             if quota is not None and new.submitted_by is not None:
                 conn.execute(Q["lock_submitter"], {"submitted_by": new.submitted_by})
@@ -632,7 +640,13 @@ class RunStore:
         stale or duplicated, the lease is live, or the run is not due."""
         row = self._fast.one(
             "claim_run",
-            {"id": run_id, "token": token, "worker": worker, "lease_seconds": lease_s},
+            {
+                "id": run_id,
+                "token": token,
+                "worker": worker,
+                "lease_seconds": lease_s,
+                "deployment": self.deployment,
+            },
         )
         return self._claimed(row, worker)
 
@@ -644,7 +658,13 @@ class RunStore:
         message was posted to the run meanwhile (its delivery is a step: send ``token``)."""
         row = self._fast.one(
             "claim_run_to_end",
-            {"id": run_id, "token": token, "worker": worker, "lease_seconds": lease_s},
+            {
+                "id": run_id,
+                "token": token,
+                "worker": worker,
+                "lease_seconds": lease_s,
+                "deployment": self.deployment,
+            },
         )
         return self._claimed(row, worker)
 
@@ -652,7 +672,10 @@ class RunStore:
         """Claim any due run (QUEUED, or RUNNING with a lapsed lease)."""
         with self._statement() as conn:
             row = (
-                conn.execute(Q["claim_next_run"], {"worker": worker, "lease_seconds": lease_s})
+                conn.execute(
+                    Q["claim_next_run"],
+                    {"worker": worker, "lease_seconds": lease_s, "deployment": self.deployment},
+                )
                 .mappings()
                 .first()
             )
@@ -1258,7 +1281,7 @@ class RunStore:
             with self.engine.begin() as conn:
                 written = []
                 for step, child, child_id in started:
-                    params = _new_run_params(child, child_id)
+                    params = _new_run_params(child, child_id, self.deployment)
                     row = conn.execute(Q["create_run"], params).mappings().one()
                     created.append(Dispatch(row["id"], row["dispatch_token"]))
                     written.append(self._record(conn, claim, step))
@@ -1448,6 +1471,7 @@ class RunStore:
                         "token": uuid.uuid4(),
                         "submitted_by": new.submitted_by,
                         "from_seq": new.from_seq,
+                        "deployment": self.deployment,
                         "replay_model": new.replay_model,
                         "idempotency_key": new.idempotency_key,
                         "request_hash": new.request_hash,
@@ -1818,7 +1842,7 @@ class RunStore:
                     conn.execute(
                         Q["start_queued_tick"], {**key, "tick_at": queued, "run_id": run_id}
                     )
-                    started.append(_start_scheduled_run(conn, schedule, run_id))
+                    started.append(_start_scheduled_run(conn, schedule, run_id, self.deployment))
                     live = True
             ticks, next_tick_at = plan(schedule, row["db_now"])
             for tick_at in ticks:
@@ -1832,7 +1856,7 @@ class RunStore:
                     {**key, "tick_at": tick_at, "status": status, "run_id": new_id},
                 ).first()
                 if claimed is not None and new_id is not None:
-                    started.append(_start_scheduled_run(conn, schedule, new_id))
+                    started.append(_start_scheduled_run(conn, schedule, new_id, self.deployment))
                     live = True
             if next_tick_at != schedule.next_tick_at:
                 conn.execute(
@@ -1874,7 +1898,9 @@ def _check_quota(conn: Connection, submitter: str, quota: SubmitQuota) -> None:
         )
 
 
-def _start_scheduled_run(conn: Connection, schedule: Schedule, run_id: uuid.UUID) -> Dispatch:
+def _start_scheduled_run(
+    conn: Connection, schedule: Schedule, run_id: uuid.UUID, deployment: str | None
+) -> Dispatch:
     new = NewRun(
         agent=schedule.agent,
         input=schedule.input,
@@ -1888,7 +1914,7 @@ def _start_scheduled_run(conn: Connection, schedule: Schedule, run_id: uuid.UUID
         priority=schedule.priority,
         schedule_id=schedule.id,
     )
-    row = conn.execute(Q["create_run"], _new_run_params(new, run_id)).mappings().one()
+    row = conn.execute(Q["create_run"], _new_run_params(new, run_id, deployment)).mappings().one()
     return Dispatch(row["id"], row["dispatch_token"])
 
 

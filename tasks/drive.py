@@ -14,14 +14,15 @@ from dataclasses import dataclass
 from celery import Celery
 from prometheus_client import CollectorRegistry, start_http_server
 
+from db.deployments import DeploymentStore
 from db.errors import LeaseLost
 from runtime.config import Settings
 from runtime.engine import sweeps
 from runtime.engine.bootstrap import Runtime
-from runtime.engine.driver import Driver
+from runtime.engine.driver import Driver, Outcome
 from runtime.observe.metrics import Metrics
 from runtime.pipeline.heartbeat import Heartbeat
-from tasks.dispatch import send_drive
+from tasks.dispatch import LOOKUP, send_drive
 from tasks.names import DRIVE_RUN, REAP, RETENTION, STATS_ROLLUP
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ def worker_state(app: Celery) -> WorkerState:
             lease_seconds=settings.lease_seconds,
             interval_seconds=settings.heartbeat_seconds,
         )
+        serve_deployment(app, runtime, heartbeat)
         heartbeat.start()
         registry = CollectorRegistry()
         metrics = Metrics(registry)
@@ -80,10 +82,49 @@ def worker_state(app: Celery) -> WorkerState:
         return state
 
 
+def serve_deployment(app: Celery, runtime: Runtime, heartbeat: Heartbeat) -> None:
+    """This worker drives runs of its version (the queue the worker's main process chose,
+    :func:`tasks.signals.connect_signals`) and says so at every heartbeat
+    (``GET /api/versions``)."""
+    chosen: str | None = getattr(app.conf, "dar_deployment", None)
+    if chosen and chosen != runtime.deployment:
+        log.warning(
+            "this process's code is version %s, its worker's main process chose %s (agent "
+            "definitions that change from one import to the next? set DAR_DEPLOYMENT): "
+            "serving %s",
+            runtime.deployment,
+            chosen,
+            chosen,
+        )
+        runtime.store.deployment = chosen
+    deployment = runtime.deployment
+    if deployment is None:
+        return
+    versions = DeploymentStore(runtime.lease_store().engine)
+    worker = runtime.settings.worker_name
+
+    def seen() -> None:
+        versions.worker_seen(worker, deployment)
+
+    try:
+        seen()
+    except Exception as e:  # the database away: the heartbeat says it later
+        log.warning("could not record the version this worker serves yet: %s", e)
+    heartbeat.also_renew(seen)
+
+
 def stop_worker_state(app: Celery) -> None:
     held: tuple[int, WorkerState] | None = getattr(app, "dar_state", None)
     if held is not None and held[0] == os.getpid():
         held[1].heartbeat.stop()
+        deployment = held[1].runtime.deployment
+        if deployment is not None:
+            try:
+                DeploymentStore(held[1].runtime.lease_store().engine).worker_gone(
+                    held[1].runtime.settings.worker_name, deployment
+                )
+            except Exception as e:
+                log.warning("could not record that this worker stopped serving: %s", e)
         if getattr(app, "dar_runtime", None) is None:
             held[1].runtime.close()
     setattr(app, "dar_state", None)  # noqa: B010
@@ -107,7 +148,13 @@ def register_tasks(app: Celery) -> None:
             )
             return "LEASE_LOST"
         if result.dispatch is not None:
-            send_drive(app, state.runtime.store, result.dispatch)
+            # The run this worker drove is of its version (or of none): its queue, no lookup;
+            # a message refused as another version's goes to the queue read from its row.
+            own = result.dispatch.run_id == uuid.UUID(run_id)
+            served = state.runtime.deployment if own else LOOKUP
+            if result.outcome is Outcome.REROUTED:
+                served = LOOKUP
+            send_drive(app, state.runtime.store, result.dispatch, deployment=served)
         for woken in result.wakes:  # runs waiting for the concurrency-key slot just freed
             send_drive(app, state.runtime.store, woken)
         return str(result.outcome)

@@ -1,0 +1,59 @@
+"""deployments: each run records the version of the code it started on (run.deployment);
+workers say which version they serve (deployment_worker, a heartbeat); upgrades are audited
+
+A run is driven only by workers of its version until an operator upgrades it after a clean
+replay check (runtime.engine.deployment, runtime.engine.replaycheck). Runs stored before
+this migration have no version (NULL) and are driven by any worker, as before.
+
+Revision ID: 0050
+Revises: 0040
+Create Date: 2026-12-07
+"""
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0050"
+down_revision = "0040"
+branch_labels = None
+depends_on = None
+
+OLD_ACTIONS = (
+    "'cancel', 'resume', 'resolve', 'approve', 'reject', 'fork', 'submit', 'timeout', "
+    "'recovery.redispatched', 'recovery.resumed'"
+)
+NEW_ACTIONS = OLD_ACTIONS + ", 'upgrade'"
+LIVE = "status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION')"
+
+
+def upgrade() -> None:
+    op.add_column("run", sa.Column("deployment", sa.Text))
+    op.create_index(
+        "run_deployment_live_idx", "run", ["deployment"], postgresql_where=sa.text(LIVE)
+    )
+    op.create_table(
+        "deployment_worker",
+        sa.Column("worker", sa.Text, nullable=False),
+        sa.Column("deployment", sa.Text, nullable=False),
+        sa.Column(
+            "started_at", sa.TIMESTAMP(timezone=True), nullable=False, server_default=sa.text("now()")
+        ),
+        sa.Column(
+            "last_seen", sa.TIMESTAMP(timezone=True), nullable=False, server_default=sa.text("now()")
+        ),
+        sa.PrimaryKeyConstraint("worker", "deployment", name="deployment_worker_pkey"),
+    )
+    op.drop_constraint("audit_event_action_ck", "audit_event", type_="check")
+    op.create_check_constraint("audit_event_action_ck", "audit_event", f"action IN ({NEW_ACTIONS})")
+
+
+def downgrade() -> None:
+    # The trail is append-only: upgrade rows stay, and only new rows are checked.
+    op.drop_constraint("audit_event_action_ck", "audit_event", type_="check")
+    op.execute(
+        "ALTER TABLE audit_event ADD CONSTRAINT audit_event_action_ck "
+        f"CHECK (action IN ({OLD_ACTIONS})) NOT VALID"
+    )
+    op.drop_table("deployment_worker")
+    op.drop_index("run_deployment_live_idx", table_name="run")
+    op.drop_column("run", "deployment")
