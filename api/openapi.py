@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from api.openapi_versions import add_versions
 from api.schemas import (
     CURSOR_PATTERN,
     ID_PREFIX_PATTERN,
@@ -1149,6 +1150,7 @@ def openapi_document(
             },
         },
     }
+    add_versions(document)
     _common_responses(document, auth)
     return document
 

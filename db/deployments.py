@@ -4,12 +4,15 @@ under "deployments"."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 from sqlalchemy import Engine
 
+from db import jsontext
 from db.queries import QUERIES as Q
 from db.records import Deployment, DeploymentWorker, Dispatch, NewAudit, Run
 from db.store import _record_audit, _run
@@ -72,6 +75,46 @@ class DeploymentStore:
         with self._autocommit.connect() as conn:
             rows = conn.execute(
                 Q["runs_of_deployment"], {"deployment": deployment, "limit": limit}
+            ).mappings()
+            return [_run(r) for r in rows]
+
+    def record_definitions(self, deployment: str, definitions: dict[str, Any]) -> None:
+        """The agents' definitions in ``deployment`` (the first recorded stays)."""
+        with self.engine.begin() as conn:
+            for agent, definition in sorted(definitions.items()):
+                conn.execute(
+                    Q["record_agent_definition"],
+                    {
+                        "deployment": deployment,
+                        "agent": agent,
+                        "definition": json.dumps(definition, sort_keys=True, default=str),
+                    },
+                )
+
+    def definitions(self, deployment: str | None) -> dict[str, Any]:
+        """The agents' definitions recorded for ``deployment`` (none for no version)."""
+        if deployment is None:
+            return {}
+        with self._autocommit.connect() as conn:
+            rows = conn.execute(Q["agent_definitions"], {"deployment": deployment}).all()
+        return {
+            r.agent: jsontext.loads(r.definition) if isinstance(r.definition, str) else r.definition
+            for r in rows
+        }
+
+    def sample(
+        self,
+        *,
+        deployment: str | None = None,
+        agent: str | None = None,
+        in_flight: bool = False,
+        limit: int = 200,
+    ) -> list[Run]:
+        """Recorded runs, newest first, for an offline replay check."""
+        with self._autocommit.connect() as conn:
+            rows = conn.execute(
+                Q["sample_runs"],
+                {"deployment": deployment, "agent": agent, "in_flight": in_flight, "limit": limit},
             ).mappings()
             return [_run(r) for r in rows]
 

@@ -1451,3 +1451,24 @@ WHERE id = :id
   AND (locked_until IS NULL OR locked_until < now())
 RETURNING id, status, dispatch_token,
           GREATEST(0, EXTRACT(EPOCH FROM run_at - now()))::float8 AS delay_seconds;
+
+-- record_agent_definition --
+-- An agent's definition in a version (runtime.engine.deployment.agent_definition), recorded
+-- by the first process of the version; the same name recorded again keeps the first.
+INSERT INTO deployment_agent (deployment, agent, definition)
+VALUES (:deployment, :agent, CAST(:definition AS jsonb))
+ON CONFLICT (deployment, agent) DO NOTHING;
+
+-- agent_definitions --
+-- A version's recorded agent definitions.
+SELECT agent, definition FROM deployment_agent WHERE deployment = :deployment;
+
+-- sample_runs --
+-- Recorded runs for an offline replay check (dar replay-check), newest first: of a version
+-- (or any), of an agent (or any), in flight only or of any status.
+SELECT * FROM run
+WHERE (CAST(:deployment AS text) IS NULL OR deployment = CAST(:deployment AS text))
+  AND (CAST(:agent AS text) IS NULL OR agent = CAST(:agent AS text))
+  AND (NOT :in_flight OR status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION'))
+ORDER BY created_at DESC
+LIMIT :limit;

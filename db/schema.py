@@ -530,3 +530,14 @@ deployment_worker = Table(
     Column("started_at", TZ, nullable=False, server_default=text("now()")),
     Column("last_seen", TZ, nullable=False, server_default=text("now()")),
 )
+
+# Each version's agent definitions (migration 0050), recorded by the first process of that
+# version: what the replay check compares the new code's configuration with.
+deployment_agent = Table(
+    "deployment_agent",
+    metadata,
+    Column("deployment", Text, primary_key=True),
+    Column("agent", Text, primary_key=True),
+    Column("definition", JSONB, nullable=False),
+    Column("recorded_at", TZ, nullable=False, server_default=text("now()")),
+)

@@ -19,6 +19,7 @@ from db.errors import LeaseLost
 from runtime.config import Settings
 from runtime.engine import sweeps
 from runtime.engine.bootstrap import Runtime
+from runtime.engine.deployment import agent_definition
 from runtime.engine.driver import Driver, Outcome
 from runtime.observe.metrics import Metrics
 from runtime.pipeline.heartbeat import Heartbeat
@@ -102,9 +103,14 @@ def serve_deployment(app: Celery, runtime: Runtime, heartbeat: Heartbeat) -> Non
         return
     versions = DeploymentStore(runtime.lease_store().engine)
     worker = runtime.settings.worker_name
+    definitions = {n: agent_definition(runtime.agents.get(n)) for n in runtime.agents.names()}
+    recorded: list[bool] = []
 
     def seen() -> None:
         versions.worker_seen(worker, deployment)
+        if not recorded:  # once: what a later upgrade's replay check compares with
+            versions.record_definitions(deployment, definitions)
+            recorded.append(True)
 
     try:
         seen()

@@ -1,5 +1,6 @@
 """deployments: each run records the version of the code it started on (run.deployment);
-workers say which version they serve (deployment_worker, a heartbeat); upgrades are audited
+workers say which version they serve (deployment_worker, a heartbeat); each version's agent
+definitions are recorded once (deployment_agent: what an upgrade compares); upgrades are audited
 
 A run is driven only by workers of its version until an operator upgrades it after a clean
 replay check (runtime.engine.deployment, runtime.engine.replaycheck). Runs stored before
@@ -12,6 +13,7 @@ Create Date: 2026-12-07
 
 import sqlalchemy as sa
 from alembic import op
+from sqlalchemy.dialects import postgresql
 
 revision = "0050"
 down_revision = "0040"
@@ -43,6 +45,19 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("worker", "deployment", name="deployment_worker_pkey"),
     )
+    op.create_table(
+        "deployment_agent",
+        sa.Column("deployment", sa.Text, nullable=False),
+        sa.Column("agent", sa.Text, nullable=False),
+        sa.Column("definition", postgresql.JSONB, nullable=False),
+        sa.Column(
+            "recorded_at",
+            sa.TIMESTAMP(timezone=True),
+            nullable=False,
+            server_default=sa.text("now()"),
+        ),
+        sa.PrimaryKeyConstraint("deployment", "agent", name="deployment_agent_pkey"),
+    )
     op.drop_constraint("audit_event_action_ck", "audit_event", type_="check")
     op.create_check_constraint("audit_event_action_ck", "audit_event", f"action IN ({NEW_ACTIONS})")
 
@@ -54,6 +69,7 @@ def downgrade() -> None:
         "ALTER TABLE audit_event ADD CONSTRAINT audit_event_action_ck "
         f"CHECK (action IN ({OLD_ACTIONS})) NOT VALID"
     )
+    op.drop_table("deployment_agent")
     op.drop_table("deployment_worker")
     op.drop_index("run_deployment_live_idx", table_name="run")
     op.drop_column("run", "deployment")
