@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from celery import Celery
@@ -111,12 +112,31 @@ def serve_deployment(app: Celery, runtime: Runtime, heartbeat: Heartbeat) -> Non
         if not recorded:  # once: what a later upgrade's replay check compares with
             versions.record_definitions(deployment, definitions)
             recorded.append(True)
+            warn_if_renamed(deployment, versions.definitions(deployment), definitions)
 
     try:
         seen()
     except Exception as e:  # the database away: the heartbeat says it later
         log.warning("could not record the version this worker serves yet: %s", e)
     heartbeat.also_renew(seen)
+
+
+def warn_if_renamed(
+    deployment: str, recorded: Mapping[str, object], here: Mapping[str, object]
+) -> list[str]:
+    """Agents whose definition differs from the one recorded under the same version's name:
+    DAR_DEPLOYMENT named two different codes, and its runs may meet either."""
+    differ = sorted(n for n in here if n in recorded and recorded[n] != here[n])
+    if differ:
+        log.warning(
+            "version %s was recorded with other definitions of %s: give each code its own "
+            "DAR_DEPLOYMENT (or leave it unset to derive one), or runs of %s may be driven by "
+            "either",
+            deployment,
+            ", ".join(differ),
+            deployment,
+        )
+    return differ
 
 
 def stop_worker_state(app: Celery) -> None:

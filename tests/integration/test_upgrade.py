@@ -16,14 +16,16 @@ from flask.testing import FlaskClient
 
 import api
 from cli.main import main
-from db.records import Dispatch, NewRun, Run, RunStatus
+from db.records import Dispatch, NewRun, Run, RunStatus, StepStatus
+from runtime.agents import Agent
 from runtime.config import Settings
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.deployment import agent_definition, queue_name
+from runtime.engine.driver import Outcome
 from runtime.engine.replaycheck import check_run
 from runtime.llm.scripted import ScriptedLlm
 from tasks.celery_app import make_celery
-from tests.integration.replay_agents import agents
+from tests.integration.replay_agents import agents, find_order
 
 
 def _runtime(settings: Settings, llm: ScriptedLlm, deployment: str, variant: str) -> Runtime:
@@ -245,3 +247,33 @@ def test_dar_replay_check_gates_a_change_with_its_exit_status(
     out = capsys.readouterr().out
     assert text in out
     assert "2 recorded runs replayed" in out
+
+
+def test_a_run_keeps_its_version_s_configuration_and_a_missing_tool_names_both_versions(
+    v1: Runtime, settings: Settings, llm: ScriptedLlm
+) -> None:
+    llm.then_tool_use("toolu_1", "lookup_order", {"order_id": "42"}).then_text("shipped")
+    run, d = _start(v1, "support", "where is order 42?")
+    v2 = Runtime.build(replace(settings, deployment="v2"), llm=llm, pool_size=2)
+    v2.agents.register(Agent(name="support", system_prompt="Be thorough.", tools=(find_order,)))
+    try:
+        assert v2.driver().drive(d.run_id, d.token).outcome is Outcome.REROUTED
+        assert llm.requests == [], "v2's configuration never met v1's run"
+        v1.driver().drive(d.run_id, d.token)
+        (request,) = llm.requests
+        assert "Be brief." in json.dumps(request.system), "v1's prompt, v1's run"
+        assert [t["name"] for t in request.tools or []] == ["lookup_order"]
+
+        # A run with no version (stored before versions) is any worker's: v2's lacks the
+        # tool the run's model asked for, and says which code the run started on.
+        with v1.engine.begin() as conn:
+            conn.exec_driver_sql("UPDATE run SET deployment = NULL WHERE id = %s", (run.id,))
+        after = v1.store.get_run(run.id)
+        v2.driver().drive(after.id, after.dispatch_token)
+        tool_step = next(s for s in v1.store.steps(run.id) if s.step_key == "tool:toolu_1")
+        assert tool_step.status is StepStatus.ERROR
+        assert "unknown tool 'lookup_order'" in (tool_step.error or "")
+        assert "this worker runs version v2" in (tool_step.error or "")
+        assert "before versions were recorded" in (tool_step.error or "")
+    finally:
+        v2.close()

@@ -89,3 +89,13 @@ def test_dar_deployment_names_the_version() -> None:
 def test_a_dar_deployment_that_cannot_name_a_queue_is_refused(bad: str) -> None:
     with pytest.raises(ConfigError, match="DAR_DEPLOYMENT"):
         Settings.from_env({"DAR_DEPLOYMENT": bad})
+
+
+def test_one_name_for_two_codes_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    from tasks.drive import warn_if_renamed
+
+    ours = {"support": agent_definition(_agent())}
+    assert warn_if_renamed("v1", ours, ours) == []
+    theirs = {"support": agent_definition(_agent(system_prompt="Be thorough."))}
+    assert warn_if_renamed("v1", theirs, ours) == ["support"]
+    assert "give each code its own DAR_DEPLOYMENT" in caplog.text
