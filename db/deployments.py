@@ -64,6 +64,12 @@ class DeploymentStore:
         found = [Deployment(d, tuple(by_version.get(d, ())), runs.get(d, {})) for d in names]
         return sorted(found, key=lambda d: (-d.in_flight, d.deployment or ""))
 
+    def live_deployments(self) -> set[str]:
+        """The versions some live worker serves."""
+        with self._autocommit.connect() as conn:
+            rows = conn.execute(Q["live_deployments"], {"live_seconds": self.live_seconds})
+            return {r.deployment for r in rows}
+
     def count_unserved_runs(self) -> int:
         """Runs in flight of a version no live worker serves."""
         with self._autocommit.connect() as conn:

@@ -1472,3 +1472,8 @@ WHERE (CAST(:deployment AS text) IS NULL OR deployment = CAST(:deployment AS tex
   AND (NOT :in_flight OR status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION'))
 ORDER BY created_at DESC
 LIMIT :limit;
+
+-- live_deployments --
+-- The versions some live worker serves (seen within :live_seconds).
+SELECT DISTINCT deployment FROM deployment_worker
+WHERE last_seen >= now() - make_interval(secs => :live_seconds);

@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from celery import Celery
@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from db.deployments import DeploymentStore
 from db.errors import LeaseLost
+from db.records import Dispatch
 from runtime.config import Settings
 from runtime.engine import sweeps
 from runtime.engine.bootstrap import Runtime
@@ -139,6 +140,34 @@ def warn_if_renamed(
     return differ
 
 
+def served_sender(app: Celery, runtime: Runtime) -> Callable[[Dispatch], bool]:
+    """The reaper's sender: a run whose version no live worker serves gets no message (the
+    reaper re-sends a presumed-lost message every DAR_REDISPATCH_AFTER_SECONDS: to a queue
+    nobody reads they would pile up). Its next sweep asks again; an upgrade sends one."""
+    versions = runtime.deployments
+    try:
+        live: set[str] | None = versions.live_deployments()
+    except Exception:  # unknown: send as usual
+        live = None
+
+    def send(dispatch: Dispatch) -> bool:
+        try:
+            deployment = versions.run_deployment(dispatch.run_id)
+        except Exception:
+            return send_drive(app, runtime.store, dispatch)
+        if live is not None and deployment is not None and deployment not in live:
+            log.info(
+                "run=%s waits for a worker of version %s (none is live)",
+                str(dispatch.run_id)[:8],
+                deployment,
+                extra={"run_id": str(dispatch.run_id)},
+            )
+            return False
+        return send_drive(app, runtime.store, dispatch, deployment=deployment)
+
+    return send
+
+
 def stop_worker_state(app: Celery) -> None:
     held: tuple[int, WorkerState] | None = getattr(app, "dar_state", None)
     if held is not None and held[0] == os.getpid():
@@ -191,7 +220,7 @@ def register_tasks(app: Celery) -> None:
         timer is due, and apply expired approvals' policies (:func:`sweeps.reap`)."""
         state = worker_state(app)
         store = state.runtime.store
-        return sweeps.reap(store, state.runtime.settings, lambda d: send_drive(app, store, d))
+        return sweeps.reap(store, state.runtime.settings, served_sender(app, state.runtime))
 
     @app.task(name=RETENTION, ignore_result=True, shared=False)
     def retention() -> int:

@@ -13,13 +13,13 @@ import pytest
 import redis
 from celery import Celery
 
-from db.records import NewRun, RunStatus
+from db.records import Dispatch, NewRun, RunStatus
 from runtime.config import Settings
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.deployment import queue_name
 from runtime.engine.driver import Outcome
 from runtime.llm.scripted import ScriptedLlm
-from tasks.celery_app import DRIVE_RUN, make_celery
+from tasks.celery_app import DRIVE_RUN, REAP, make_celery
 from tasks.dispatch import send_drive
 from tasks.drive import stop_worker_state
 from tests.support import register_agent, submit
@@ -151,3 +151,27 @@ def test_a_run_with_no_version_is_driven_by_any_worker(
     result = v2.driver().drive(dispatch.run_id, dispatch.token)
     assert result.outcome is Outcome.FINISHED
     assert v2.store.get_run(run.id).status is RunStatus.SUCCEEDED
+
+
+def test_the_reaper_sends_no_message_to_a_version_no_worker_serves(
+    versions: tuple[Runtime, Runtime], settings: Settings, redis_client: redis.Redis
+) -> None:
+    v1, v2 = versions
+    run, dispatch = submit(v1.store)
+    v1.store.mark_undispatched(dispatch)  # its message presumed lost
+    reaper = _worker(settings, v2)  # a v2 worker's beat task: v2 is live, v1 is not
+    v1_queue = queue_name(settings.queue, "v1")
+    try:
+        assert reaper.tasks[REAP].run() == 1
+        assert redis_client.llen(v1_queue) == 0, "nothing piles up in a queue nobody reads"
+        assert v1.store.get_run(run.id).status is RunStatus.QUEUED
+
+        v1.deployments.worker_seen("a-v1-worker", "v1")  # a worker of v1 starts
+        v1.store.mark_undispatched(Dispatch(run.id, v1.store.get_run(run.id).dispatch_token))
+        assert reaper.tasks[REAP].run() == 1
+        assert _messages(redis_client, v1_queue) == [
+            (str(run.id), str(v1.store.get_run(run.id).dispatch_token))
+        ]
+    finally:
+        stop_worker_state(reaper)
+        reaper.close()
