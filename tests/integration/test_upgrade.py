@@ -5,6 +5,7 @@ CLI's offline check gates a deploy with its exit status."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -13,6 +14,7 @@ import pytest
 import redis
 from celery import Celery
 from flask.testing import FlaskClient
+from werkzeug.serving import make_server
 
 import api
 from cli.main import main
@@ -276,4 +278,45 @@ def test_a_run_keeps_its_version_s_configuration_and_a_missing_tool_names_both_v
         assert "this worker runs version v2" in (tool_step.error or "")
         assert "before versions were recorded" in (tool_step.error or "")
     finally:
+        v2.close()
+
+
+def test_dar_versions_and_dar_upgrade_show_what_waits_and_what_moved(
+    v1: Runtime,
+    settings: Settings,
+    llm: ScriptedLlm,
+    celery: Celery,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    support = _support_in_flight(v1, llm)
+    flow = _flow_in_flight(v1)
+    v2 = Runtime.build(replace(settings, deployment="v2"), llm=llm, pool_size=2)
+    v2.agents.register(agents("renamed-tool")[0])
+    v2.agents.register(agents("refactor")[1])
+    server = make_server("127.0.0.1", 0, api.create_app(runtime=v2, celery=celery), threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert main(["versions", "--api", url]) == 0
+        out = capsys.readouterr().out
+        (line,) = [row for row in out.splitlines() if row.startswith("v1 ")]
+        assert line.split()[1:4] == ["0/0", "2", "NO"]
+        assert "2 runs in flight belong to a version no worker serves" in out
+
+        assert main(["upgrade", "v1", "--dry-run", "--api", url]) == 1
+        out = capsys.readouterr().out
+        assert "DIVERGES" in out
+        assert "(dry run)" in out
+        assert v1.store.get_run(flow.id).deployment == "v1"
+
+        assert main(["upgrade", "v1", "--api", url]) == 1, "a run stayed"
+        out = capsys.readouterr().out
+        assert "1 moved, 1 stayed" in out
+        assert str(support.id)[:8] in out
+        assert v1.store.get_run(flow.id).deployment == "v2"
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+        server.server_close()
         v2.close()
