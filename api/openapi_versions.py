@@ -1,5 +1,7 @@
-"""The OpenAPI description of ``/api/versions`` (api/versions.py) and of a run's version,
-added to the document by :func:`api.openapi.openapi_document` with one call."""
+"""The OpenAPI document, part: deployment versions (``/api/versions``, api/versions.py) and a
+run's version. Shaped as a part of the document split by resource (``paths(c)``,
+``schemas(c)``; :data:`RUN_DEPLOYMENT` is the ``Run`` schema's ``deployment`` property):
+:func:`add_versions` puts it into a whole document."""
 
 from __future__ import annotations
 
@@ -18,10 +20,26 @@ def _json(schema: JsonObj, description: str) -> JsonObj:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+RUN_DEPLOYMENT: JsonObj = {
+    **_NULLABLE_STR,
+    "description": "the version of the code the run started on; only workers of that "
+    "version drive it (null: stored before versions, any worker)",
+}
+
+
 def add_versions(document: JsonObj) -> None:
     """Add the versions' paths and schemas, and ``deployment`` to ``Run``."""
+    document["paths"].update(paths())
+    schemas_ = document["components"]["schemas"]
+    schemas_.update(schemas())
+    schemas_["Run"]["properties"]["deployment"] = RUN_DEPLOYMENT
+
+
+def paths(c: object = None) -> JsonObj:
+    """The paths of deployment versions."""
     error = _json(_ref("Error"), "")
-    document["paths"]["/api/versions"] = {
+    found: JsonObj = {}
+    found["/api/versions"] = {
         "get": {
             "summary": "The deployment versions: the workers that serve each one and its runs "
             "in flight; runs of a version no live worker serves wait for one (or an upgrade)",
@@ -29,7 +47,7 @@ def add_versions(document: JsonObj) -> None:
             "responses": {"200": _json(_ref("Versions"), "Every version seen")},
         }
     }
-    document["paths"]["/api/versions/{deployment}/upgrade"] = {
+    found["/api/versions/{deployment}/upgrade"] = {
         "post": {
             "summary": "Move the runs of a version to this process's version, each only after "
             "its recorded history replays clean against this process's code (no model call, "
@@ -75,13 +93,13 @@ def add_versions(document: JsonObj) -> None:
             },
         }
     }
-    schemas = document["components"]["schemas"]
-    schemas["Run"]["properties"]["deployment"] = {
-        **_NULLABLE_STR,
-        "description": "the version of the code the run started on; only workers of that "
-        "version drive it (null: stored before versions, any worker)",
-    }
-    schemas["Versions"] = {
+    return found
+
+
+def schemas(c: object = None) -> JsonObj:
+    """The component schemas of deployment versions."""
+    found: JsonObj = {}
+    found["Versions"] = {
         "type": "object",
         "required": ["current", "unservedRuns", "versions"],
         "properties": {
@@ -122,7 +140,7 @@ def add_versions(document: JsonObj) -> None:
             },
         },
     }
-    schemas["RunCheck"] = {
+    found["RunCheck"] = {
         "type": "object",
         "properties": {
             "runId": {"type": "string", "format": "uuid"},
@@ -143,7 +161,7 @@ def add_versions(document: JsonObj) -> None:
             "configurationChanges": {"type": "array", "items": {"type": "string"}},
         },
     }
-    schemas["UpgradeReport"] = {
+    found["UpgradeReport"] = {
         "type": "object",
         "properties": {
             "from": _NULLABLE_STR,
@@ -156,3 +174,4 @@ def add_versions(document: JsonObj) -> None:
             "runs": {"type": "array", "items": _ref("RunCheck")},
         },
     }
+    return found

@@ -5,15 +5,20 @@ upgrades them through the replay check, and then finish on the other version's w
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cli.devstack import DevStack
+from cli.embedded import free_port
 from db.engine import make_engine
 from db.records import Dispatch, NewRun, RunStatus
 from db.store import RunStore
@@ -164,4 +169,92 @@ def test_each_version_drives_only_its_runs_and_an_upgrade_moves_a_dead_version_s
             assert actions.count("upgrade") == 1
     finally:
         app.close()
+        engine.dispose()
+
+
+def _request(url: str, method: str, path: str, body: object = None) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url + path, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+    except OSError as e:
+        return 0, str(e)
+
+
+def _spawn_web(stack: DevStack, name: str, deployment: str) -> str:
+    """A web process of another version beside the stack's (a rolling deploy's new web)."""
+    port = free_port()
+    stack._spawn(
+        name,
+        [
+            "gunicorn", "--bind", f"127.0.0.1:{port}", "--worker-class", "gevent",
+            "--workers", "1", "--logger-class", "api.gunicorn_logging.Logger", "api.wsgi:app",
+        ],
+        DAR_DEPLOYMENT=deployment,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while _request(url, "GET", "/healthz")[0] != 200:
+        assert time.monotonic() < deadline, f"{name} never answered"
+        assert stack.processes[name].poll() is None, f"{name} exited"
+        time.sleep(0.2)
+    return url
+
+
+def test_a_rolling_deploy_drains_the_old_version_and_starts_new_runs_on_the_new(
+    stack: DevStack,
+) -> None:
+    """v1's web and workers run; v2's web and worker start beside them: runs submitted to
+    v1's web finish on v1's workers, runs submitted to v2's web on v2's worker; once v1 has
+    no run in flight its workers stop, and the versions say so."""
+    engine = make_engine(stack.database_url, pool_size=2)
+    store = RunStore(engine)
+    try:
+        v1_runs = []
+        for _ in range(3):
+            status, accepted = stack.request("POST", "/api/runs", {"input": QUESTION})
+            assert status == 201, accepted
+            v1_runs.append(uuid.UUID(accepted["id"]))
+        v2_web = _spawn_web(stack, "web-v2", "v2")
+        v2_runs = []
+        for _ in range(3):
+            status, accepted = _request(v2_web, "POST", "/api/runs", {"input": QUESTION})
+            assert status == 201, accepted
+            v2_runs.append(uuid.UUID(accepted["id"]))
+        assert {store.get_run(r).deployment for r in v1_runs} == {"v1"}
+        assert {store.get_run(r).deployment for r in v2_runs} == {"v2"}
+        status, versions = _request(v2_web, "GET", "/api/versions")
+        assert versions["current"] == "v2"
+
+        deadline = time.monotonic() + 120
+        while True:  # drain: v1 has no run in flight
+            assert time.monotonic() < deadline, "v1 never drained"
+            _, versions = stack.request("GET", "/api/versions")
+            in_flight = {v["deployment"]: v["inFlight"] for v in versions["versions"]}
+            if in_flight.get("v1", 0) == 0:
+                break
+            time.sleep(0.2)
+        for name in V1_WORKERS:  # stop v1's workers (SIGTERM: a clean stop)
+            stack.processes[name].terminate()
+            stack.processes[name].wait(timeout=30)
+        _, versions = stack.request("GET", "/api/versions")
+        by_version = {v["deployment"]: v for v in versions["versions"]}
+        assert "v1" not in by_version or by_version["v1"]["workers"] == [], versions
+
+        deadline = time.monotonic() + 120
+        while not all(store.get_run(r).status.terminal for r in v2_runs):
+            assert time.monotonic() < deadline, "v2's runs did not finish"
+            time.sleep(0.2)
+        for run_id in v1_runs:
+            assert store.get_run(run_id).status is RunStatus.SUCCEEDED
+            assert {s.worker for s in store.steps(run_id)} <= set(V1_WORKERS)
+        for run_id in v2_runs:
+            assert store.get_run(run_id).status is RunStatus.SUCCEEDED
+            assert {s.worker for s in store.steps(run_id)} == {V2_WORKER}
+    finally:
         engine.dispose()
