@@ -244,6 +244,15 @@ class ReplayEngine:
             return None
         except _Diverged as e:
             return e.divergence
+        except (StepError, ApprovalRejected) as e:
+            if self.position >= len(self.history):
+                return None  # it ended with the error its history ends with: as recorded
+            at = self.history[self.position - 1] if self.position else None
+            return Divergence(
+                at.seq if at is not None else None,
+                f"{at.kind} {at.step_key}" if at is not None else "the start of the run",
+                f"the code ended with {type(e).__name__}: {e} before the recorded steps after it",
+            )
         except Exception as e:
             at = self.history[self.position - 1] if self.position else None
             return Divergence(

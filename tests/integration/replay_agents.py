@@ -55,6 +55,16 @@ def flow_renamed_step(value: Any, steps: Steps) -> Any:
     return steps.run("charge", lambda: order["id"])
 
 
+@durable_agent("charge-or-fail")
+def charge_or_fail(value: Any, steps: Steps) -> Any:
+    steps.run("fetch", lambda: {"id": value})
+    return steps.run("charge", _declined)
+
+
+def _declined() -> Any:
+    raise RuntimeError("card declined")
+
+
 def agents(variant: str) -> list[Agent | DurableAgent]:
     support = Agent(
         name="support",
@@ -62,7 +72,7 @@ def agents(variant: str) -> list[Agent | DurableAgent]:
         tools=(find_order,) if variant == "renamed-tool" else (lookup_order,),
     )
     flow = {"refactor": flow_refactor, "renamed-step": flow_renamed_step}.get(variant, flow_v1)
-    return [support, flow]
+    return [support, flow, charge_or_fail]
 
 
 def register(registry: AgentRegistry) -> None:

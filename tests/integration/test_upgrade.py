@@ -320,3 +320,18 @@ def test_dar_versions_and_dar_upgrade_show_what_waits_and_what_moved(
         thread.join(timeout=5)
         server.server_close()
         v2.close()
+
+
+def test_a_failed_run_replays_clean_when_the_code_fails_as_recorded(
+    v1: Runtime, settings: Settings, llm: ScriptedLlm
+) -> None:
+    run, d = _start(v1, "charge-or-fail", "A-2")
+    driver = v1.driver()
+    current: Dispatch | None = d
+    while current is not None:
+        current = driver.drive(current.run_id, current.token).dispatch
+    failed = v1.store.get_run(run.id)
+    assert failed.status is RunStatus.FAILED
+    check = check_run(v1.agents, failed, v1.store.steps(run.id))
+    assert check.clean, check.divergence
+    assert check.steps == 2
