@@ -67,10 +67,46 @@ def _code_text(fn: Callable[..., Any]) -> str:
 
 
 def _describe_value(value: Any) -> Any:
-    """A bound argument of a framework adapter: its class (objects print their address)."""
+    """A bound argument of a framework adapter: a framework agent's recorded shape (what its
+    runs record and check on replay: tools, MCP servers, handoffs, output), else its class
+    (objects print their address)."""
     if isinstance(value, str | int | float | bool) or value is None:
         return value
+    shape = _framework_shape(value)
+    if shape is not None:
+        return shape
     return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _model_name(model: Any) -> str | None:
+    """A model by its name: never an object's repr, which holds its address."""
+    if model is None or isinstance(model, str):
+        return model
+    name = getattr(model, "model_name", None)
+    return name if isinstance(name, str) else f"{type(model).__module__}.{type(model).__qualname__}"
+
+
+def _framework_shape(value: Any) -> dict[str, Any] | None:
+    """The identity :mod:`runtime.frameworks` records in a framework agent's first step. Only
+    an object of a framework already imported is looked at: nothing is imported here."""
+    module = type(value).__module__ or ""
+    try:
+        if module.startswith("pydantic_ai"):
+            from runtime.frameworks.pydantic_ai import identity as pydantic_identity
+
+            return {
+                "pydantic_ai": pydantic_identity(value),
+                "model": _model_name(getattr(value, "model", None)),
+            }
+        if module == "runtime.frameworks.openai_agents" and type(value).__name__ == "Graph":
+            from runtime.frameworks.openai_agents import identity as sdk_identity
+
+            graph = value
+            models = {n: _model_name(getattr(a, "model", None)) for n, a in graph.by_name.items()}
+            return {"openai_agents": sdk_identity(graph), "models": models}
+    except Exception:  # a framework's internals moved: the modules' code still counts
+        return None
+    return None
 
 
 def agent_definition(agent: Any) -> dict[str, Any]:

@@ -99,3 +99,27 @@ def test_one_name_for_two_codes_is_reported(caplog: pytest.LogCaptureFixture) ->
     theirs = {"support": agent_definition(_agent(system_prompt="Be thorough."))}
     assert warn_if_renamed("v1", theirs, ours) == ["support"]
     assert "give each code its own DAR_DEPLOYMENT" in caplog.text
+
+
+def test_a_framework_agent_s_shape_is_part_of_its_version() -> None:
+    pydantic_ai = pytest.importorskip("pydantic_ai")
+    from pydantic_ai.models.test import TestModel
+
+    def lookup(order_id: str) -> str:
+        """Look an order up."""
+        return order_id
+
+    def find(order_id: str) -> str:
+        """Look an order up."""
+        return order_id
+
+    def registry(tool: Any) -> AgentRegistry:
+        agent = pydantic_ai.Agent(TestModel(), name="support", tools=[tool])
+        r = AgentRegistry()
+        r.register(agent)
+        return r
+
+    settings = Settings()
+    first = deployment_version(registry(lookup), settings)
+    assert first == deployment_version(registry(lookup), settings), "the same in every process"
+    assert first != deployment_version(registry(find), settings), "a renamed tool"
