@@ -11,6 +11,8 @@ Revises: 0040
 Create Date: 2026-12-07
 """
 
+import re
+
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
@@ -20,11 +22,7 @@ down_revision = "0040"
 branch_labels = None
 depends_on = None
 
-OLD_ACTIONS = (
-    "'cancel', 'resume', 'resolve', 'approve', 'reject', 'fork', 'submit', 'timeout', "
-    "'recovery.redispatched', 'recovery.resumed'"
-)
-NEW_ACTIONS = OLD_ACTIONS + ", 'upgrade'"
+UPGRADE = "upgrade"
 LIVE = "status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION')"
 
 
@@ -58,18 +56,39 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("deployment", "agent", name="deployment_agent_pkey"),
     )
-    op.drop_constraint("audit_event_action_ck", "audit_event", type_="check")
-    op.create_check_constraint("audit_event_action_ck", "audit_event", f"action IN ({NEW_ACTIONS})")
+    actions = _audit_actions()
+    _set_audit_actions([*actions, UPGRADE] if UPGRADE not in actions else actions, valid=True)
 
 
 def downgrade() -> None:
     # The trail is append-only: upgrade rows stay, and only new rows are checked.
-    op.drop_constraint("audit_event_action_ck", "audit_event", type_="check")
-    op.execute(
-        "ALTER TABLE audit_event ADD CONSTRAINT audit_event_action_ck "
-        f"CHECK (action IN ({OLD_ACTIONS})) NOT VALID"
-    )
+    _set_audit_actions([a for a in _audit_actions() if a != UPGRADE], valid=False)
     op.drop_table("deployment_agent")
     op.drop_table("deployment_worker")
     op.drop_index("run_deployment_live_idx", table_name="run")
     op.drop_column("run", "deployment")
+
+
+def _audit_actions() -> list[str]:
+    """The actions the audit trail's check allows now, read from the database: this
+    migration adds one to whatever the migrations before it allowed."""
+    definition = (
+        op.get_bind()
+        .execute(
+            sa.text(
+                "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
+                "WHERE conname = 'audit_event_action_ck'"
+            )
+        )
+        .scalar_one()
+    )
+    return re.findall(r"'([^']+)'", definition)
+
+
+def _set_audit_actions(actions: list[str], *, valid: bool) -> None:
+    listed = ", ".join(f"'{a}'" for a in actions)
+    op.drop_constraint("audit_event_action_ck", "audit_event", type_="check")
+    op.execute(
+        "ALTER TABLE audit_event ADD CONSTRAINT audit_event_action_ck "
+        f"CHECK (action IN ({listed})){'' if valid else ' NOT VALID'}"
+    )
