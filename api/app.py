@@ -124,6 +124,7 @@ def create_app(
     from api.schedules import bp as schedules_bp
     from api.signals import bp as signals_bp
     from api.stats import bp as stats_bp
+    from api.versions import bp as versions_bp
 
     app.register_blueprint(runs_bp, url_prefix="/api")
     app.register_blueprint(events_bp, url_prefix="/api")
@@ -133,6 +134,7 @@ def create_app(
     app.register_blueprint(schedules_bp, url_prefix="/api")
     app.register_blueprint(signals_bp, url_prefix="/api")
     app.register_blueprint(messages_bp, url_prefix="/api")
+    app.register_blueprint(versions_bp, url_prefix="/api")
     app.register_blueprint(health_bp)
     app.register_blueprint(console_bp)
 

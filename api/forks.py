@@ -98,7 +98,8 @@ def fork(run_id: str) -> tuple[Response, int, dict[str, str]]:
     except InvalidTransition as e:
         raise ApiError(409, str(e), code="fork_refused", field="reuseApprovals") from None
     if created:
-        send_drive(s.celery, s.runtime.store, Dispatch(run.id, run.dispatch_token))
+        dispatch = Dispatch(run.id, run.dispatch_token)
+        send_drive(s.celery, s.runtime.store, dispatch, deployment=run.deployment)
     return (
         jsonify(
             {"id": str(run.id), "status": str(run.status), "forkedFrom": forked_from_json(run)}

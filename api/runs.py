@@ -165,7 +165,8 @@ def submit() -> tuple[Response, int, dict[str, str]]:
         raise key_reused(e) from None
     if created:
         # After the commit: a broker outage leaves the run stored and marked for the reaper.
-        send_drive(s.celery, s.runtime.store, Dispatch(run.id, run.dispatch_token))
+        dispatch = Dispatch(run.id, run.dispatch_token)
+        send_drive(s.celery, s.runtime.store, dispatch, deployment=run.deployment)
     location = url_for("runs.get_run", run_id=str(run.id))
     return (
         jsonify({"id": str(run.id), "status": str(run.status)}),

@@ -59,6 +59,7 @@ def run_json(run: Run, *, with_input: bool = True) -> dict[str, Any]:
         "forkedFrom": forked_from_json(run),
         "scheduleId": str(run.schedule_id) if run.schedule_id else None,
         "parentRunId": str(run.parent_run_id) if run.parent_run_id else None,
+        "deployment": run.deployment,
     }
 
 

@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
 
+from cli.versions import add_version_commands
 from db.errors import DarError
 from db.records import TERMINAL, RunStatus
 from runtime.client import ApiUnreachable, Client
@@ -875,6 +876,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = command(name, func, help_text)
         p.add_argument("--api", default=api_default, help="API base URL ($DAR_API_URL)")
         return p
+
+    add_version_commands(command, api_command, api_call, _table)
 
     p = api_command("runs", _runs, "list runs, newest first")
     p.add_argument("--status", type=_status, help="only runs in this status (e.g. FAILED)")

@@ -11,14 +11,17 @@
 -- A new QUEUED run. With an idempotency key that exists already nothing is inserted and the
 -- caller reads the existing run instead.
 -- Idempotency keys are scoped to the tenant: another tenant's key is another key.
+-- Its version (deployment): a child's is its parent's, any other run's :deployment.
 INSERT INTO run (id, agent, input, model, max_steps, token_budget, cost_budget_usd,
                  deadline_at, dispatch_token, idempotency_key, request_hash, submitted_by,
                  tenant, timeout_seconds, concurrency_key, priority, schedule_id,
-                 parent_run_id)
+                 parent_run_id, deployment)
 VALUES (:id, :agent, CAST(:input AS jsonb), :model, :max_steps, :token_budget,
         :cost_budget_usd, now() + make_interval(secs => :timeout_seconds), :token,
         :idempotency_key, :request_hash, :submitted_by, :tenant, :timeout_seconds,
-        :concurrency_key, :priority, :schedule_id, :parent_run_id)
+        :concurrency_key, :priority, :schedule_id, :parent_run_id,
+        COALESCE((SELECT p.deployment FROM run p WHERE p.id = :parent_run_id),
+                 CAST(:deployment AS text)))
 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING *;
 
@@ -32,9 +35,13 @@ SELECT * FROM run WHERE id = :id;
 -- A fragment, not a statement: a statement's line {{_claim_due}} stands for it. The run of
 -- the drive_run message carrying its current dispatch token, when it is due and no lease on
 -- it is live.
+-- A worker serving a version (:deployment) claims only runs of that version, or of none
+-- (stored before versions); NULL :deployment claims any (a test's driver, a plain loop).
     WHERE id = :id AND dispatch_token = :token
       AND status IN ('QUEUED', 'RUNNING') AND run_at <= now()
       AND (locked_until IS NULL OR locked_until < now())
+      AND (deployment IS NULL OR CAST(:deployment AS text) IS NULL
+           OR deployment = CAST(:deployment AS text))
 
 -- _claim_set --
 -- A fragment, not a statement: a statement's line {{_claim_set}} stands for it. What every
@@ -86,6 +93,8 @@ WITH next AS (
     SELECT id FROM run
     WHERE status IN ('QUEUED', 'RUNNING') AND run_at <= now()
       AND (locked_until IS NULL OR locked_until < now())
+      AND (deployment IS NULL OR CAST(:deployment AS text) IS NULL
+           OR deployment = CAST(:deployment AS text))
     ORDER BY run_at
     FOR UPDATE SKIP LOCKED
     LIMIT 1
@@ -541,18 +550,20 @@ ORDER BY s.seq;
 SELECT * FROM run WHERE id = :id FOR SHARE;
 
 -- create_fork_run --
--- A new QUEUED run forked from :source at :from_seq, in the source's tenant, with the
+-- A new QUEUED run forked from :source at :from_seq, on the forking process's version
+-- (:deployment: a fork tries a recorded run again, on the code deployed now), in the source's tenant, with the
 -- source's concurrency key and priority (a fork competes for the same key's slots). With an
 -- idempotency key that exists already in that tenant (a concurrent retry committed first)
 -- nothing is inserted and no row is returned, as create_run.
 INSERT INTO run (id, agent, input, model, max_steps, token_budget, cost_budget_usd,
                  deadline_at, dispatch_token, submitted_by, tenant, timeout_seconds,
                  forked_from_run, forked_from_seq, replay_model, idempotency_key,
-                 request_hash, concurrency_key, priority)
+                 request_hash, concurrency_key, priority, deployment)
 SELECT :id, s.agent, CAST(:input AS jsonb), :model, s.max_steps, :token_budget,
        s.cost_budget_usd, now() + make_interval(secs => :timeout_seconds), :token,
        :submitted_by, s.tenant, :timeout_seconds, s.id, :from_seq, :replay_model,
-       :idempotency_key, :request_hash, s.concurrency_key, s.priority
+       :idempotency_key, :request_hash, s.concurrency_key, s.priority,
+       CAST(:deployment AS text)
 FROM run s WHERE s.id = :source
 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING *;
@@ -1412,3 +1423,101 @@ SET step_key = EXCLUDED.step_key, tokens = EXCLUDED.tokens, cost_usd = EXCLUDED.
 -- The call's tokens are counted on its run: its hold goes, with those of the run's earlier
 -- leases (calls lost with their worker, counted by now as the run's unrecorded estimate).
 DELETE FROM budget_hold WHERE run_id = :id AND lease_epoch <= :epoch;
+
+-- deployments ------------------------------------------------------------------------------
+-- A run's version (runtime.engine.deployment); worker processes' heartbeat of the version
+-- they serve; upgrades of runs to another version.
+
+-- get_run_deployment --
+-- Where a run's drive_run message goes (tasks.dispatch): its version's queue.
+SELECT deployment FROM run WHERE id = :id;
+
+-- worker_seen --
+-- A worker process serving :deployment is alive (every heartbeat).
+INSERT INTO deployment_worker (worker, deployment) VALUES (:worker, :deployment)
+ON CONFLICT (worker, deployment) DO UPDATE SET last_seen = now();
+
+-- worker_gone --
+-- A worker process stopped cleanly: it serves nothing any more.
+DELETE FROM deployment_worker WHERE worker = :worker AND deployment = :deployment;
+
+-- forget_old_workers --
+-- Rows of workers not seen for a day: only the recent past is worth showing.
+DELETE FROM deployment_worker WHERE last_seen < now() - interval '1 day';
+
+-- deployment_workers --
+-- Every worker row, with whether it is live (seen within :live_seconds).
+SELECT worker, deployment, started_at, last_seen,
+       last_seen >= now() - make_interval(secs => :live_seconds) AS live
+FROM deployment_worker
+ORDER BY deployment, worker;
+
+-- deployment_runs --
+-- Runs in flight (not ended) by version and status: on run_deployment_live_idx.
+SELECT deployment, status, count(*) AS n
+FROM run
+WHERE status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION')
+GROUP BY deployment, status;
+
+-- count_unserved_runs --
+-- Runs in flight of a version that no live worker serves (a run with no version is served
+-- by any worker, so it counts only when no worker at all is live).
+SELECT count(*) AS n
+FROM run r
+WHERE r.status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION')
+  AND NOT EXISTS (
+      SELECT 1 FROM deployment_worker w
+      WHERE (r.deployment IS NULL OR w.deployment = r.deployment)
+        AND w.last_seen >= now() - make_interval(secs => :live_seconds));
+
+-- runs_of_deployment --
+-- The runs in flight of a version (IS NOT DISTINCT FROM: NULL names the runs with none),
+-- and failed ones (a run resumed keeps its version): what an upgrade considers.
+SELECT * FROM run
+WHERE deployment IS NOT DISTINCT FROM CAST(:deployment AS text)
+  AND status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION', 'FAILED')
+ORDER BY created_at
+LIMIT :limit;
+
+-- upgrade_run --
+-- Move a run to version :to_deployment, if it is still of version :from_deployment and no
+-- worker holds it (its lease lapsed or none). A run a worker may take (QUEUED, RUNNING) gets a new dispatch
+-- token: the message sitting in the old version's queue is stale, the caller sends one to
+-- the new version's queue. A run parked on a timer keeps its time (run_at).
+UPDATE run
+SET deployment = CAST(:to_deployment AS text),
+    dispatch_token = CASE WHEN status IN ('QUEUED', 'RUNNING') THEN CAST(:token AS uuid)
+                          ELSE dispatch_token END,
+    updated_at = now()
+WHERE id = :id
+  AND deployment IS NOT DISTINCT FROM CAST(:from_deployment AS text)
+  AND status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION', 'FAILED')
+  AND (locked_until IS NULL OR locked_until < now())
+RETURNING id, status, dispatch_token,
+          GREATEST(0, EXTRACT(EPOCH FROM run_at - now()))::float8 AS delay_seconds;
+
+-- record_agent_definition --
+-- An agent's definition in a version (runtime.engine.deployment.agent_definition), recorded
+-- by the first process of the version; the same name recorded again keeps the first.
+INSERT INTO deployment_agent (deployment, agent, definition)
+VALUES (:deployment, :agent, CAST(:definition AS jsonb))
+ON CONFLICT (deployment, agent) DO NOTHING;
+
+-- agent_definitions --
+-- A version's recorded agent definitions.
+SELECT agent, definition FROM deployment_agent WHERE deployment = :deployment;
+
+-- sample_runs --
+-- Recorded runs for an offline replay check (dar replay-check), newest first: of a version
+-- (or any), of an agent (or any), in flight only or of any status.
+SELECT * FROM run
+WHERE (CAST(:deployment AS text) IS NULL OR deployment = CAST(:deployment AS text))
+  AND (CAST(:agent AS text) IS NULL OR agent = CAST(:agent AS text))
+  AND (NOT :in_flight OR status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION'))
+ORDER BY created_at DESC
+LIMIT :limit;
+
+-- live_deployments --
+-- The versions some live worker serves (seen within :live_seconds).
+SELECT DISTINCT deployment FROM deployment_worker
+WHERE last_seen >= now() - make_interval(secs => :live_seconds);

@@ -153,6 +153,9 @@ class Run:
     lost with their worker, estimated from the request before it was sent."""
     messages_pending: int = 0
     """Messages posted to this agent-loop run, not delivered yet."""
+    deployment: str | None = None
+    """The version of the code the run started on (runtime.engine.deployment); ``None``:
+    stored before versions, driven by any worker."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +225,8 @@ class NewRun:
     priority: int = 0
     schedule_id: uuid.UUID | None = None
     parent_run_id: uuid.UUID | None = None
+    deployment: str | None = None
+    """The version it starts on; ``None``: the storing process's (a child: its parent's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,3 +472,31 @@ class ReadyRuns:
     ready: int
     oldest_seconds: float
     in_step: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentWorker:
+    """A worker process and the version it serves (its heartbeat's row)."""
+
+    worker: str
+    deployment: str
+    started_at: datetime
+    last_seen: datetime
+    live: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """A version: the workers that serve it and its runs in flight, by status."""
+
+    deployment: str | None
+    workers: tuple[DeploymentWorker, ...]
+    runs: dict[str, int]
+
+    @property
+    def live_workers(self) -> int:
+        return sum(1 for w in self.workers if w.live)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(self.runs.values())

@@ -118,6 +118,9 @@ run = Table(
     # Messages posted to an agent-loop run and not delivered yet (migration 0020): read with
     # every claim, so a step boundary knows without a query.
     Column("messages_pending", Integer, nullable=False, server_default=text("0")),
+    # The version of the code the run started on (migration 0050, runtime.engine.deployment):
+    # only workers of this version drive it. NULL (stored before versions): any worker.
+    Column("deployment", Text),
     CheckConstraint(
         "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES) + ")",
         name="run_status_ck",
@@ -136,6 +139,11 @@ Index(
     run.c.idempotency_key,
     unique=True,
     postgresql_where=text("idempotency_key IS NOT NULL"),
+)
+Index(
+    "run_deployment_live_idx",
+    run.c.deployment,
+    postgresql_where=text("status IN ('QUEUED', 'RUNNING', 'WAITING', 'NEEDS_ATTENTION')"),
 )
 Index("run_status_created_idx", run.c.status, run.c.created_at.desc(), run.c.id.desc())
 Index("run_created_idx", run.c.created_at.desc(), run.c.id.desc())
@@ -387,6 +395,8 @@ AUDIT_ACTIONS = (
     "schedule.delete",
     "message",
     "signal",
+    # An operator moved a run to another version after a clean replay check (migration 0050).
+    "upgrade",
 )
 
 # Who did what to a run, through the API: append-only (a trigger refuses UPDATE and DELETE).
@@ -531,3 +541,25 @@ stats_hour_dirty = Table(
     Column("at", TZ, nullable=False, server_default=text("now()")),
 )
 Index("stats_hour_dirty_bucket_idx", stats_hour_dirty.c.bucket)
+
+# The versions workers serve (migration 0050): each worker process upserts its row at every
+# heartbeat; a version whose rows are all stale has no worker (GET /api/versions).
+deployment_worker = Table(
+    "deployment_worker",
+    metadata,
+    Column("worker", Text, primary_key=True),
+    Column("deployment", Text, primary_key=True),
+    Column("started_at", TZ, nullable=False, server_default=text("now()")),
+    Column("last_seen", TZ, nullable=False, server_default=text("now()")),
+)
+
+# Each version's agent definitions (migration 0050), recorded by the first process of that
+# version: what the replay check compares the new code's configuration with.
+deployment_agent = Table(
+    "deployment_agent",
+    metadata,
+    Column("deployment", Text, primary_key=True),
+    Column("agent", Text, primary_key=True),
+    Column("definition", JSONB, nullable=False),
+    Column("recorded_at", TZ, nullable=False, server_default=text("now()")),
+)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,6 +52,20 @@ def _num(env: Mapping[str, str], name: str, default: float, *, minimum: float = 
     if value < minimum:
         raise ConfigError(f"{name} must be at least {minimum}, got {raw!r}")
     return value
+
+
+_DEPLOYMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _deployment(env: Mapping[str, str]) -> str | None:
+    """DAR_DEPLOYMENT, a name that is also part of a queue's name."""
+    value = env.get("DAR_DEPLOYMENT", "").strip()
+    if value and not _DEPLOYMENT.fullmatch(value):
+        raise ConfigError(
+            f"DAR_DEPLOYMENT must be 1 to 64 letters, digits, '.', '_' or '-' (starting with a "
+            f"letter or digit), got {value!r}"
+        )
+    return value or None
 
 
 def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
@@ -166,6 +181,9 @@ class Settings:
     retention_interval_seconds: float = 3600.0
     retention_batch: int = 500
     strict_replay: bool = False
+    deployment: str | None = None
+    """DAR_DEPLOYMENT: the version this process's code is (runtime.engine.deployment); unset,
+    it is derived from the agent modules' code and the agents' definitions."""
     approval_webhook_url: str | None = None
     demo_latency_ms: int = 3000
     queue: str = "dar"
@@ -284,6 +302,7 @@ class Settings:
             retention_interval_seconds=_num(e, "DAR_RETENTION_INTERVAL_SECONDS", 3600, minimum=1),
             retention_batch=_int(e, "DAR_RETENTION_BATCH", 500, minimum=1),
             strict_replay=_bool(e, "DAR_STRICT_REPLAY", False),
+            deployment=_deployment(e),
             approval_webhook_url=e.get("DAR_APPROVAL_WEBHOOK_URL") or None,
             demo_latency_ms=_int(e, "DAR_DEMO_LATENCY_MS", 3000),
             queue=_get(e, "DAR_QUEUE", "dar"),

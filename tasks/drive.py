@@ -9,19 +9,23 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from celery import Celery
 from prometheus_client import CollectorRegistry, start_http_server
 
+from db.deployments import DeploymentStore
 from db.errors import LeaseLost
+from db.records import Dispatch
 from runtime.config import Settings
 from runtime.engine import sweeps
 from runtime.engine.bootstrap import Runtime
-from runtime.engine.driver import Driver
+from runtime.engine.deployment import agent_definition
+from runtime.engine.driver import Driver, Outcome
 from runtime.observe.metrics import Metrics
 from runtime.pipeline.heartbeat import Heartbeat
-from tasks.dispatch import send_drive
+from tasks.dispatch import LOOKUP, send_drive
 from tasks.names import DRIVE_RUN, REAP, RETENTION, STATS_ROLLUP
 
 log = logging.getLogger(__name__)
@@ -62,6 +66,7 @@ def worker_state(app: Celery) -> WorkerState:
             lease_seconds=settings.lease_seconds,
             interval_seconds=settings.heartbeat_seconds,
         )
+        serve_deployment(app, runtime, heartbeat)
         heartbeat.start()
         registry = CollectorRegistry()
         metrics = Metrics(registry)
@@ -80,10 +85,101 @@ def worker_state(app: Celery) -> WorkerState:
         return state
 
 
+def serve_deployment(app: Celery, runtime: Runtime, heartbeat: Heartbeat) -> None:
+    """This worker drives runs of its version (the queue the worker's main process chose,
+    :func:`tasks.signals.connect_signals`) and says so at every heartbeat
+    (``GET /api/versions``)."""
+    chosen: str | None = getattr(app.conf, "dar_deployment", None)
+    if chosen and chosen != runtime.deployment:
+        log.warning(
+            "this process's code is version %s, its worker's main process chose %s (agent "
+            "definitions that change from one import to the next? set DAR_DEPLOYMENT): "
+            "serving %s",
+            runtime.deployment,
+            chosen,
+            chosen,
+        )
+        runtime.store.deployment = chosen
+    deployment = runtime.deployment
+    if deployment is None:
+        return
+    versions = DeploymentStore(runtime.lease_store().engine)
+    worker = runtime.settings.worker_name
+    definitions = {n: agent_definition(runtime.agents.get(n)) for n in runtime.agents.names()}
+    recorded: list[bool] = []
+
+    def seen() -> None:
+        versions.worker_seen(worker, deployment)
+        if not recorded:  # once: what a later upgrade's replay check compares with
+            versions.record_definitions(deployment, definitions)
+            recorded.append(True)
+            warn_if_renamed(deployment, versions.definitions(deployment), definitions)
+
+    try:
+        seen()
+    except Exception as e:  # the database away: the heartbeat says it later
+        log.warning("could not record the version this worker serves yet: %s", e)
+    heartbeat.also_renew(seen)
+
+
+def warn_if_renamed(
+    deployment: str, recorded: Mapping[str, object], here: Mapping[str, object]
+) -> list[str]:
+    """Agents whose definition differs from the one recorded under the same version's name:
+    DAR_DEPLOYMENT named two different codes, and its runs may meet either."""
+    differ = sorted(n for n in here if n in recorded and recorded[n] != here[n])
+    if differ:
+        log.warning(
+            "version %s was recorded with other definitions of %s: give each code its own "
+            "DAR_DEPLOYMENT (or leave it unset to derive one), or runs of %s may be driven by "
+            "either",
+            deployment,
+            ", ".join(differ),
+            deployment,
+        )
+    return differ
+
+
+def served_sender(app: Celery, runtime: Runtime) -> Callable[[Dispatch], bool]:
+    """The reaper's sender: a run whose version no live worker serves gets no message (the
+    reaper re-sends a presumed-lost message every DAR_REDISPATCH_AFTER_SECONDS: to a queue
+    nobody reads they would pile up). Its next sweep asks again; an upgrade sends one."""
+    versions = runtime.deployments
+    try:
+        live: set[str] | None = versions.live_deployments()
+    except Exception:  # unknown: send as usual
+        live = None
+
+    def send(dispatch: Dispatch) -> bool:
+        try:
+            deployment = versions.run_deployment(dispatch.run_id)
+        except Exception:
+            return send_drive(app, runtime.store, dispatch)
+        if live is not None and deployment is not None and deployment not in live:
+            log.info(
+                "run=%s waits for a worker of version %s (none is live)",
+                str(dispatch.run_id)[:8],
+                deployment,
+                extra={"run_id": str(dispatch.run_id)},
+            )
+            return False
+        return send_drive(app, runtime.store, dispatch, deployment=deployment)
+
+    return send
+
+
 def stop_worker_state(app: Celery) -> None:
     held: tuple[int, WorkerState] | None = getattr(app, "dar_state", None)
     if held is not None and held[0] == os.getpid():
         held[1].heartbeat.stop()
+        deployment = held[1].runtime.deployment
+        if deployment is not None:
+            try:
+                DeploymentStore(held[1].runtime.lease_store().engine).worker_gone(
+                    held[1].runtime.settings.worker_name, deployment
+                )
+            except Exception as e:
+                log.warning("could not record that this worker stopped serving: %s", e)
         if getattr(app, "dar_runtime", None) is None:
             held[1].runtime.close()
     setattr(app, "dar_state", None)  # noqa: B010
@@ -107,7 +203,13 @@ def register_tasks(app: Celery) -> None:
             )
             return "LEASE_LOST"
         if result.dispatch is not None:
-            send_drive(app, state.runtime.store, result.dispatch)
+            # The run this worker drove is of its version (or of none): its queue, no lookup;
+            # a message refused as another version's goes to the queue read from its row.
+            own = result.dispatch.run_id == uuid.UUID(run_id)
+            served = state.runtime.deployment if own else LOOKUP
+            if result.outcome is Outcome.REROUTED:
+                served = LOOKUP
+            send_drive(app, state.runtime.store, result.dispatch, deployment=served)
         for woken in result.wakes:  # runs waiting for the concurrency-key slot just freed
             send_drive(app, state.runtime.store, woken)
         return str(result.outcome)
@@ -118,7 +220,7 @@ def register_tasks(app: Celery) -> None:
         timer is due, and apply expired approvals' policies (:func:`sweeps.reap`)."""
         state = worker_state(app)
         store = state.runtime.store
-        return sweeps.reap(store, state.runtime.settings, lambda d: send_drive(app, store, d))
+        return sweeps.reap(store, state.runtime.settings, served_sender(app, state.runtime))
 
     @app.task(name=RETENTION, ignore_result=True, shared=False)
     def retention() -> int:

@@ -77,9 +77,9 @@ class DrivePublisher:
             and conf.task_default_exchange in (None, "", conf.task_default_queue)
         )
 
-    def message(self, run_id: str, token: str) -> bytes:
+    def message(self, run_id: str, token: str, queue: str | None = None) -> bytes:
         """The envelope kombu's Redis transport would store for ``send_task(task, [run_id,
-        token])``."""
+        token], queue=queue)`` (the task's routed queue by default)."""
         task_id = str(uuid.uuid4())
         args = json.dumps([run_id, token])
         body = base64.b64encode(b"[" + args.encode() + _EMBED).decode()
@@ -112,7 +112,7 @@ class DrivePublisher:
                 "correlation_id": task_id,
                 "reply_to": self._reply_to,
                 "delivery_mode": 2,
-                "delivery_info": {"exchange": "", "routing_key": self.queue},
+                "delivery_info": {"exchange": "", "routing_key": queue or self.queue},
                 "priority": 0,
                 "body_encoding": "base64",
                 "delivery_tag": str(uuid.uuid4()),
@@ -120,8 +120,8 @@ class DrivePublisher:
         }
         return json.dumps(envelope).encode()
 
-    def send(self, run_id: str, token: str) -> None:
-        self._client.lpush(self.queue, self.message(run_id, token))
+    def send(self, run_id: str, token: str, queue: str | None = None) -> None:
+        self._client.lpush(queue or self.queue, self.message(run_id, token, queue))
 
 
 _lock = threading.Lock()

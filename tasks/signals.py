@@ -12,6 +12,8 @@ from typing import Any
 from celery import Celery, signals
 
 from db.errors import DarError
+from runtime.agents import AgentRegistry
+from runtime.engine.deployment import deployment_version, queue_name
 from runtime.engine.preflight import check_startup
 from runtime.observe.logctx import configure_logging, set_process_worker
 from runtime.observe.tracing import configure_from_env
@@ -50,6 +52,20 @@ def raise_open_files_limit(concurrency: int) -> int:
     return target
 
 
+def consume_own_version(app: Celery, worker: Any, registry: AgentRegistry) -> str:
+    """The worker consumes its version's queue (``<DAR_QUEUE>.<version>``) besides the
+    queues it was given (``DAR_QUEUE`` by default: the sweeps, and the runs with no
+    version), before it consumes anything. Returns the version."""
+    settings = app.conf.dar_settings
+    deployment = deployment_version(registry, settings)
+    app.conf.dar_deployment = deployment
+    queue = queue_name(settings.queue, deployment)
+    worker_app = getattr(worker, "app", None) or app
+    worker_app.amqp.queues.select_add(queue)  # type: ignore[arg-type]  # a name is enough
+    log.info("worker serves version %s (queue %s)", deployment, queue)
+    return deployment
+
+
 def connect_signals(app: Celery) -> None:
     @signals.worker_init.connect(weak=False)
     def _check_config(sender: Any = None, **_: Any) -> None:
@@ -60,10 +76,11 @@ def connect_signals(app: Celery) -> None:
         # its database would otherwise say "ready." and fail every message it takes. One
         # line and a non-zero exit (SystemExit is not swallowed by Celery's signal dispatch).
         try:
-            check_startup(app.conf.dar_settings)
+            registry = check_startup(app.conf.dar_settings)
         except DarError as e:
             print(f"dar: worker cannot start: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
+        consume_own_version(app, sender, registry)
 
     @signals.setup_logging.connect(weak=False)
     def _setup_logging(**_: Any) -> None:

@@ -32,6 +32,7 @@ from runtime.config import Settings
 from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from tests.pgbouncer import PgBouncer
+from tests.support import drive_queues
 
 TEST_DB = f"dar_test_{os.getpid()}"
 
@@ -327,5 +328,6 @@ def redis_client(redis_url: str, settings: Settings) -> Iterator[redis.Redis]:
     try:
         yield client
     finally:
-        client.delete(settings.queue)
+        for queue in drive_queues(client, settings.queue):  # DAR_QUEUE and its versions'
+            client.delete(queue)
         client.close()

@@ -199,3 +199,34 @@ def proxied_engine(database_url: str, **engine_options: Any) -> Iterator[tuple[E
     finally:
         engine.dispose()
         proxy.close()
+
+
+# -- drive_run queues (one per version: runtime.engine.deployment) -------------------------
+
+
+def drive_queues(client: redis.Redis, base: str) -> list[str]:
+    """The queues of drive_run messages under ``base`` (DAR_QUEUE): ``base`` itself and
+    each version's ``base.<version>``."""
+    found = {
+        key.decode()
+        for key in client.scan_iter(match=f"{base}*")
+        if key.decode() == base or key.decode().startswith(f"{base}.")
+    }
+    return sorted(q for q in found if client.type(q) == b"list")
+
+
+def queued_raw(client: redis.Redis, base: str) -> list[bytes]:
+    """Every message waiting in the queues under ``base``."""
+    out: list[bytes] = []
+    for queue in drive_queues(client, base):
+        out.extend(client.lrange(queue, 0, -1))  # type: ignore[arg-type]
+    return out
+
+
+def queued_count(client: redis.Redis, base: str) -> int:
+    return sum(int(client.llen(q)) for q in drive_queues(client, base))  # type: ignore[arg-type]
+
+
+def clear_queued(client: redis.Redis, base: str) -> None:
+    for queue in drive_queues(client, base):
+        client.delete(queue)

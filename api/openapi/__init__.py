@@ -9,14 +9,14 @@ this module puts them together in one order and adds what every operation may an
 
 from __future__ import annotations
 
-from api.openapi import approvals, forks, messages, runs, schedules, service, tokens
+from api.openapi import approvals, forks, messages, runs, schedules, service, tokens, versions
 from api.openapi.common import Context, JsonObj, error
 from api.schemas import MAX_JSON_DEPTH, TEXT_RULE
 from runtime.config import Settings
 
 __all__ = ["openapi_document"]
 
-PARTS = (runs, forks, approvals, messages, schedules, tokens, service)
+PARTS = (runs, forks, approvals, messages, schedules, tokens, service, versions)
 
 PATH_ORDER = (
     "/api/runs",
@@ -41,6 +41,8 @@ PATH_ORDER = (
     "/api/runs/{run_id}/cancel",
     "/api/schedules",
     "/api/schedules/{schedule_id}",
+    "/api/versions",
+    "/api/versions/{deployment}/upgrade",
     "/api/openapi.json",
     "/healthz",
     "/readyz",
@@ -71,6 +73,9 @@ SCHEMA_ORDER = (
     "Stats",
     "WhoAmI",
     "AuditEvent",
+    "Versions",
+    "RunCheck",
+    "UpgradeReport",
     "Error",
 )
 
@@ -90,6 +95,7 @@ def openapi_document(
     for part in PARTS:
         paths.update(part.paths(c))
         schemas.update(part.schemas(c))
+    schemas["Run"]["properties"]["deployment"] = versions.RUN_DEPLOYMENT  # a run's version
     document: JsonObj = {
         "openapi": "3.1.0",
         "info": {

@@ -73,7 +73,7 @@ class ApiStore(StoreBase):
         earlier request differed). With ``quota`` and a submitter, the submitter's quota is
         checked atomically with the insert (:class:`QuotaExceeded`); a retry of an accepted
         idempotent submit gets its run, whatever the quota says."""
-        params = _new_run_params(new, self.run_ids())
+        params = _new_run_params(new, self.run_ids(), self.deployment)
         with self.engine.begin() as conn:
             if quota is not None and new.submitted_by is not None:
                 conn.execute(Q["lock_submitter"], {"submitted_by": new.submitted_by})
@@ -456,6 +456,7 @@ class ApiStore(StoreBase):
                         "token": uuid.uuid4(),
                         "submitted_by": new.submitted_by,
                         "from_seq": new.from_seq,
+                        "deployment": self.deployment,
                         "replay_model": new.replay_model,
                         "idempotency_key": new.idempotency_key,
                         "request_hash": new.request_hash,

@@ -125,6 +125,7 @@ def _run(row: Mapping[Any, Any]) -> Run:
         parent_run_id=row.get("parent_run_id"),
         unrecorded_estimated_tokens=row.get("unrecorded_estimated_tokens", 0),
         messages_pending=row.get("messages_pending") or 0,
+        deployment=row.get("deployment"),
     )
 
 
@@ -309,8 +310,11 @@ def _same_request(existing: RowMapping, key: str | None, request_hash: str | Non
     return _run(existing)
 
 
-def _new_run_params(new: NewRun, run_id: uuid.UUID) -> dict[str, Any]:
+def _new_run_params(
+    new: NewRun, run_id: uuid.UUID, deployment: str | None = None
+) -> dict[str, Any]:
     return {
+        "deployment": new.deployment or deployment,
         "id": run_id,
         "agent": new.agent,
         "input": _json(new.input),
@@ -382,8 +386,12 @@ class StoreBase:
         *,
         step_log_cache: int = 512,
         run_ids: Callable[[], uuid.UUID] = uuid.uuid4,
+        deployment: str | None = None,
     ) -> None:
         self.engine = engine
+        self.deployment = deployment
+        """The version of the code of the process using this store: the runs it stores start
+        on it (a child on its parent's), and its claims take only runs of it (or of none)."""
         self.run_ids = run_ids
         """Makes the id of each new run (submit, fork, schedule tick)."""
         self.step_logs = StepLogCache(step_log_cache)
@@ -628,7 +636,11 @@ def _refused_tick(
 
 
 def _start_scheduled_run(
-    conn: Connection, schedule: Schedule, run_id: uuid.UUID, tick_at: datetime
+    conn: Connection,
+    schedule: Schedule,
+    run_id: uuid.UUID,
+    tick_at: datetime,
+    deployment: str | None = None,
 ) -> Dispatch:
     new = NewRun(
         agent=schedule.agent,
@@ -643,7 +655,7 @@ def _start_scheduled_run(
         priority=schedule.priority,
         schedule_id=schedule.id,
     )
-    row = conn.execute(Q["create_run"], _new_run_params(new, run_id)).mappings().one()
+    row = conn.execute(Q["create_run"], _new_run_params(new, run_id, deployment)).mappings().one()
     _record_audit(
         conn,
         row["id"],

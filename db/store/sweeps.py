@@ -187,7 +187,9 @@ class SweepStore(StoreBase):
                     conn.execute(
                         Q["start_queued_tick"], {**key, "tick_at": queued, "run_id": run_id}
                     )
-                    started.append(_start_scheduled_run(conn, schedule, run_id, queued))
+                    started.append(
+                        _start_scheduled_run(conn, schedule, run_id, queued, self.deployment)
+                    )
                     live = True
             ticks, next_tick_at = plan(schedule, row["db_now"])
             for tick_at in ticks:
@@ -214,7 +216,9 @@ class SweepStore(StoreBase):
                     },
                 ).first()
                 if claimed is not None and new_id is not None:
-                    started.append(_start_scheduled_run(conn, schedule, new_id, tick_at))
+                    started.append(
+                        _start_scheduled_run(conn, schedule, new_id, tick_at, self.deployment)
+                    )
                     live = True
             if next_tick_at != schedule.next_tick_at:
                 conn.execute(

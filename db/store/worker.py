@@ -64,7 +64,13 @@ class WorkerStore(StoreBase):
         stale or duplicated, the lease is live, or the run is not due."""
         row = self._fast.one(
             "claim_run",
-            {"id": run_id, "token": token, "worker": worker, "lease_seconds": lease_s},
+            {
+                "id": run_id,
+                "token": token,
+                "worker": worker,
+                "lease_seconds": lease_s,
+                "deployment": self.deployment,
+            },
         )
         return self._claimed(row, worker)
 
@@ -76,7 +82,13 @@ class WorkerStore(StoreBase):
         message was posted to the run meanwhile (its delivery is a step: send ``token``)."""
         row = self._fast.one(
             "claim_run_to_end",
-            {"id": run_id, "token": token, "worker": worker, "lease_seconds": lease_s},
+            {
+                "id": run_id,
+                "token": token,
+                "worker": worker,
+                "lease_seconds": lease_s,
+                "deployment": self.deployment,
+            },
         )
         return self._claimed(row, worker)
 
@@ -84,7 +96,10 @@ class WorkerStore(StoreBase):
         """Claim any due run (QUEUED, or RUNNING with a lapsed lease)."""
         with self._statement() as conn:
             row = (
-                conn.execute(Q["claim_next_run"], {"worker": worker, "lease_seconds": lease_s})
+                conn.execute(
+                    Q["claim_next_run"],
+                    {"worker": worker, "lease_seconds": lease_s, "deployment": self.deployment},
+                )
                 .mappings()
                 .first()
             )
@@ -422,7 +437,7 @@ class WorkerStore(StoreBase):
             with self.engine.begin() as conn:
                 written = []
                 for step, child, child_id in started:
-                    params = _new_run_params(child, child_id)
+                    params = _new_run_params(child, child_id, self.deployment)
                     row = conn.execute(Q["create_run"], params).mappings().one()
                     created.append(Dispatch(row["id"], row["dispatch_token"]))
                     written.append(self._record(conn, claim, step))

@@ -386,6 +386,15 @@ def _model_step(
 # -- tool step ------------------------------------------------------------------------------
 
 
+def other_version(started_on: str | None, here: str | None) -> str:
+    """Why a tool a run asked for may be missing: it started on other code (a run with no
+    version, or one an operator moved without its replay check's consent)."""
+    if here is None or started_on == here:
+        return ""
+    began = f"version {started_on}" if started_on else "a version before versions were recorded"
+    return f" (the run started on {began}; this worker runs version {here})"
+
+
 def _tool_step(task: Task, agent: Agent, use: dict[str, Any]) -> StepResult:
     tool_use_id: str = use["id"]
     name: str = use["name"]
@@ -405,6 +414,7 @@ def _tool_step(task: Task, agent: Agent, use: dict[str, Any]) -> StepResult:
         offered = [*agent.tools_by_name, *(t.name for t in toolset.tools)] if toolset else []
         known = ", ".join(sorted(offered or agent.tools_by_name)) or "none"
         output = f"error: unknown tool {name!r}; known tools: {known}"
+        output += other_version(task.claim.run.deployment, task.store.deployment)
         if mcp_tool is not None:
             output = f"error: tool {name!r} belongs to MCP server {mcp_tool.server!r}, which "
             output += "this agent no longer declares"

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Engine
 
 from db.demo import TicketStore
+from db.deployments import DeploymentStore
 from db.engine import make_engine
 from db.records import Dispatch, NewRun, Run
 from db.store import RunStore
@@ -18,6 +19,7 @@ from runtime.admission.flow_control import LEASE_MARGIN_SECONDS, FlowControl, pa
 from runtime.agentloop.acme import acme_agent
 from runtime.agents import Agent, AgentConfigError, AgentRegistry
 from runtime.config import Settings
+from runtime.engine.deployment import deployment_version
 from runtime.engine.driver import Driver
 from runtime.llm.base import LlmClient
 from runtime.llm.demo import DemoModel
@@ -100,6 +102,7 @@ class Runtime:
     pricing: PriceTable
     mcp: McpClients | None = None
     """This process's MCP sessions; opened lazily, on the first call that needs one."""
+    _deployments: DeploymentStore | None = None
     _lease_store: RunStore | None = None
     _live: LiveChannel | None = None
 
@@ -133,12 +136,14 @@ class Runtime:
             prepare=settings.db_prepare,
         )
         tickets = TicketStore(engine)
+        agents = load_agents(settings, tickets, engine)
+        deployment = deployment_version(agents, settings)
         return cls(
             settings=settings,
             engine=engine,
-            store=RunStore(engine),
+            store=RunStore(engine, deployment=deployment),
             tickets=tickets,
-            agents=load_agents(settings, tickets, engine),
+            agents=agents,
             llm=llm or build_llm(settings),
             pricing=PriceTable.from_json(settings.prices_json),
             mcp=McpClients(
@@ -146,6 +151,19 @@ class Runtime:
                 tool_overrides=parse_tool_overrides(settings.mcp_tools_json),
             ),
         )
+
+    @property
+    def deployment(self) -> str | None:
+        """The version of this process's code (runtime.engine.deployment): the runs it
+        stores start on it, and its workers drive only runs of it."""
+        return self.store.deployment
+
+    @property
+    def deployments(self) -> DeploymentStore:
+        """The versions of the runs and of the workers."""
+        if self._deployments is None:
+            self._deployments = DeploymentStore(self.engine)
+        return self._deployments
 
     def lease_store(self) -> RunStore:
         """A store on its own small pool, for the heartbeat: renewing leases must never wait

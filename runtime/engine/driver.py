@@ -138,6 +138,9 @@ class Driver:
             )
             return StepResult(Outcome.WAITING, dispatch=Dispatch(run_id, token, delay))
         if claim is None:
+            elsewhere = self._of_another_version(run_id, token)
+            if elsewhere is not None:
+                return elsewhere
             log.debug(
                 "run=%s message dropped (stale, duplicate, or lease held)",
                 short(run_id),
@@ -151,6 +154,33 @@ class Driver:
             if result.ends_next and self.end_in_place and not result.dispatch.delay_seconds:
                 return self._end_here(result)
         return result
+
+    def _of_another_version(self, run_id: uuid.UUID, token: uuid.UUID) -> StepResult | None:
+        """A message this worker could not claim because its run is of another version (it
+        reached the wrong queue: sent before an upgrade, or to ``DAR_QUEUE`` when its version
+        could not be read): nothing runs here, and the message goes on to the run's own
+        version's queue rather than being lost. ``None`` for any other refused claim."""
+        serves = self.store.deployment
+        if serves is None:
+            return None
+        try:
+            run = self.store.get_run(run_id)
+        except Exception:  # gone, or the database away: the reaper sends it later
+            return None
+        if (
+            run.dispatch_token != token
+            or run.status not in (RunStatus.QUEUED, RunStatus.RUNNING)
+            or run.deployment in (None, serves)
+        ):
+            return None
+        log.info(
+            "run=%s is of version %s; this worker serves %s: its message goes to its own queue",
+            short(run_id),
+            run.deployment,
+            serves,
+            extra={"run_id": str(run_id)},
+        )
+        return StepResult(Outcome.REROUTED, dispatch=Dispatch(run_id, token))
 
     def _end_here(self, result: StepResult) -> StepResult:
         """The step just checkpointed ended the run's conversation: what is left is the

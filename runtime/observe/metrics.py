@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from db.deployments import DeploymentStore
 from db.records import RunStatus, Usage
 from db.store import RunStore
 from runtime.llm.pricing import PriceTable
@@ -130,8 +131,9 @@ TOP_KEYS = 20
 class FleetCollector(Collector):
     """Gauges read from PostgreSQL when scraped: true for the whole fleet."""
 
-    def __init__(self, store: RunStore) -> None:
+    def __init__(self, store: RunStore, versions: DeploymentStore | None = None) -> None:
         self.store = store
+        self.versions = versions if versions is not None else DeploymentStore(store.engine)
 
     def collect(self) -> Iterator[Metric]:
         runs = GaugeMetricFamily("dar_runs", "Runs by status (whole fleet).", labels=["status"])
@@ -181,3 +183,25 @@ class FleetCollector(Collector):
             "RUNNING runs whose lease has lapsed: a worker died and the run awaits the reaper.",
             value=self.store.count_stale_leases(),
         )
+        yield GaugeMetricFamily(
+            "dar_runs_unserved",
+            "Runs in flight of a deployment version no live worker serves: they wait for a "
+            "worker of their version, or for an operator's upgrade (GET /api/versions).",
+            value=self.versions.count_unserved_runs(),
+        )
+        found = self.versions.deployments()
+        in_flight = GaugeMetricFamily(
+            "dar_version_runs",
+            "Runs in flight by deployment version (none: stored before versions).",
+            labels=["deployment"],
+        )
+        workers = GaugeMetricFamily(
+            "dar_version_workers",
+            "Live worker processes by the deployment version they serve.",
+            labels=["deployment"],
+        )
+        for d in found:
+            in_flight.add_metric([d.deployment or "none"], d.in_flight)
+            workers.add_metric([d.deployment or "none"], d.live_workers)
+        yield in_flight
+        yield workers

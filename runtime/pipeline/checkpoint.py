@@ -57,6 +57,9 @@ class Outcome(enum.StrEnum):
     WAITING = "WAITING"
     """The run is parked on a durable timer or for a decision; ``dispatch`` (if any) is sent
     with its delay."""
+    REROUTED = "REROUTED"
+    """The run is of a version this worker does not serve: nothing ran; ``dispatch`` is sent
+    again, to the queue of the run's own version (runtime.engine.deployment)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Outcome, StepResult
 from runtime.llm.scripted import ScriptedLlm
 from tasks.celery_app import DRIVE_RUN, make_celery
-from tests.support import drive_to_end
+from tests.support import drive_to_end, queued_count, queued_raw
 
 QUESTION = "Which acme tickets are overdue?"
 
@@ -100,7 +100,7 @@ def assert_error(
 def queued(redis_client: redis.Redis, settings: Settings) -> list[dict[str, Any]]:
     """The drive_run messages waiting in the test's queue: task name and arguments."""
     out = []
-    for raw in redis_client.lrange(settings.queue, 0, -1):
+    for raw in queued_raw(redis_client, settings.queue):
         message = json.loads(raw)
         body = json.loads(base64.b64decode(message["body"]))
         out.append({"task": message["headers"]["task"], "args": body[0]})
@@ -136,7 +136,7 @@ def test_submit_returns_201_queued_with_location_and_sends_one_message(
     assert response.headers["Location"].endswith(f"/api/runs/{run_id}")
     assert client.get(response.headers["Location"]).status_code == 200
 
-    assert redis_client.llen(settings.queue) == 1
+    assert queued_count(redis_client, settings.queue) == 1
     run = runtime.store.get_run(uuid.UUID(run_id))
     assert queued(redis_client, settings) == [
         {"task": DRIVE_RUN, "args": [run_id, str(run.dispatch_token)]}
@@ -245,7 +245,7 @@ def test_a_bad_field_is_400_naming_it(
     error = assert_error(post_run(client, payload), 400, code="invalid_field", field=field)
     assert phrase in error["message"]
     assert run_count(runtime) == 0, "nothing is stored"
-    assert redis_client.llen(settings.queue) == 0, "nothing is sent"
+    assert queued_count(redis_client, settings.queue) == 0, "nothing is sent"
 
 
 def test_input_at_the_limit_is_accepted(
@@ -279,7 +279,7 @@ def test_an_unknown_field_is_400_naming_it_and_listing_the_allowed_ones(
     )
     assert "tokenBudget" in error["message"], "lists the allowed fields"
     assert run_count(runtime) == 0
-    assert redis_client.llen(settings.queue) == 0
+    assert queued_count(redis_client, settings.queue) == 0
 
 
 @pytest.mark.parametrize(
@@ -331,7 +331,7 @@ def test_a_body_above_the_limit_is_413(
     )
     assert "1024" in error["message"]
     assert run_count(runtime) == 0
-    assert redis_client.llen(settings.queue) == 0
+    assert queued_count(redis_client, settings.queue) == 0
     # Just under the limit is fine.
     assert client.post("/api/runs", json={"input": "x" * 900}).status_code == 201
 
@@ -356,10 +356,10 @@ def test_same_idempotency_key_and_body_returns_the_same_run_without_a_second_mes
     assert reordered.status_code == 200
     assert reordered.get_json()["id"] == run_id
     assert run_count(runtime) == 1
-    assert redis_client.llen(settings.queue) == 1, "no second message"
+    assert queued_count(redis_client, settings.queue) == 1, "no second message"
     # A different key is a different run.
     assert created_id(post_run(client, body, **{"Idempotency-Key": "order-43"})) != run_id
-    assert redis_client.llen(settings.queue) == 2
+    assert queued_count(redis_client, settings.queue) == 2
 
 
 def test_the_replay_reports_the_runs_current_status(client: FlaskClient) -> None:
@@ -379,7 +379,7 @@ def test_same_idempotency_key_with_a_different_body_is_422(
     assert "k1" in error["message"]
     assert run_id in error["message"]
     assert run_count(runtime) == 1
-    assert redis_client.llen(settings.queue) == 1
+    assert queued_count(redis_client, settings.queue) == 1
 
 
 @pytest.mark.parametrize("key", ["", "k" * 201])

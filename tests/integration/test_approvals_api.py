@@ -17,7 +17,7 @@ from runtime.config import ConfigError, Settings
 from runtime.durable import Steps, durable_agent
 from runtime.engine.bootstrap import Runtime
 from tasks.celery_app import make_celery
-from tests.support import drive_to_end
+from tests.support import clear_queued, drive_to_end, queued_count
 
 TOKENS = {
     "ann": ("read+approve+finance", "tok-ann"),
@@ -76,17 +76,17 @@ def test_list_filter_and_decide_with_the_right_role(
     assert client.post(path, headers=_h("sam")).status_code == 403, "wrong approval role"
     assert client.post(path, headers=_h("ci")).status_code == 403, "no approve role"
     assert client.post(path).status_code == 401
-    redis_client.delete(runtime.settings.queue)
+    clear_queued(redis_client, runtime.settings.queue)
     ok = client.post(
         path, json={"comment": "fine", "payloadHash": approval["payloadHash"]}, headers=_h("ann")
     )
     assert ok.status_code == 200, ok.get_json()
     body = ok.get_json()
     assert (body["status"], body["decidedBy"], body["comment"]) == ("APPROVED", "ann", "fine")
-    assert redis_client.llen(runtime.settings.queue) == 1, "the decision woke the run"
+    assert queued_count(redis_client, runtime.settings.queue) == 1, "the decision woke the run"
     again = client.post(path, headers=_h("ann"))
     assert again.status_code == 200, "the same decision twice is harmless"
-    assert redis_client.llen(runtime.settings.queue) == 1, "and wakes nothing twice"
+    assert queued_count(redis_client, runtime.settings.queue) == 1, "and wakes nothing twice"
     other = client.post(f"/api/approvals/{approval['id']}/reject", headers=_h("ann"))
     assert other.status_code == 409
     run = client.get(f"/api/runs/{run_id}", headers=_h("ci")).get_json()

@@ -25,13 +25,20 @@ from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import tool
 from tasks.celery_app import DRIVE_RUN, REAP, make_celery
 from tasks.drive import stop_worker_state
-from tests.support import expire_lease, register_agent, submit
+from tests.support import (
+    clear_queued,
+    expire_lease,
+    queued_count,
+    queued_raw,
+    register_agent,
+    submit,
+)
 
 
 def _queued(client: redis.Redis, queue: str) -> list[tuple[str, str]]:
     """(run_id, token) of every drive_run message waiting in the queue."""
     out = []
-    for raw in client.lrange(queue, 0, -1):
+    for raw in queued_raw(client, queue):
         msg = json.loads(raw)
         assert msg["headers"]["task"] == DRIVE_RUN
         body = json.loads(__import__("base64").b64decode(msg["body"]))
@@ -89,7 +96,7 @@ def test_duplicate_delivered_while_the_step_runs_is_dropped(
     run, dispatch = submit(runtime.store)
     drive_run = celery_app.tasks[DRIVE_RUN]
     assert drive_run.run(str(run.id), str(dispatch.token)) == "CONTINUE"
-    redis_client.delete(runtime.settings.queue)
+    clear_queued(redis_client, runtime.settings.queue)
     token = str(runtime.store.get_run(run.id).dispatch_token)
 
     first = threading.Thread(target=lambda: outcomes.append(drive_run.run(str(run.id), token)))
@@ -185,5 +192,5 @@ def test_a_fenced_out_task_ends_cleanly_and_sends_nothing(
     runtime.llm = TakenOverMidCall()  # type: ignore[assignment]
     assert celery_app.tasks[DRIVE_RUN].run(str(run.id), str(dispatch.token)) == "LEASE_LOST"
     assert runtime.store.steps(run.id) == []
-    assert redis_client.llen(runtime.settings.queue) == 0, "no message from the fenced task"
+    assert queued_count(redis_client, runtime.settings.queue) == 0, "no message: it was fenced"
     assert runtime.store.get_run(run.id).locked_by == "other"

@@ -28,7 +28,7 @@ from runtime.engine.bootstrap import Runtime
 from runtime.llm.scripted import ScriptedLlm
 from runtime.tools import tool
 from tasks.celery_app import make_celery
-from tests.support import drive_to_end, register_agent, submit
+from tests.support import drive_to_end, queued_count, register_agent, submit
 
 TOKENS = {
     "alice": ("read+submit", "shop"),
@@ -234,7 +234,7 @@ def test_a_retried_fork_with_the_same_key_is_the_same_fork_without_a_second_mess
     first = fork_with_key(client, original.id, body, "fork-1")
     assert first.status_code == 201, first.get_json()
     fork_id = first.get_json()["id"]
-    assert redis_client.llen(settings.queue) == 1
+    assert queued_count(redis_client, settings.queue) == 1
 
     reordered = {"tokenBudget": 5000, "toolResult": {"output": "rain", "seq": 2}, "fromSeq": 3}
     again = fork_with_key(client, original.id, reordered, "fork-1")
@@ -242,7 +242,7 @@ def test_a_retried_fork_with_the_same_key_is_the_same_fork_without_a_second_mess
     assert again.get_json() == first.get_json()
     assert again.headers["Location"] == first.headers["Location"]
     assert forks_of(runtime, original.id) == [uuid.UUID(fork_id)]
-    assert redis_client.llen(settings.queue) == 1, "no second message"
+    assert queued_count(redis_client, settings.queue) == 1, "no second message"
     source = client.get(f"/api/runs/{original.id}", headers=auth("alice")).get_json()
     forks = [e["action"] for e in source["audit"] if e["action"] != "submit"]
     assert forks == ["fork"], "one fork, audited once"
@@ -256,7 +256,7 @@ def test_a_retried_fork_with_the_same_key_is_the_same_fork_without_a_second_mess
     other = fork_with_key(client, original.id, body, "fork-2")
     assert other.status_code == 201
     assert other.get_json()["id"] != fork_id
-    assert redis_client.llen(settings.queue) == 2
+    assert queued_count(redis_client, settings.queue) == 2
 
 
 @pytest.mark.parametrize("reuse", ["another body", "another run", "a submit's key"])
@@ -276,7 +276,7 @@ def test_a_fork_key_reused_for_another_request_is_422(
     else:
         first = fork_with_key(client, original.id, {"fromSeq": 3}, "k1")
     assert first.status_code == 201, first.get_json()
-    queued = redis_client.llen(settings.queue)
+    queued = queued_count(redis_client, settings.queue)
     if reuse == "another run":
         llm.then_text("Sunny.")
         other, dispatch = submit(runtime.store, "weather?", tenant="shop")
@@ -290,7 +290,7 @@ def test_a_fork_key_reused_for_another_request_is_422(
     assert "'k1'" in error["message"]
     assert first.get_json()["id"] in error["message"]
     assert len(forks_of(runtime, original.id)) == (0 if reuse == "a submit's key" else 1)
-    assert redis_client.llen(settings.queue) == queued
+    assert queued_count(redis_client, settings.queue) == queued
 
 
 def test_the_openapi_document_states_the_fork_idempotency_key(client: FlaskClient) -> None:

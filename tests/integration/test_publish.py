@@ -18,6 +18,7 @@ from celery import Celery
 from db.records import Dispatch, RunStatus
 from runtime.config import Settings
 from runtime.engine.bootstrap import Runtime
+from runtime.engine.deployment import queue_name
 from tasks.celery_app import DRIVE_RUN, make_celery
 from tasks.dispatch import send_drive
 from tasks.publish import DrivePublisher, publisher
@@ -85,7 +86,7 @@ def test_a_timer_and_an_unusual_broker_go_through_send_task(
 ) -> None:
     run, _ = submit(runtime.store)
     assert send_drive(app, runtime.store, Dispatch(run.id, run.dispatch_token, delay_seconds=30))
-    timer = _pop(redis_client, settings.queue)
+    timer = _pop(redis_client, queue_name(settings.queue, runtime.deployment))
     assert timer["headers"]["eta"] is not None, "a countdown's message carries its eta"
 
     for option in ({"global_keyprefix": "x:"}, {"queue_order_strategy": "priority"}):

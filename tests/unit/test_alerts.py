@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import yaml
 from prometheus_client import CollectorRegistry
@@ -33,11 +34,17 @@ class _Counts:
     def count_key_waiters_by_tenant(self, top: int) -> tuple[list[tuple[str, int]], int]:
         return [], 0
 
+    def count_unserved_runs(self) -> int:
+        return 0
+
+    def deployments(self) -> list[Any]:
+        return []
+
 
 def _exported() -> set[str]:
     registry = CollectorRegistry()
     Metrics(registry)
-    registry.register(FleetCollector(_Counts()))  # type: ignore[arg-type]
+    registry.register(FleetCollector(_Counts(), _Counts()))  # type: ignore[arg-type]
     names = set()
     for family in registry.collect():
         names |= {family.name + s for s in SUFFIXES[family.type]}

@@ -372,6 +372,7 @@ function renderHeader(run, steps, refresh) {
     ? " (cancel requested)" : "");
   fact(dl, "Agent", run.agent);
   fact(dl, "Model", run.model);
+  if (run.deployment) fact(dl, "Version", run.deployment);
   if (run.waitReason) fact(dl, "Waiting for", run.waitReason);
   fact(dl, "Lease holder", run.lockedBy ? `${run.lockedBy} until ${run.leaseExpiresAt}` : "none");
   fact(dl, "Deadline", run.deadlineAt);

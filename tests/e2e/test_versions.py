@@ -1,0 +1,264 @@
+"""End to end, real processes: workers of two versions side by side on one database and one
+Redis. Each version's runs are driven only by its own workers, through a kill -9 of a worker
+of each version; the runs a dead version leaves behind wait, visibly, until an operator
+upgrades them through the replay check, and then finish on the other version's workers."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cli.devstack import DevStack
+from cli.embedded import free_port
+from db.engine import make_engine
+from db.records import Dispatch, NewRun, RunStatus
+from db.store import RunStore
+from runtime.config import Settings
+from tasks.celery_app import make_celery
+from tasks.dispatch import send_drive
+from tests.e2e.stack import running_stack
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+V1_WORKERS = ("worker-A", "worker-B")
+V2_WORKER = "worker-V2"
+QUESTION = "Which acme tickets are overdue?"
+
+
+@pytest.fixture
+def stack(
+    database_url: str, redis_url: str, settings: Settings, tmp_path: Path
+) -> Iterator[DevStack]:
+    """web, beat and two workers of v1; one worker of v2 beside them."""
+    with running_stack(
+        tmp_path,
+        database_url,
+        redis_url,
+        settings,
+        pool="threads",
+        start_timeout=90,
+        DAR_DEMO_LATENCY_MS="1500",
+        DAR_DEPLOYMENT="v1",
+    ) as s:
+        s._spawn(
+            V2_WORKER,
+            [
+                "celery", "--quiet", "-A", "tasks.app", "worker",
+                "--pool", "threads", "--concurrency", "4",
+                "--hostname", f"{V2_WORKER}@%h",
+                "--without-gossip", "--without-mingle", "--loglevel", "INFO",
+            ],
+            DAR_WORKER_NAME=V2_WORKER,
+            DAR_DEPLOYMENT="v2",
+            DAR_METRICS_PORT="0",
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not s.is_ready(V2_WORKER):
+            assert time.monotonic() < deadline, "the v2 worker never became ready"
+            assert s.processes[V2_WORKER].poll() is None, "the v2 worker exited"
+            time.sleep(0.1)
+        yield s
+
+
+def _wait_for_holder(store: RunStore, run_ids: list[uuid.UUID], workers: set[str]) -> str:
+    """A worker of ``workers`` inside a step of one of the runs."""
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, f"no run held by {workers}"
+        for run_id in run_ids:
+            run = store.get_run(run_id)
+            if run.locked_by in workers and store.steps(run_id):
+                return run.locked_by
+        time.sleep(0.05)
+
+
+def test_each_version_drives_only_its_runs_and_an_upgrade_moves_a_dead_version_s_runs(
+    stack: DevStack, settings: Settings, redis_url: str
+) -> None:
+    engine = make_engine(stack.database_url, pool_size=2)
+    store = RunStore(engine)
+    v2_store = RunStore(engine, deployment="v2")  # a v2 web process's submits
+    app = make_celery(replace(settings, redis_url=redis_url), register=False)
+    try:
+        status, versions = stack.request("GET", "/api/versions")
+        assert status == 200, versions
+        live = {v["deployment"]: v["liveWorkers"] for v in versions["versions"]}
+        assert live == {"v1": 2, "v2": 1}, versions
+
+        v1_runs = []
+        for _ in range(4):
+            status, accepted = stack.request("POST", "/api/runs", {"input": QUESTION})
+            assert status == 201, accepted
+            v1_runs.append(uuid.UUID(accepted["id"]))
+        v2_runs = []
+        for _ in range(3):
+            run, _ = v2_store.create_run(
+                NewRun(
+                    agent="acme-tickets",
+                    input=QUESTION,
+                    model="claude-sonnet-4-5",
+                    max_steps=20,
+                    token_budget=50_000,
+                    timeout_seconds=600,
+                )
+            )
+            assert run.deployment == "v2"
+            assert send_drive(app, v2_store, Dispatch(run.id, run.dispatch_token))
+            v2_runs.append(run.id)
+
+        # kill -9 a worker of each version in the middle of a step.
+        v1_victim = _wait_for_holder(store, v1_runs, set(V1_WORKERS))
+        stack.kill(v1_victim)
+        _wait_for_holder(store, v2_runs, {V2_WORKER})
+        stack.kill(V2_WORKER)
+        killed_at = time.monotonic()
+
+        # v1's runs finish on the surviving v1 worker; v2's wait: no v2 worker is left.
+        deadline = killed_at + 120
+        while not all(store.get_run(r).status.terminal for r in v1_runs):
+            assert time.monotonic() < deadline, "v1's runs did not finish"
+            time.sleep(0.2)
+        time.sleep(4)  # past the killed v2 worker's lease: the reaper has re-sent its run
+        waiting = [store.get_run(r) for r in v2_runs]
+        assert not any(r.status.terminal for r in waiting), "no v1 worker drove a v2 run"
+        for run_id in v2_runs:
+            assert {s.worker for s in store.steps(run_id)} <= {V2_WORKER}
+
+        # The operator upgrades v2's runs to the web's version (v1) through the replay check.
+        moved: set[str] = set()
+        deadline = time.monotonic() + 60
+        while len(moved) < len(v2_runs):
+            assert time.monotonic() < deadline, f"not every run moved: {moved}"
+            status, report = stack.request("POST", "/api/versions/v2/upgrade", {})
+            assert status == 200, report
+            assert report["stayed"] == [], report
+            moved |= set(report["moved"])
+            time.sleep(0.5)
+        deadline = time.monotonic() + 120
+        while not all(store.get_run(r).status.terminal for r in v2_runs):
+            assert time.monotonic() < deadline, "the upgraded runs did not finish"
+            time.sleep(0.2)
+
+        for run_id in v1_runs:
+            run = store.get_run(run_id)
+            assert run.status is RunStatus.SUCCEEDED, run.error
+            assert run.deployment == "v1"
+            workers = {s.worker for s in store.steps(run_id)}
+            assert workers <= set(V1_WORKERS), f"a v1 run's step by {workers}"
+        started_on_v2 = 0
+        for run_id in v2_runs:
+            run = store.get_run(run_id)
+            assert run.status is RunStatus.SUCCEEDED, run.error
+            assert run.deployment == "v1"
+            steps = store.steps(run_id)
+            assert len({s.step_key for s in steps}) == len(steps), "each step once"
+            by_v2 = [s.seq for s in steps if s.worker == V2_WORKER]
+            by_v1 = [s.seq for s in steps if s.worker in V1_WORKERS]
+            assert by_v1, "it finished on v1"
+            # (a run whose first step was in flight when v2's worker died recorded none on v2)
+            if by_v2:
+                started_on_v2 += 1
+                assert max(by_v2) < min(by_v1), "v2's steps, then (after the upgrade) v1's"
+            actions = [e.action for e in store.audit_events(run_id)]
+            assert actions.count("upgrade") == 1
+        assert started_on_v2 >= 1, "the run held when v2's worker died had steps on v2"
+    finally:
+        app.close()
+        engine.dispose()
+
+
+def _request(url: str, method: str, path: str, body: object = None) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url + path, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+    except OSError as e:
+        return 0, str(e)
+
+
+def _spawn_web(stack: DevStack, name: str, deployment: str) -> str:
+    """A web process of another version beside the stack's (a rolling deploy's new web)."""
+    port = free_port()
+    stack._spawn(
+        name,
+        [
+            "gunicorn", "--bind", f"127.0.0.1:{port}", "--worker-class", "gevent",
+            "--workers", "1", "--logger-class", "api.gunicorn_logging.Logger", "api.wsgi:app",
+        ],
+        DAR_DEPLOYMENT=deployment,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while _request(url, "GET", "/healthz")[0] != 200:
+        assert time.monotonic() < deadline, f"{name} never answered"
+        assert stack.processes[name].poll() is None, f"{name} exited"
+        time.sleep(0.2)
+    return url
+
+
+def test_a_rolling_deploy_drains_the_old_version_and_starts_new_runs_on_the_new(
+    stack: DevStack,
+) -> None:
+    """v1's web and workers run; v2's web and worker start beside them: runs submitted to
+    v1's web finish on v1's workers, runs submitted to v2's web on v2's worker; once v1 has
+    no run in flight its workers stop, and the versions say so."""
+    engine = make_engine(stack.database_url, pool_size=2)
+    store = RunStore(engine)
+    try:
+        v1_runs = []
+        for _ in range(3):
+            status, accepted = stack.request("POST", "/api/runs", {"input": QUESTION})
+            assert status == 201, accepted
+            v1_runs.append(uuid.UUID(accepted["id"]))
+        v2_web = _spawn_web(stack, "web-v2", "v2")
+        v2_runs = []
+        for _ in range(3):
+            status, accepted = _request(v2_web, "POST", "/api/runs", {"input": QUESTION})
+            assert status == 201, accepted
+            v2_runs.append(uuid.UUID(accepted["id"]))
+        assert {store.get_run(r).deployment for r in v1_runs} == {"v1"}
+        assert {store.get_run(r).deployment for r in v2_runs} == {"v2"}
+        status, versions = _request(v2_web, "GET", "/api/versions")
+        assert versions["current"] == "v2"
+
+        deadline = time.monotonic() + 120
+        while True:  # drain: v1 has no run in flight
+            assert time.monotonic() < deadline, "v1 never drained"
+            _, versions = stack.request("GET", "/api/versions")
+            in_flight = {v["deployment"]: v["inFlight"] for v in versions["versions"]}
+            if in_flight.get("v1", 0) == 0:
+                break
+            time.sleep(0.2)
+        for name in V1_WORKERS:  # stop v1's workers (SIGTERM: a clean stop)
+            stack.processes[name].terminate()
+            stack.processes[name].wait(timeout=30)
+        _, versions = stack.request("GET", "/api/versions")
+        by_version = {v["deployment"]: v for v in versions["versions"]}
+        assert "v1" not in by_version or by_version["v1"]["workers"] == [], versions
+
+        deadline = time.monotonic() + 120
+        while not all(store.get_run(r).status.terminal for r in v2_runs):
+            assert time.monotonic() < deadline, "v2's runs did not finish"
+            time.sleep(0.2)
+        for run_id in v1_runs:
+            assert store.get_run(run_id).status is RunStatus.SUCCEEDED
+            assert {s.worker for s in store.steps(run_id)} <= set(V1_WORKERS)
+        for run_id in v2_runs:
+            assert store.get_run(run_id).status is RunStatus.SUCCEEDED
+            assert {s.worker for s in store.steps(run_id)} == {V2_WORKER}
+    finally:
+        engine.dispose()
