@@ -7,8 +7,9 @@ Writes made by a worker after claiming are fenced on (holder, lease epoch) and r
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -376,6 +377,22 @@ def _fence(claim: Claim) -> dict[str, Any]:
     return {"id": claim.run_id, "worker": claim.worker, "epoch": claim.epoch}
 
 
+@dataclass
+class Fenced:
+    """One fenced transaction of a worker's records (:meth:`StoreBase._fenced`)."""
+
+    token: uuid.UUID
+    """The dispatch token the lease is handed on with, if the records hand it on."""
+    connection: Connection | None = None
+    written: list[Step] | None = None
+    """The step rows written, for the step log's cache (``None``: nothing was written)."""
+
+    @property
+    def conn(self) -> Connection:
+        assert self.connection is not None, "a fenced write without its transaction"
+        return self.connection
+
+
 class StoreBase:
     """What every part of the store shares: the engine, the statements, the step
     logs' cache, the reads every caller makes, and the one fenced write of a step row."""
@@ -409,6 +426,31 @@ class StoreBase:
         return self._autocommit.connect()
 
     # -- submitting ---------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _fenced(
+        self, claim: Claim, token: uuid.UUID | None = None, *, transaction: bool = True
+    ) -> Iterator[Fenced]:
+        """The one shape of a worker's fenced records: a transaction (``f.conn``; none with
+        ``transaction`` false, for a single statement of its own), a dispatch token to hand
+        the lease on with (``f.token``), and after the commit the rows the body wrote
+        (``f.written``) told to the step log's cache under that token. When the fence refuses
+        a write (``LeaseLost``) the transaction rolls back, the run's cached log is dropped
+        and the refusal goes on; a body that wrote nothing (``f.written`` left ``None``)
+        tells the cache nothing."""
+        fenced = Fenced(token or uuid.uuid4())
+        try:
+            if transaction:
+                with self.engine.begin() as conn:
+                    fenced.connection = conn
+                    yield fenced
+            else:
+                yield fenced
+        except LeaseLost:
+            self.step_logs.forget(claim.run_id)
+            raise
+        if fenced.written is not None:
+            self.step_logs.wrote(claim.run_id, claim.epoch, fenced.written, fenced.token)
 
     def get_run(self, run_id: uuid.UUID) -> Run:
         with self._statement() as conn:

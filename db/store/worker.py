@@ -151,24 +151,20 @@ class WorkerStore(StoreBase):
         count as one without progress either. ``wakeable``: a wake (:meth:`wake`, a freed
         concurrency-key slot) may bring it forward; otherwise the timer is a floor (a
         server's retry-after, a backoff). Fenced."""
-        token = uuid.uuid4()
-        try:
+        with self._fenced(claim, transaction=False) as f:
             self._schedule(
                 None,
                 claim,
                 delay_seconds,
-                token,
+                f.token,
                 reason,
                 False,
                 model_attempts,
                 admission,
                 wakeable=wakeable,
             )
-        except LeaseLost:
-            self.step_logs.forget(claim.run_id)
-            raise
-        self.step_logs.wrote(claim.run_id, claim.epoch, [], token)
-        return Dispatch(claim.run_id, token, delay_seconds)
+            f.written = []
+        return Dispatch(claim.run_id, f.token, delay_seconds)
 
     def record_unrecorded_usage(
         self,
@@ -197,10 +193,6 @@ class WorkerStore(StoreBase):
         }
         return self.owed.write_or_owe(params, then)
 
-    def _write_unrecorded(self, params: Mapping[str, Any]) -> None:
-        with self._statement() as conn:
-            conn.execute(Q["record_unrecorded_usage"], dict(params))
-
     def record_steps(
         self,
         claim: Claim,
@@ -219,23 +211,18 @@ class WorkerStore(StoreBase):
             written = [self._record(None, claim, steps[0], token)]
             self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
             return Dispatch(claim.run_id, token)
-        try:
-            with self.engine.begin() as conn:
-                written = [self._record(conn, claim, step) for step in steps]
-                self._hand_over(
-                    conn,
-                    claim,
-                    token,
-                    delay_seconds,
-                    reason,
-                    bool(steps),
-                    model_attempts,
-                    wakeable=wakeable,
-                )
-        except LeaseLost:
-            self.step_logs.forget(claim.run_id)
-            raise
-        self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
+        with self._fenced(claim, token) as f:
+            f.written = [self._record(f.conn, claim, step) for step in steps]
+            self._hand_over(
+                f.conn,
+                claim,
+                token,
+                delay_seconds,
+                reason,
+                bool(steps),
+                model_attempts,
+                wakeable=wakeable,
+            )
         return Dispatch(claim.run_id, token, delay_seconds or 0.0)
 
     def suspend_for_approval(
@@ -431,21 +418,16 @@ class WorkerStore(StoreBase):
         timer of ``recheck`` seconds, woken sooner when a child ends), in one transaction:
         a child exists exactly when its step does. Returns the children's first drive_run
         messages. Fenced."""
-        token = uuid.uuid4()
         created: list[Dispatch] = []
-        try:
-            with self.engine.begin() as conn:
-                written = []
-                for step, child, child_id in started:
-                    params = _new_run_params(child, child_id, self.deployment)
-                    row = conn.execute(Q["create_run"], params).mappings().one()
-                    created.append(Dispatch(row["id"], row["dispatch_token"]))
-                    written.append(self._record(conn, claim, step))
-                self._hand_over(conn, claim, token, recheck, reason, True, 0, wakeable=True)
-        except LeaseLost:
-            self.step_logs.forget(claim.run_id)
-            raise
-        self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
+        with self._fenced(claim) as f:
+            written = []
+            for step, child, child_id in started:
+                params = _new_run_params(child, child_id, self.deployment)
+                row = f.conn.execute(Q["create_run"], params).mappings().one()
+                created.append(Dispatch(row["id"], row["dispatch_token"]))
+                written.append(self._record(f.conn, claim, step))
+            self._hand_over(f.conn, claim, f.token, recheck, reason, True, 0, wakeable=True)
+            f.written = written
         return created
 
     def record_recovery(
@@ -499,22 +481,16 @@ class WorkerStore(StoreBase):
         """Deliver the oldest pending message: consume it, count it delivered and record the
         step ``row_for(content)`` in one transaction, handing the lease on (never lost,
         never twice). ``None`` when there is none. Fenced."""
-        token = uuid.uuid4()
-        try:
-            with self.engine.begin() as conn:
-                params = {"run_id": claim.run_id, "name": MESSAGE_SIGNAL}
-                found = conn.execute(Q["pending_signal"], params).first()
-                if found is None:
-                    return None
-                step = row_for(found.payload)
-                conn.execute(Q["consume_signal"], {"id": found.id, "step_key": step.step_key})
-                conn.execute(Q["message_delivered"], {"id": claim.run_id})
-                written = [self._record(conn, claim, step, token)]
-        except LeaseLost:
-            self.step_logs.forget(claim.run_id)
-            raise
-        self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
-        return Dispatch(claim.run_id, token)
+        with self._fenced(claim) as f:
+            params = {"run_id": claim.run_id, "name": MESSAGE_SIGNAL}
+            found = f.conn.execute(Q["pending_signal"], params).first()
+            if found is None:
+                return None
+            step = row_for(found.payload)
+            f.conn.execute(Q["consume_signal"], {"id": found.id, "step_key": step.step_key})
+            f.conn.execute(Q["message_delivered"], {"id": claim.run_id})
+            f.written = [self._record(f.conn, claim, step, f.token)]
+        return Dispatch(claim.run_id, f.token)
 
     def wait_for_signal(
         self,
@@ -529,25 +505,20 @@ class WorkerStore(StoreBase):
         ``signal`` is already there (then nothing is written and ``None`` returned: consume
         it). The check and the parking hold the run's row lock, so a signal that commits
         meanwhile either is seen here or finds the run parked and wakes it. Fenced."""
-        token = uuid.uuid4()
-        try:
-            with self.engine.begin() as conn:
-                if signal is not None:
-                    conn.execute(Q["lock_run_row"], {"id": claim.run_id})
-                    params = {"run_id": claim.run_id, "name": signal}
-                    if conn.execute(Q["pending_signal"], params).first() is not None:
-                        return None
-                written = [self._record(conn, claim, step) for step in rows]
-                # A wait is progress: a run that waits long is not a run that keeps killing
-                # workers. A wait for a signal is woken by it; a sleep's timer is a floor.
-                self._schedule(
-                    conn, claim, delay_seconds, token, reason, True, 0, wakeable=signal is not None
-                )
-        except LeaseLost:
-            self.step_logs.forget(claim.run_id)
-            raise
-        self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
-        return Dispatch(claim.run_id, token, delay_seconds)
+        with self._fenced(claim) as f:
+            if signal is not None:
+                f.conn.execute(Q["lock_run_row"], {"id": claim.run_id})
+                params = {"run_id": claim.run_id, "name": signal}
+                if f.conn.execute(Q["pending_signal"], params).first() is not None:
+                    return None
+            written = [self._record(f.conn, claim, step) for step in rows]
+            # A wait is progress: a run that waits long is not a run that keeps killing
+            # workers. A wait for a signal is woken by it; a sleep's timer is a floor.
+            self._schedule(
+                f.conn, claim, delay_seconds, f.token, reason, True, 0, wakeable=signal is not None
+            )
+            f.written = written
+        return Dispatch(claim.run_id, f.token, delay_seconds)
 
     def consume_signal(
         self, claim: Claim, name: str, row_for: Callable[[Any], NewStep]
@@ -555,21 +526,15 @@ class WorkerStore(StoreBase):
         """Consume the oldest pending signal ``name`` and record the step ``row_for(payload)``
         in one transaction, handing the lease on: the signal is delivered once. ``None``
         when there is none. Fenced."""
-        token = uuid.uuid4()
-        try:
-            with self.engine.begin() as conn:
-                params = {"run_id": claim.run_id, "name": name}
-                found = conn.execute(Q["pending_signal"], params).first()
-                if found is None:
-                    return None
-                step = row_for(found.payload)
-                conn.execute(Q["consume_signal"], {"id": found.id, "step_key": step.step_key})
-                written = [self._record(conn, claim, step, token)]
-        except LeaseLost:
-            self.step_logs.forget(claim.run_id)
-            raise
-        self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
-        return found.payload, Dispatch(claim.run_id, token)
+        with self._fenced(claim) as f:
+            params = {"run_id": claim.run_id, "name": name}
+            found = f.conn.execute(Q["pending_signal"], params).first()
+            if found is None:
+                return None
+            step = row_for(found.payload)
+            f.conn.execute(Q["consume_signal"], {"id": found.id, "step_key": step.step_key})
+            f.written = [self._record(f.conn, claim, step, f.token)]
+        return found.payload, Dispatch(claim.run_id, f.token)
 
     def send_signal(
         self,
@@ -587,22 +552,16 @@ class WorkerStore(StoreBase):
         Returns the sender's next message and the target's (``None``: it was not parked).
         Raises :class:`RunNotFound` (no such run in the sender's tenant) or
         :class:`InvalidTransition` (it ended), writing nothing. Fenced."""
-        token = uuid.uuid4()
-        try:
-            with self.engine.begin() as conn:
-                # Both rows locked in one order: two runs sending to each other at once
-                # queue instead of deadlocking.
-                conn.execute(Q["lock_runs_in_order"], {"ids": [claim.run_id, target]})
-                _insert_signal(
-                    conn, target, name, payload, idempotency_key, f"run:{claim.run_id}",
-                    claim.run.tenant,
-                )  # fmt: skip
-                written = [self._record(conn, claim, step, token)]
-                woken = _wake(conn, target, send=True)
-        except LeaseLost:
-            self.step_logs.forget(claim.run_id)
-            raise
-        self.step_logs.wrote(claim.run_id, claim.epoch, written, token)
-        return Dispatch(claim.run_id, token), woken
+        with self._fenced(claim) as f:
+            # Both rows locked in one order: two runs sending to each other at once queue
+            # instead of deadlocking.
+            f.conn.execute(Q["lock_runs_in_order"], {"ids": [claim.run_id, target]})
+            _insert_signal(
+                f.conn, target, name, payload, idempotency_key, f"run:{claim.run_id}",
+                claim.run.tenant,
+            )  # fmt: skip
+            f.written = [self._record(f.conn, claim, step, f.token)]
+            woken = _wake(f.conn, target, send=True)
+        return Dispatch(claim.run_id, f.token), woken
 
     # -- schedules ------------------------------------------------------------------------
