@@ -32,6 +32,8 @@ from typing import Any
 
 import redis
 
+from runtime.redisconn import redis_client
+
 log = logging.getLogger(__name__)
 
 TTL_SECONDS = 86_400
@@ -112,7 +114,7 @@ class LiveChannel:
         maxlen: int = 10_000,
         cancel_poll_seconds: float = 0.2,
     ) -> None:
-        self.redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=1.0)
+        self.redis = redis_client(redis_url, socket_timeout=2.0, socket_connect_timeout=1.0)
         self.maxlen = maxlen
         self.cancel_poll_seconds = cancel_poll_seconds
         self._down_until = 0.0
