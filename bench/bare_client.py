@@ -149,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-ms", type=int, default=10_000)
     ap.add_argument("--no-stream", dest="stream", action="store_false")
     args = ap.parse_args(argv)
+    import resource
+
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # a socket per call in flight
     go = _anthropic(args) if args.kind == "anthropic" else _asyncio(args)
     print("ready", flush=True)
     sys.stdin.readline()  # the bench starts its meters, then says go
