@@ -1,7 +1,9 @@
 """``python -m bench [SECTION ...] [--quick] [--repeats N] [--no-dbos]``
 
 Sections: latency (a + raw checkpoint, bare hop and DBOS latency), throughput (b + bare hop
-and DBOS rates), replay (d), inflight (c), recovery (e); ``all`` (the default) runs them all.
+and DBOS rates), replay (d), inflight (c), recovery (e), realclient (f: runs in flight through
+the real model clients over HTTP, beside the bare SDK and DBOS; sizes by ``--real-level``
+and ``--real-frameworks``); ``all`` (the default) runs them all.
 ``diagnose`` (not in ``all``) measures what events and logging cost and profiles a worker.
 Prints the table and writes bench/results/bench-<time>.json and bench/results/latest.json.
 """
@@ -20,6 +22,11 @@ from bench.env import prepare
 from bench.suite import EXTRA, SECTIONS, Plan, run
 
 
+def _level(raw: str) -> tuple[int, int, int]:
+    runs, calls, ms = (int(x) for x in raw.lower().split("x"))
+    return runs, calls, ms
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[1])
     ap.add_argument(
@@ -28,6 +35,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one repeat, smaller workloads (~3 min)")
     ap.add_argument("--repeats", type=int, default=None, help="repeats per figure (default 3)")
     ap.add_argument("--no-dbos", action="store_true", help="skip DBOS even when installed")
+    ap.add_argument(
+        "--real-level",
+        action="append",
+        metavar="RUNSxCALLSxMS",
+        help="realclient: a workload through the real clients, e.g. 2000x3x10000 (default) "
+        "or 10000x1x60000; repeat for several",
+    )
+    ap.add_argument(
+        "--real-frameworks",
+        metavar="RUNSxCALLSxMS",
+        help="realclient: the framework agents' workload (default 200x1x10000), or 'none'",
+    )
     args = ap.parse_args(argv)
     # `timeout`, a CI job's cancel, kill: stop the worker processes we started on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -37,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         known = ", ".join([*SECTIONS, *EXTRA])
         ap.error(f"unknown section(s) {', '.join(unknown)}; known: all, {known}")
     plan = Plan.make(quick=args.quick, repeats=args.repeats, dbos=not args.no_dbos)
+    if args.real_level:
+        plan.real_levels = tuple(_level(x) for x in args.real_level)
+    if args.real_frameworks:
+        fw = args.real_frameworks
+        plan.real_framework_level = None if fw == "none" else _level(fw)
     env = prepare()
     info = report.machine(env.server_info())
     info["dbos"] = dbos_available() if plan.dbos else "skipped (--no-dbos)"

@@ -62,6 +62,9 @@ def write(sections: dict[str, Any], out: Path = DOCS) -> list[Path]:
         ax.set_title("(c) throughput against runs in flight")
         ax.legend(fontsize=7)
         written.append(_save(fig, out / "bench-inflight.png"))
+    real = sections.get("realclient")
+    if real and real.get("rows"):
+        written.append(_realclient(real, out, plt))
     return written
 
 
@@ -100,6 +103,32 @@ def defaults_by_concurrency(results: list[Path], out: Path = DOCS) -> Path:
     wait.set_xlabel("--concurrency per worker process")
     fig.suptitle("(c) 2,000 runs x 10 s model, 2 worker processes, shipped defaults", y=0.99)
     return _save(fig, out / "bench-defaults-concurrency.png")
+
+
+def _realclient(real: dict[str, Any], out: Path, plt: Any) -> Path:
+    rows = [r for r in real["rows"] if r.get("elapsed_s")]
+    labels = [
+        f"{r['who']}\n{'streamed' if r['stream'] else 'not streamed'}, {r['runs']:,} runs"
+        for r in rows
+    ]
+    fig, (opened, took) = plt.subplots(1, 2, figsize=(12, 0.55 * len(rows) + 2))
+    y = list(range(len(rows)))
+    opened.barh(y, [r["peak_open"] for r in rows], color="#4477aa")
+    opened.set_yticks(y, labels, fontsize=7)
+    opened.invert_yaxis()
+    opened.set_xlabel("model calls open at the API at once (peak)")
+    took.barh(y, [r["elapsed_s"] for r in rows], color="#cc6677")
+    took.scatter([r["ideal_s"] for r in rows], y, color="black", marker="|", s=200, label="ideal")
+    took.set_yticks(y, [""] * len(rows))
+    took.invert_yaxis()
+    took.set_xlabel("first submit to last answer, s")
+    took.legend(fontsize=7)
+    fig.suptitle(
+        f"(f) through the real model clients over HTTP, {real['workers']} worker processes "
+        f"(--pool {real['pool']} --concurrency {real['concurrency']}), a shared 2-core host",
+        fontsize=9,
+    )
+    return _save(fig, out / "bench-realclient.png")
 
 
 def _save(fig: Any, path: Path) -> Path:

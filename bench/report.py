@@ -432,6 +432,36 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
                     REFERENCE.get(f"dbos_steps_per_s_{n}"),
                     nd=0,
                 )
+    real = sections.get("realclient")
+    if real:
+        bare: dict[tuple[str, bool, int], Any] = {}
+        for r in real["rows"]:
+            if r["who"].startswith("bare"):
+                bare[(r["who"].split()[1], r["stream"], r["runs"])] = r
+                continue
+            shape = f"{r['runs']:,} runs x {r['steps']} x {r['latency_ms'] / 1000:g} s"
+            how = f"{r['who']}, {'streamed' if r['stream'] else 'not streamed'}"
+            add(
+                "f",
+                f"model calls open at once, {shape}, {how}",
+                r["peak_open"],
+                "runs",
+                r["runs"],
+                nd=0,
+            )
+            if "ratio_to_ceiling" in r:
+                add(
+                    "f",
+                    f"  end to end s, {how} (all SUCCEEDED: {r.get('all_succeeded')})",
+                    r.get("elapsed_s"),
+                    "bare client's s (ideal " + f"{r['ideal_s']:.0f})",
+                    r.get("bare_elapsed_s"),
+                    ">= 0.90 x min(ideal, bare)",
+                    r["ratio_to_ceiling"] >= 0.9 and bool(r.get("all_succeeded")),
+                    ratio=r["ratio_to_ceiling"],
+                )
+            add("f", f"  CPU ms per call, {how}", r["cpu_ms_per_call"], "", None)
+            add("f", f"  KiB per open call, {how}", r["kib_per_open_call"], "", None, nd=0)
     return out
 
 

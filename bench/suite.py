@@ -73,6 +73,12 @@ class Plan:
     """Model calls beside the blocking tool: (runs, steps each, model latency ms)."""
     blocking_tools: int = 12
     """Calls of the blocking tool (50 MB hashed 20 times each, ~2 s of C code)."""
+    # (f) through the real model clients, against bench.fake_llm over HTTP
+    real_levels: tuple[tuple[int, int, int], ...] = ((2000, 3, 10000),)
+    """(runs, calls each, model latency ms) through the Anthropic client, streamed; the first
+    also unstreamed and on DBOS. ``python -m bench --real-level 10000x1x60000`` adds sizes."""
+    real_framework_level: tuple[int, int, int] | None = (200, 1, 10000)
+    """The Pydantic AI and OpenAI Agents SDK agents' workload (``None``: skipped)."""
     # (e)
     recovery_runs: int = 16
     recovery_configs: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
@@ -86,6 +92,7 @@ class Plan:
         "inflight",
         "defaults",
         "recovery",
+        "realclient",
     )
 
     @property
@@ -110,6 +117,8 @@ class Plan:
                 long_runs=1,
                 inflight_levels=((500, 4),),
                 gevent_levels=((250, 4, 1000), (2000, 3, 10000)),
+                real_levels=((300, 3, 3000),),
+                real_framework_level=(50, 1, 3000),
                 recovery_configs=((f"default (DAR_LEASE_SECONDS={DEFAULT_LEASE:g})", ()),),
             )
         if repeats:
@@ -419,6 +428,21 @@ def section_recovery(env: BenchEnv, plan: Plan) -> dict[str, Any]:
     return {"configs": out}
 
 
+def section_realclient(env: BenchEnv, plan: Plan) -> dict[str, Any]:
+    """(f) runs in flight through the real model clients over HTTP, as shipped, beside the
+    bare SDK and DBOS (see :mod:`bench.realclient`)."""
+    from bench.realclient import Level
+    from bench.realclient import section_realclient as real
+
+    fw = plan.real_framework_level
+    return real(
+        env,
+        tuple(Level(*lv) for lv in plan.real_levels),
+        Level(*fw) if fw else None,
+        dbos=plan.dbos,
+    )
+
+
 SECTIONS = {
     "latency": section_latency,
     "throughput": section_throughput,
@@ -426,6 +450,7 @@ SECTIONS = {
     "inflight": section_inflight,
     "defaults": section_defaults,
     "recovery": section_recovery,
+    "realclient": section_realclient,
 }
 
 

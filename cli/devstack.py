@@ -163,6 +163,24 @@ class DevStack:
     _run_dir: Path | None = None
     _log_files: list[IO[bytes]] = field(default_factory=list)
 
+    def model_calls_per_worker(self) -> tuple[int, str]:
+        """How many model calls one worker process of this stack can hold in flight, and what
+        sets that number: its concurrency (a step holds its slot for its whole call), unless
+        ``DAR_LLM_THREADS`` (a shared pool) or the open-files hard limit (a socket per call,
+        see ``tasks.signals.raise_open_files_limit``) is lower."""
+        bounds = [(self.concurrency, f"--concurrency {self.concurrency}")]
+        raw = (self.env.get("DAR_LLM_THREADS") or "").strip()
+        if raw.isdigit() and int(raw) > 0:
+            bounds.append((int(raw), f"DAR_LLM_THREADS={raw}"))
+        with contextlib.suppress(ImportError, ValueError, OSError):
+            import resource
+
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            if hard != resource.RLIM_INFINITY:
+                bounds.append((max(0, (hard - 256) // 2), f"open-files hard limit {hard}"))
+        calls, why = min(bounds)
+        return calls, why
+
     @property
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"

@@ -91,6 +91,7 @@ def _banner(stack: Any) -> str:
     pids = ", ".join(f"{name} (pid {proc.pid})" for name, proc in stack.processes.items())
     port = stack.port
     flower = f"\n  Flower:     http://127.0.0.1:{stack.flower_port}" if stack.flower_port else ""
+    calls, bound = stack.model_calls_per_worker()
     return f"""
 dar: the stack is up: API on http://127.0.0.1:{port}; {pids}.
   Console:    http://127.0.0.1:{port}/   (runs, timelines, approvals, operator actions)
@@ -99,6 +100,7 @@ dar: the stack is up: API on http://127.0.0.1:{port}; {pids}.
       -d '{{"input":"{DEMO_QUESTION}","tokenBudget":50000,"timeoutSeconds":300}}'
   Watch it:   dar timeline <id>      (or: curl -s localhost:{port}/api/runs/<id>/timeline)
   Workers:    {stack.workers} x celery worker --pool {stack.pool} --concurrency {stack.concurrency}
+  Capacity:   {calls:,} model calls in flight per worker ({bound}), {calls * stack.workers:,} in all
   Processes:  dar ps                 (kill -9 <pid> of a worker: it is restarted){flower}
   Stop:       Ctrl-C stops every process this command started.
 """

@@ -32,6 +32,8 @@ from celery import Celery
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from runtime.redisconn import redis_client
+
 _SCHEMES = ("redis://", "rediss://", "unix://")
 _EMBED = b', {}, {"callbacks": null, "errbacks": null, "chain": null, "chord": null}]'
 
@@ -44,7 +46,7 @@ class DrivePublisher:
         route = (conf.task_routes or {}).get(task) or {}
         self.queue: str = route.get("queue") or conf.task_default_queue
         options = conf.broker_transport_options or {}
-        self._client = redis.Redis.from_url(
+        self._client = redis_client(
             conf.broker_url,
             socket_timeout=options.get("socket_timeout", 5),
             socket_connect_timeout=options.get("socket_connect_timeout", 3),

@@ -210,9 +210,9 @@ class Runtime:
         limits = parse_model_limits(self.settings.model_limits_json)
         if not self.settings.flow_control or not self.settings.redis_url:
             return None
-        import redis
+        from runtime.redisconn import redis_client
 
-        client = redis.Redis.from_url(
+        client = redis_client(
             self.settings.require_redis_url(),
             socket_timeout=2.0,
             socket_connect_timeout=2.0,
@@ -241,9 +241,9 @@ class Runtime:
         overrides = parse_key_overrides(self.settings.key_concurrency_overrides_json)
         if self.settings.key_concurrency <= 0 and not any(overrides.values()):
             return None
-        import redis
+        from runtime.redisconn import redis_client
 
-        client = redis.Redis.from_url(
+        client = redis_client(
             self.settings.require_redis_url(),
             socket_timeout=2.0,
             socket_connect_timeout=2.0,

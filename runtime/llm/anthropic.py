@@ -15,11 +15,13 @@ those loggers a level before building the client.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
 DEFAULT_CONNECT_TIMEOUT_SECONDS = 10.0
+KEEPALIVE_CONNECTIONS = 1000
+"""Idle connections one client keeps for reuse (the SDK's default is 100)."""
 
 RATELIMIT = "anthropic-ratelimit-"
 """Response headers kept for flow control (the API's limits, remaining and reset)."""
@@ -87,6 +91,16 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
             when = when.replace(tzinfo=UTC)
         return max(0.0, (when - datetime.now(UTC)).total_seconds())
     return value if math.isfinite(value) and value >= 0 else None
+
+
+class _HttpClient(anthropic.DefaultHttpxClient):
+    """The SDK's default HTTP client (its keep-alive socket options) with our limits, closed
+    when it is collected, as the one the SDK makes for itself is."""
+
+    def __del__(self) -> None:
+        if not self.is_closed:
+            with contextlib.suppress(Exception):
+                self.close()
 
 
 def _status_error(e: anthropic.APIStatusError) -> LlmError:
@@ -142,6 +156,10 @@ class AnthropicClient:
     between), so unknown or future block types and fields survive and replay sends back
     exactly what it received.
 
+    ``max_connections`` caps the HTTP connections this client opens at once (``None``, the
+    default: no cap, so the calls in flight are bounded by the steps in flight alone; the
+    SDK's own default would be 1,000).
+
     Missing credentials raise a non-retryable :class:`LlmError`: from the constructor when
     the SDK resolves a credential source that fails (say ``ANTHROPIC_CONFIG_DIR`` without a
     profile), from :meth:`send` when it finds none at all.
@@ -155,6 +173,7 @@ class AnthropicClient:
         *,
         connect_timeout_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS,
         stream: bool = True,
+        max_connections: int | None = None,
     ) -> None:
         if timeout_seconds <= 0:
             raise ValueError("timeout_seconds must be positive")
@@ -163,10 +182,18 @@ class AnthropicClient:
         self.stream = stream
         """Use the streaming Messages API (text deltas to the live stream, a cancel that
         aborts the call); the response kept is the same either way."""
+        # The SDK's own pool allows 1,000 connections per client: one client per worker
+        # process, at a concurrency of 2,000, would hold half its steps' calls in a queue.
+        # ``max_connections=None`` (the default) leaves the calls in flight to the caller.
+        limits = httpx2.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=min(KEEPALIVE_CONNECTIONS, max_connections or sys.maxsize),
+        )
         try:
             self._client = anthropic.Anthropic(
                 api_key=api_key,
                 base_url=base_url,
+                http_client=_HttpClient(limits=limits),
                 max_retries=0,
                 timeout=anthropic.Timeout(
                     timeout_seconds, connect=min(connect_timeout_seconds, timeout_seconds)

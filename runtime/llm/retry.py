@@ -27,6 +27,7 @@ from typing import Protocol
 
 from runtime.llm.base import LlmClient, LlmError, LlmRequest, LlmResponse
 from runtime.llm.billing import Meter, bill_lost, current_meter
+from runtime.native import gevent_patched
 
 log = logging.getLogger(__name__)
 
@@ -293,29 +294,31 @@ class RetryingLlmClient:
 
 # --- per-attempt wall-clock limit -------------------------------------------------------
 
-DEFAULT_LLM_THREADS = 64
-
 HTTP_TIMEOUT_MARGIN_SECONDS = 5.0
 """How far above a :class:`TimeLimitedLlmClient`'s limit to set the wrapped HTTP client's own
 timeout: ``AnthropicClient(timeout_seconds=step + HTTP_TIMEOUT_MARGIN_SECONDS)``."""
 
 
-class _SharedPool:
-    """One bounded thread pool per process for time-limited model calls, made on first use.
+def llm_threads() -> int:
+    """``DAR_LLM_THREADS``: 0 (the default, unset or empty) runs every attempt on a thread of
+    its own (a greenlet under gevent), so nothing but the worker's concurrency bounds the model
+    calls in flight; a positive number shares a pool of that many threads per process
+    instead, which then caps the calls in flight (keep it above the worker's concurrency)."""
+    raw = os.environ.get("DAR_LLM_THREADS", "").strip()
+    return max(0, int(raw)) if raw else 0
 
-    Rebuilt in a forked child (a pool inherited across ``fork`` has no threads). Its size is
-    ``DAR_LLM_THREADS`` (default 64): the number of model calls one process can have in
-    flight, timed-out ones that are still finishing included.
-    """
+
+class _SharedPool:
+    """The per-process pool of ``DAR_LLM_THREADS`` threads, when that is set; made on first
+    use and rebuilt in a forked child (a pool inherited across ``fork`` has no threads)."""
 
     _lock = threading.Lock()
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     @classmethod
-    def get(cls) -> concurrent.futures.ThreadPoolExecutor:
+    def get(cls, size: int) -> concurrent.futures.ThreadPoolExecutor:
         with cls._lock:
             if cls._pool is None:
-                size = int(os.environ.get("DAR_LLM_THREADS", DEFAULT_LLM_THREADS))
                 cls._pool = concurrent.futures.ThreadPoolExecutor(
                     max_workers=max(1, size), thread_name_prefix="dar-llm"
                 )
@@ -330,25 +333,56 @@ class _SharedPool:
 os.register_at_fork(after_in_child=_SharedPool._after_fork)
 
 
+def _start_attempt(
+    context: contextvars.Context, fn: Callable[[LlmRequest], LlmResponse], request: LlmRequest
+) -> concurrent.futures.Future[LlmResponse]:
+    """``fn(request)`` in ``context``, started on a greenlet of its own under gevent (what a
+    model call in flight should cost: a greenlet and a socket), else on a thread of its own.
+    Unbounded on purpose: the worker's concurrency already bounds the steps, and an abandoned
+    attempt ends at its HTTP client's own timeout."""
+    future: concurrent.futures.Future[LlmResponse] = concurrent.futures.Future()
+
+    def attempt() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = context.run(fn, request)
+        except BaseException as e:  # handed to the waiting caller, as an executor would
+            future.set_exception(e)
+        else:
+            future.set_result(result)
+
+    if gevent_patched():
+        import gevent
+
+        gevent.spawn(attempt)
+    else:
+        threading.Thread(target=attempt, name="dar-llm", daemon=False).start()
+    return future
+
+
 class TimeLimitedLlmClient:
     """Limits ONE call of ``delegate`` to ``timeout_seconds`` of wall-clock time.
 
-    ``delegate.send`` runs in a thread of a shared, bounded pool (see ``DAR_LLM_THREADS``)
-    and the caller waits with ``future.result(timeout)``. Whatever the delegate is doing
+    ``delegate.send`` runs on a greenlet of its own under gevent (the shipped worker), on a
+    thread of its own otherwise, or on ``executor`` (a shared pool of ``DAR_LLM_THREADS``
+    threads when that is set), and the caller waits with ``future.result(timeout)``. No
+    fixed pool stands between the steps and their model calls by default, so a worker holds
+    as many calls in flight as it has steps in flight. Whatever the delegate is doing
     (connecting, waiting for headers, reading a body that drips a byte a second) the caller
     gets ``LlmError("model call exceeded N s", status=-1)`` at the deadline; the error is
     retryable, so inside :class:`RetryingLlmClient` it costs one attempt.
 
-    Python cannot kill a thread: a timed-out call keeps running in the background until it
-    ends on its own, and its result is discarded; its usage is not: the API bills it, so an
-    answer that arrives after the limit is reported to the call's meter
-    (:mod:`runtime.llm.billing`). That is why the HTTP client's own timeout
-    must be set slightly above ``timeout_seconds`` (``AnthropicClient`` also enforces it as a
-    total deadline on reading the body), so the abandoned call does end and its thread
-    returns to the pool. The pool's threads are ordinary (non-daemon) threads: interpreter
-    exit waits for such a call, bounded by that HTTP timeout. The limit includes any time
-    spent queued for a free pool thread. Logging context (``contextvars``) is carried into
-    the pool thread.
+    Python cannot kill a thread (and killing a greenlet mid-read would lose what the API
+    bills): a timed-out call keeps running in the background until it ends on its own, and
+    its result is discarded; its usage is not: the API bills it, so an answer that arrives
+    after the limit is reported to the call's meter (:mod:`runtime.llm.billing`). That is
+    why the HTTP client's own timeout must be set slightly above ``timeout_seconds``
+    (``AnthropicClient`` also enforces it as a total deadline on reading the body), so the
+    abandoned call does end. Its thread is an ordinary (non-daemon) thread: interpreter
+    exit waits for such a call, bounded by that HTTP timeout. With a pool, the limit
+    includes any time spent queued for a free pool thread. Logging context
+    (``contextvars``) is carried into the attempt.
     """
 
     def __init__(
@@ -365,9 +399,14 @@ class TimeLimitedLlmClient:
         self._executor = executor
 
     def send(self, request: LlmRequest) -> LlmResponse:
-        executor = self._executor or _SharedPool.get()
         context = contextvars.copy_context()
-        future = executor.submit(context.run, self.delegate.send, request)
+        executor = self._executor
+        if executor is None and (size := llm_threads()):
+            executor = _SharedPool.get(size)
+        if executor is not None:
+            future = executor.submit(context.run, self.delegate.send, request)
+        else:
+            future = _start_attempt(context, self.delegate.send, request)
         try:
             return future.result(timeout=self.timeout_seconds)
         except concurrent.futures.TimeoutError:

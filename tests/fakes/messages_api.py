@@ -437,6 +437,7 @@ class _State:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
+    request_queue_size = 1024  # hundreds of clients connecting at once are not turned away
 
     def __init__(self, fake: FakeMessagesApi) -> None:
         self.fake = fake

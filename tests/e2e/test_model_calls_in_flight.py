@@ -1,0 +1,133 @@
+"""No fixed pool caps the model calls a worker has in flight below its concurrency (invariant
+11, issue 36): one worker process exactly as the Procfile ships it (gevent pool, shipped
+concurrency, no DAR_* tuning), the real Anthropic SDK pointed by ``ANTHROPIC_BASE_URL`` at a
+fake Messages API over HTTP, and 300 runs whose model calls the fake holds open until all 300
+are open together. A pool of 64 threads (what capped them before) would hold 64 and no more.
+
+Not a timing test: the fake releases the calls the moment the 300th arrives; it gives up
+waiting only after a minute, and then the count of calls it saw open at once fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cli.devstack import DevStack
+from cli.embedded import free_port
+from db.engine import make_engine
+from db.records import RunStatus
+from db.store import RunStore
+from runtime.config import WORKER_CONCURRENCY, WORKER_POOL, Settings
+from tests.fakes.messages_api import FakeMessagesApi, Reply, text
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+CALLS = 300
+GIVE_UP_SECONDS = 60.0
+
+
+class HoldUntilAllOpen:
+    """The fake's responder: each model call waits, its HTTP request open, until ``want``
+    calls are open at once (or ``give_up`` seconds pass), then answers. Counts the most
+    that were open together."""
+
+    def __init__(self, want: int, give_up: float) -> None:
+        self.want = want
+        self.give_up = give_up
+        self.open = 0
+        self.peak = 0
+        self.calls = 0
+        self.gave_up = False
+        self._cond = threading.Condition()
+
+    def __call__(self, request: dict[str, Any]) -> Reply:
+        with self._cond:
+            self.calls += 1
+            self.open += 1
+            self.peak = max(self.peak, self.open)
+            self._cond.notify_all()
+            if not self._cond.wait_for(
+                lambda: self.peak >= self.want or self.gave_up, timeout=self.give_up
+            ):
+                self.gave_up = True  # never that many: answer everything from now on
+                self._cond.notify_all()
+            self.open -= 1
+        return text("done")
+
+
+@pytest.fixture
+def held() -> HoldUntilAllOpen:
+    return HoldUntilAllOpen(CALLS, GIVE_UP_SECONDS)
+
+
+@pytest.fixture
+def api(held: HoldUntilAllOpen) -> Iterator[FakeMessagesApi]:
+    with FakeMessagesApi(default_responder=held) as fake:
+        yield fake
+
+
+@pytest.fixture
+def stack(
+    database_url: str, redis_url: str, settings: Settings, tmp_path: Path, api: FakeMessagesApi
+) -> Iterator[DevStack]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DAR_")}
+    env.update(
+        DATABASE_URL=database_url,
+        REDIS_URL=redis_url,
+        DAR_QUEUE=settings.queue,  # isolation from other tests only
+        ANTHROPIC_API_KEY="test-key",
+        ANTHROPIC_BASE_URL=api.url,
+    )
+    log_path = tmp_path / "stack.log"
+    with log_path.open("wb") as log:
+        s = DevStack(data_dir=tmp_path, port=free_port(), workers=1, env=env, output=log)
+        try:
+            s.start(timeout=90)
+            yield s
+        finally:
+            s.stop()
+            print(log_path.read_text(errors="replace")[-8000:])
+
+
+def test_a_shipped_worker_holds_300_model_calls_open_at_once_through_the_real_sdk(
+    stack: DevStack, api: FakeMessagesApi, held: HoldUntilAllOpen
+) -> None:
+    assert (stack.pool, stack.concurrency) == (WORKER_POOL, WORKER_CONCURRENCY)
+    assert stack.workers == 1
+    assert WORKER_CONCURRENCY >= CALLS
+    ids = []
+    for i in range(CALLS):
+        status, body = stack.request("POST", "/api/runs", {"input": f"question {i}"})
+        assert status == 201, body
+        ids.append(uuid.UUID(body["id"]))
+
+    deadline = time.monotonic() + GIVE_UP_SECONDS + 30
+    while held.peak < CALLS and not held.gave_up and time.monotonic() < deadline:
+        time.sleep(0.5)
+    print(f"{held.calls} model calls, at most {held.peak} open at once")
+    assert held.peak >= CALLS, f"only {held.peak} model calls were open at once"
+
+    engine = make_engine(stack.database_url, pool_size=2)
+    store = RunStore(engine)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            runs = [store.get_run(i) for i in ids]
+            if all(r.status.terminal for r in runs):
+                break
+            assert time.monotonic() < deadline, {s.status for s in runs}
+            time.sleep(1)
+    finally:
+        engine.dispose()
+
+    statuses = [r.status for r in runs]
+    assert statuses.count(RunStatus.SUCCEEDED) == CALLS, {s: statuses.count(s) for s in statuses}
+    assert all(r.path.startswith("/v1/messages") for r in api.requests)
