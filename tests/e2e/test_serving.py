@@ -384,6 +384,8 @@ def test_the_procfile_workers_log_holds_no_data(
         "DAR_METRICS_PORT": "0",
         "DAR_WORKER_CONCURRENCY": "2",
         "ANTHROPIC_API_KEY": "",
+        # the runs are stored by this process: the worker serves their version
+        "DAR_DEPLOYMENT": runtime.store.deployment or "",
     }
     env.pop("DAR_LOG_DATA", None)
     proc = subprocess.Popen(

@@ -310,6 +310,15 @@ def test_a_response_that_ends_incomplete_is_counted_with_what_it_billed(
     drive_to_end(rt.driver(), dispatch)
 
     done = rt.store.get_run(run.id)
+    if not streamed and done.status is RunStatus.SUCCEEDED:
+        # Releases before 0.21 (the oldest supported, 0.20) hand a non-streamed incomplete
+        # response to the agent as an answer instead of raising: a step like any other, its
+        # usage recorded with it.
+        import agents
+
+        assert agents.__version__.startswith("0.20"), agents.__version__
+        assert (done.tokens_used, fake.billed_tokens) == (56, 56)
+        return
     assert done.status is RunStatus.FAILED
     assert "incomplete" in (done.error or "")
     [step] = [s for s in rt.store.steps(run.id) if s.step_key == "model:0"]

@@ -107,7 +107,13 @@ def test_start_step_is_fenced_against_a_claim_committing_meanwhile(runtime: Runt
     txn = conn.begin()
     conn.execute(
         Q["claim_run"],
-        {"id": run.id, "token": redispatch.token, "worker": "B", "lease_seconds": 5},
+        {
+            "id": run.id,
+            "token": redispatch.token,
+            "worker": "B",
+            "lease_seconds": 5,
+            "deployment": runtime.store.deployment,
+        },
     )  # B's claim, not yet committed
     outcome: list[str] = []
 
