@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -35,6 +37,8 @@ from tests.pgbouncer import PgBouncer
 from tests.support import drive_queues
 
 TEST_DB = f"dar_test_{os.getpid()}"
+_STARTED = pytest.StashKey[float]()
+_TOOK = pytest.StashKey[float]()
 
 # The tiers a plain `pytest` leaves out (each a marker; `pytest --all` runs them too, and CI
 # does): real processes, the fault campaign, the schema fuzzer, the browser, and the slow
@@ -77,6 +81,62 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     if config.getoption("--all") and config.getoption("durations") is None:
         # CI's log then says where its minutes went (its limit is 15), run after run.
         config.option.durations = 25
+
+
+# CI's whole run must end within 15 minutes (900 s): the install, lint and docs build take
+# ~100 s and the oldest-framework run ~50 s on its two cores, so the suite's share is this
+# many seconds of `pytest --all`. Measured on an idle CI machine: 495 s (2026-12-07). A CI
+# run (CI=true) whose suite takes longer fails here, naming its slowest files, so growth is
+# seen while a landing still fits, not when one times out.
+SUITE_BUDGET_SECONDS = float(os.environ.get("DAR_SUITE_BUDGET_SECONDS", "720"))
+
+
+def _budgeted(config: pytest.Config) -> bool:
+    """A CI run of ``pytest --all`` (its controller, not an xdist process)."""
+    return bool(
+        os.environ.get("CI") and config.getoption("--all") and not hasattr(config, "workerinput")
+    )
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_STARTED] = time.monotonic()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if not _budgeted(config) or _STARTED not in config.stash:
+        return
+    took = time.monotonic() - config.stash[_STARTED]
+    config.stash[_TOOK] = took
+    if took > SUITE_BUDGET_SECONDS and exitstatus == 0:
+        session.exitstatus = 1  # over its share: the run fails, its summary says why
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Under CI, ``pytest --all`` over its budget share fails the run, saying where the time
+    went (each file's seconds, summed over its tests' phases)."""
+    if _TOOK not in config.stash:
+        return
+    took = config.stash[_TOOK]
+    terminalreporter.write_line(
+        f"suite budget: pytest --all took {took:.0f}s of its {SUITE_BUDGET_SECONDS:.0f}s share "
+        "of CI's 15 minutes (DAR_SUITE_BUDGET_SECONDS)"
+    )
+    if took <= SUITE_BUDGET_SECONDS:
+        return
+    by_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            where = getattr(report, "nodeid", "").split("::")[0]
+            if where:
+                by_file[where] = by_file.get(where, 0.0) + getattr(report, "duration", 0.0)
+    slowest = sorted(by_file.items(), key=lambda kv: -kv[1])[:10]
+    terminalreporter.write_line(
+        "suite budget EXCEEDED (the run fails): make these faster or share their stacks: "
+        + ", ".join(f"{name} {secs:.0f}s" for name, secs in slowest),
+        red=True,
+    )
 
 
 def _fast_tier(config: pytest.Config) -> bool:
