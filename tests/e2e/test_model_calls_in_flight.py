@@ -11,7 +11,6 @@ waiting only after 90 s, and then the count of calls it saw open at once fails t
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 import time
 import uuid
@@ -22,12 +21,12 @@ from typing import Any
 import pytest
 
 from cli.devstack import DevStack
-from cli.embedded import free_port
 from db.engine import make_engine
 from db.records import RunStatus
 from db.store import RunStore
 from runtime.config import WORKER_CONCURRENCY, WORKER_POOL, Settings
 from tests.fakes.messages_api import FakeMessagesApi, Reply, text
+from tests.support import stack_against
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -79,23 +78,15 @@ def api(held: HoldUntilAllOpen) -> Iterator[FakeMessagesApi]:
 def stack(
     database_url: str, redis_url: str, settings: Settings, tmp_path: Path, api: FakeMessagesApi
 ) -> Iterator[DevStack]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DAR_")}
-    env.update(
-        DATABASE_URL=database_url,
-        REDIS_URL=redis_url,
-        DAR_QUEUE=settings.queue,  # isolation from other tests only
-        ANTHROPIC_API_KEY="test-key",
-        ANTHROPIC_BASE_URL=api.url,
-    )
-    log_path = tmp_path / "stack.log"
-    with log_path.open("wb") as log:
-        s = DevStack(data_dir=tmp_path, port=free_port(), workers=1, env=env, output=log)
-        try:
-            s.start(timeout=90)
-            yield s
-        finally:
-            s.stop()
-            print(log_path.read_text(errors="replace")[-8000:])
+    with stack_against(
+        api.url,
+        database_url=database_url,
+        redis_url=redis_url,
+        settings=settings,
+        tmp_path=tmp_path,
+        workers=1,
+    ) as s:
+        yield s
 
 
 def test_a_shipped_worker_holds_300_model_calls_open_at_once_through_the_real_sdk(

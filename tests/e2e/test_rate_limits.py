@@ -8,7 +8,6 @@ the calls are paced at what the API grants, no run fails, and the 429s stop."""
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,12 +17,12 @@ from typing import Any
 import pytest
 
 from cli.devstack import DevStack
-from cli.embedded import free_port
 from db.engine import make_engine
 from db.records import RunStatus
 from db.store import RunStore
 from runtime.config import WORKER_CONCURRENCY, WORKER_POOL, Settings
 from tests.fakes.messages_api import FakeMessagesApi, RateLimit, Reply, text, tool_uses
+from tests.support import stack_against
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -51,23 +50,15 @@ def api() -> Iterator[FakeMessagesApi]:
 def stack(
     database_url: str, redis_url: str, settings: Settings, tmp_path: Path, api: FakeMessagesApi
 ) -> Iterator[DevStack]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DAR_")}
-    env.update(
-        DATABASE_URL=database_url,
-        REDIS_URL=redis_url,
-        DAR_QUEUE=settings.queue,  # isolation from other tests only
-        ANTHROPIC_API_KEY="test-key",
-        ANTHROPIC_BASE_URL=api.url,
-    )
-    log_path = tmp_path / "stack.log"
-    with log_path.open("wb") as log:
-        s = DevStack(data_dir=tmp_path, port=free_port(), workers=3, env=env, output=log)
-        try:
-            s.start(timeout=90)
-            yield s
-        finally:
-            s.stop()
-            print(log_path.read_text(errors="replace")[-8000:])
+    with stack_against(
+        api.url,
+        database_url=database_url,
+        redis_url=redis_url,
+        settings=settings,
+        tmp_path=tmp_path,
+        workers=3,
+    ) as s:
+        yield s
 
 
 def test_a_burst_against_a_rate_limited_api_fails_no_run_and_stops_meeting_429s(

@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 
 from cli.devstack import DevStack
-from cli.embedded import free_port
 from db.engine import make_engine
 from db.records import Run
 from db.store import RunStore
 from runtime.config import WORKER_CONCURRENCY, WORKER_POOL, Settings
 from tests.e2e.stack import FAST_LEASES
 from tests.fakes.messages_api import FakeMessagesApi, Reply, slow, text, tool_uses
+from tests.support import stack_against
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -60,24 +60,17 @@ def api() -> Iterator[FakeMessagesApi]:
 def stack(
     database_url: str, redis_url: str, settings: Settings, tmp_path: Path, api: FakeMessagesApi
 ) -> Iterator[DevStack]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DAR_", "ANTHROPIC_"))}
-    env.update(
-        DATABASE_URL=database_url,
-        REDIS_URL=redis_url,
-        DAR_QUEUE=settings.queue,  # isolation from other tests only
-        ANTHROPIC_API_KEY="test-key",
-        ANTHROPIC_BASE_URL=api.url,
-        **FAST_LEASES,
-    )
-    log_path = tmp_path / "stack.log"
-    with log_path.open("wb") as log:
-        s = DevStack(data_dir=tmp_path, port=free_port(), workers=2, env=env, output=log)
-        try:
-            s.start(timeout=90)
-            yield s
-        finally:
-            s.stop()
-            print(log_path.read_text(errors="replace")[-30000:])
+    with stack_against(
+        api.url,
+        database_url=database_url,
+        redis_url=redis_url,
+        settings=settings,
+        tmp_path=tmp_path,
+        workers=2,
+        env=FAST_LEASES,
+        tail=30000,
+    ) as s:
+        yield s
 
 
 def _recorded(run: Run) -> int:
