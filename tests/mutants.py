@@ -652,15 +652,12 @@ MUTANTS = (
         "call in flight as lost, and the estimate stays beside its recorded count",
     ),
     Mutant(
-        "lost-call-estimated-at-max-tokens",
+        "lost-call-estimated-below-max-tokens",
         "runtime/pipeline/modelcall.py",
-        "        out = min(out, max(LOST_OUTPUT_FLOOR, 2 * max(answers)))\n",
-        "        pass\n",
-        (
-            T + "test_lost_attempts.py::test_a_lost_calls_estimate_covers_it_and_follows_the_runs"
-            "_own_answers",
-        ),
-        "a lost call's output is estimated at max_tokens whatever the run's answers (~15x)",
+        "output_tokens=request.max_tokens)",
+        "output_tokens=request.max_tokens // 8)",
+        (T + "test_lost_attempts.py::test_a_lost_calls_estimate_covers_it",),
+        "a lost call's estimate is no longer an upper bound: budgets under-count it",
     ),
     Mutant(
         "framework-billed-failure-unrecorded",

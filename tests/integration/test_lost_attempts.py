@@ -285,13 +285,12 @@ def look(topic: str) -> str:
     return f"{topic}: " + "a finding, " * 40
 
 
-def test_a_lost_calls_estimate_covers_it_and_follows_the_runs_own_answers(
+def test_a_lost_calls_estimate_covers_it(
     claude: Runtime, fake: FakeMessagesApi, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A call lost with its worker (answered, billed, the worker killed before its
     checkpoint) is counted as its estimate: its input estimated high from the request, its
-    output at twice the run's longest answer so far (at least 256 tokens), not at
-    ``max_tokens`` (4096): still above what the call was billed, by far less."""
+    output at ``max_tokens``: an upper bound of what the call was billed."""
     import runtime.pipeline.modelcall as modelcall_module
     from tests.support import SimulatedCrash, expire_lease
 
@@ -327,14 +326,12 @@ def test_a_lost_calls_estimate_covers_it_and_follows_the_runs_own_answers(
     done = claude.store.get_run(run.id)
     assert done.status is RunStatus.SUCCEEDED, done.error
     estimated = done.unrecorded_estimated_tokens
-    before = (estimated - 256) + claude.settings.max_tokens  # its output at max_tokens
     print(
         f"lost call billed {lost.input_tokens} in + {lost.output_tokens} out = {lost.total}; "
-        f"estimated {estimated} ({estimated / lost.total:.1f}x; at max_tokens it was "
-        f"{before}, {before / lost.total:.1f}x)"
+        f"estimated {estimated} ({estimated / lost.total:.1f}x)"
     )
     assert estimated >= lost.total, "the estimate covers the lost call"
-    assert estimated - lost.total < lost.total, "within the call's own size of it"
+    assert estimated >= claude.settings.max_tokens, "its output at max_tokens: an upper bound"
     assert done.tokens_used + done.unrecorded_tokens >= fake.billed_tokens
 
 
