@@ -654,8 +654,8 @@ MUTANTS = (
     Mutant(
         "lost-call-estimated-below-max-tokens",
         "runtime/pipeline/modelcall.py",
-        "output_tokens=request.max_tokens)",
-        "output_tokens=request.max_tokens // 8)",
+        "    return Usage(input_tokens=estimate_tokens(body), output_tokens=request.max_tokens)\n",
+        "    return Usage(input_tokens=estimate_tokens(body), output_tokens=64)\n",
         (T + "test_lost_attempts.py::test_a_lost_calls_estimate_covers_it",),
         "a lost call's estimate is no longer an upper bound: budgets under-count it",
     ),
