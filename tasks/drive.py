@@ -31,6 +31,42 @@ from tasks.names import DRIVE_RUN, REAP, RETENTION, STATS_ROLLUP
 log = logging.getLogger(__name__)
 
 
+class Registration:
+    """This worker's row in ``deployment_worker`` (what ``GET /api/versions`` counts as a
+    live worker of its version): renewed at every heartbeat, removed when the worker stops
+    cleanly. Once :meth:`leave` is called it is never written again, so the heartbeat that
+    keeps renewing the leases of the steps still finishing cannot bring it back."""
+
+    def __init__(self, versions: DeploymentStore, worker: str, deployment: str) -> None:
+        self.versions = versions
+        self.worker = worker
+        self.deployment = deployment
+        self._lock = threading.Lock()
+        self._left = False
+
+    @property
+    def left(self) -> bool:
+        return self._left
+
+    def seen(self) -> bool:
+        """Renew the row; ``False`` once the worker has left (nothing written)."""
+        with self._lock:  # a renewal in progress ends before leave() deletes
+            if self._left:
+                return False
+            self.versions.worker_seen(self.worker, self.deployment)
+            return True
+
+    def leave(self) -> bool:
+        """Serve nothing from now on: the row goes at once (a kill -9 leaves it to age out).
+        Returns whether this was the first call; any call deletes again (and waits for one
+        in progress), so the last one before the process exits is sure to have ended."""
+        with self._lock:
+            first = not self._left
+            self._left = True
+            self.versions.worker_gone(self.worker, self.deployment)
+            return first
+
+
 @dataclass
 class WorkerState:
     """What one worker process builds once, lazily, after any fork."""
@@ -39,6 +75,7 @@ class WorkerState:
     heartbeat: Heartbeat
     driver: Driver
     registry: CollectorRegistry
+    registration: Registration | None = None
 
 
 _state_lock = threading.Lock()
@@ -66,7 +103,7 @@ def worker_state(app: Celery) -> WorkerState:
             lease_seconds=settings.lease_seconds,
             interval_seconds=settings.heartbeat_seconds,
         )
-        serve_deployment(app, runtime, heartbeat)
+        registration = serve_deployment(app, runtime, heartbeat)
         heartbeat.start()
         registry = CollectorRegistry()
         metrics = Metrics(registry)
@@ -79,16 +116,17 @@ def worker_state(app: Celery) -> WorkerState:
             except OSError as e:
                 log.error("worker metrics port %d unavailable: %s", settings.metrics_port, e)
         driver = runtime.driver(heartbeat=heartbeat, metrics=metrics)
-        state = WorkerState(runtime, heartbeat, driver, registry)
+        state = WorkerState(runtime, heartbeat, driver, registry, registration)
         setattr(app, "dar_state", (os.getpid(), state))  # noqa: B010 - Celery has no slot
         log.info("worker %s ready (pid %d)", settings.worker_name, os.getpid())
         return state
 
 
-def serve_deployment(app: Celery, runtime: Runtime, heartbeat: Heartbeat) -> None:
+def serve_deployment(app: Celery, runtime: Runtime, heartbeat: Heartbeat) -> Registration | None:
     """This worker drives runs of its version (the queue the worker's main process chose,
     :func:`tasks.signals.connect_signals`) and says so at every heartbeat
-    (``GET /api/versions``)."""
+    (``GET /api/versions``). A prefork pool's child does not say so: its main process, the
+    one that consumes the version's queue, does, and only it knows when it stops."""
     chosen: str | None = getattr(app.conf, "dar_deployment", None)
     if chosen and chosen != runtime.deployment:
         log.warning(
@@ -101,15 +139,16 @@ def serve_deployment(app: Celery, runtime: Runtime, heartbeat: Heartbeat) -> Non
         )
         runtime.store.deployment = chosen
     deployment = runtime.deployment
-    if deployment is None:
-        return
+    if deployment is None or getattr(app, "dar_pool_child", False):
+        return None
     versions = DeploymentStore(runtime.lease_store().engine)
-    worker = runtime.settings.worker_name
+    registration = Registration(versions, runtime.settings.worker_name, deployment)
     definitions = {n: agent_definition(runtime.agents.get(n)) for n in runtime.agents.names()}
     recorded: list[bool] = []
 
     def seen() -> None:
-        versions.worker_seen(worker, deployment)
+        if not registration.seen():
+            return
         if not recorded:  # once: what a later upgrade's replay check compares with
             versions.record_definitions(deployment, definitions)
             recorded.append(True)
@@ -120,6 +159,7 @@ def serve_deployment(app: Celery, runtime: Runtime, heartbeat: Heartbeat) -> Non
     except Exception as e:  # the database away: the heartbeat says it later
         log.warning("could not record the version this worker serves yet: %s", e)
     heartbeat.also_renew(seen)
+    return registration
 
 
 def warn_if_renamed(
@@ -168,18 +208,32 @@ def served_sender(app: Celery, runtime: Runtime) -> Callable[[Dispatch], bool]:
     return send
 
 
+def stop_serving(app: Celery) -> bool:
+    """This worker process serves its version no more (a warm shutdown began: it takes no
+    new message, and finishes the steps it holds): its row goes now, so ``GET
+    /api/versions`` and the unserved-runs gauge say so at once, not when the row ages out.
+    Returns whether a row was removed."""
+    held: tuple[int, WorkerState] | None = getattr(app, "dar_state", None)
+    if held is None or held[0] != os.getpid() or held[1].registration is None:
+        return False
+    registration = held[1].registration
+    try:
+        first = registration.leave()
+    except Exception as e:  # the database away: the row ages out by its heartbeat
+        log.warning("could not record that this worker stopped serving: %s", e)
+        return False
+    if first:
+        log.info(
+            "worker %s serves version %s no more", registration.worker, registration.deployment
+        )
+    return True
+
+
 def stop_worker_state(app: Celery) -> None:
     held: tuple[int, WorkerState] | None = getattr(app, "dar_state", None)
     if held is not None and held[0] == os.getpid():
         held[1].heartbeat.stop()
-        deployment = held[1].runtime.deployment
-        if deployment is not None:
-            try:
-                DeploymentStore(held[1].runtime.lease_store().engine).worker_gone(
-                    held[1].runtime.settings.worker_name, deployment
-                )
-            except Exception as e:
-                log.warning("could not record that this worker stopped serving: %s", e)
+        stop_serving(app)
         if getattr(app, "dar_runtime", None) is None:
             held[1].runtime.close()
     setattr(app, "dar_state", None)  # noqa: B010

@@ -268,3 +268,80 @@ def test_a_rolling_deploy_drains_the_old_version_and_starts_new_runs_on_the_new(
             assert {s.worker for s in store.steps(run_id)} == {V2_WORKER}
     finally:
         engine.dispose()
+
+
+V3_WORKER = "worker-V3"
+
+
+def test_a_worker_stopped_cleanly_serves_its_version_no_more_at_once(
+    stack: DevStack, settings: Settings, redis_url: str, tmp_path: Path
+) -> None:
+    """SIGTERM (a warm shutdown) to the only worker of a version, in the middle of a step: the
+    version shows unserved at once (its row goes when the shutdown begins, not when its last
+    heartbeat ages out after a minute), and the heartbeat that renews the lease of the step
+    still finishing does not bring the row back. The shipped pool (gevent)."""
+    stack._spawn(
+        V3_WORKER,
+        [
+            "celery", "--quiet", "-A", "tasks.app", "worker",
+            "--pool", "gevent", "--concurrency", "20",
+            "--hostname", f"{V3_WORKER}@%h",
+            "--without-gossip", "--without-mingle", "--loglevel", "INFO",
+        ],
+        DAR_WORKER_NAME=V3_WORKER,
+        DAR_DEPLOYMENT="v3",
+        DAR_METRICS_PORT="0",
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not stack.is_ready(V3_WORKER):
+        assert time.monotonic() < deadline, "the v3 worker never became ready"
+        assert stack.processes[V3_WORKER].poll() is None, "the v3 worker exited"
+        time.sleep(0.1)
+    engine = make_engine(stack.database_url, pool_size=2)
+    v3_store = RunStore(engine, deployment="v3")
+    app = make_celery(replace(settings, redis_url=redis_url), register=False)
+
+    def v3() -> dict[str, Any]:
+        status, versions = stack.request("GET", "/api/versions")
+        assert status == 200, versions
+        found = [v for v in versions["versions"] if v["deployment"] == "v3"]
+        return found[0] if found else {"served": False, "liveWorkers": 0, "workers": []}
+
+    try:
+        deadline = time.monotonic() + 30
+        while not v3()["served"]:
+            assert time.monotonic() < deadline, "the v3 worker never said it serves v3"
+            time.sleep(0.2)
+        run, _ = v3_store.create_run(
+            NewRun(
+                agent="acme-tickets",
+                input=QUESTION,
+                model="claude-sonnet-4-5",
+                max_steps=20,
+                token_budget=50_000,
+                timeout_seconds=600,
+            )
+        )
+        assert send_drive(app, v3_store, Dispatch(run.id, run.dispatch_token))
+        _wait_for_holder(v3_store, [run.id], {V3_WORKER})
+
+        stack.processes[V3_WORKER].terminate()
+        stopped_at = time.monotonic()
+        while v3()["served"]:
+            # well under the 60 s a row takes to age out
+            assert time.monotonic() - stopped_at < 5, "the stopped worker still serves v3"
+            time.sleep(0.1)
+        _, versions = stack.request("GET", "/api/versions")
+        if not v3_store.get_run(run.id).status.terminal:  # (in flight when it was counted)
+            assert versions["unservedRuns"] >= 1, versions
+        # The worker finishes what it holds (the run may end on it: its own version's code).
+        stack.processes[V3_WORKER].wait(timeout=60)
+        time.sleep(2.5)  # past two of the stack's heartbeats (DAR_HEARTBEAT_SECONDS=1)
+        after = v3()
+        assert not after["served"], after
+        assert after["workers"] == [], after
+        log = (tmp_path / "stack.log").read_text(errors="replace")
+        assert "BlockingSwitchOutError" not in log  # nothing blocked gevent's signal handler
+    finally:
+        app.close()
+        engine.dispose()
