@@ -10,7 +10,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from celery import Celery
 from prometheus_client import CollectorRegistry, start_http_server
@@ -23,6 +23,7 @@ from runtime.engine import sweeps
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.deployment import agent_definition
 from runtime.engine.driver import Driver, Outcome
+from runtime.engine.upgrade import PolicyMemo, upgrade_by_policy
 from runtime.observe.metrics import Metrics
 from runtime.pipeline.heartbeat import Heartbeat
 from tasks.dispatch import LOOKUP, send_drive
@@ -76,6 +77,7 @@ class WorkerState:
     driver: Driver
     registry: CollectorRegistry
     registration: Registration | None = None
+    policy_memo: PolicyMemo = field(default_factory=PolicyMemo)
 
 
 _state_lock = threading.Lock()
@@ -208,6 +210,29 @@ def served_sender(app: Celery, runtime: Runtime) -> Callable[[Dispatch], bool]:
     return send
 
 
+def upgrade_unserved(app: Celery, state: WorkerState) -> int:
+    """The agents' upgrade policies (:func:`upgrade_by_policy`): runs of an ``upgrade="replay"``
+    agent that no live worker serves move to this worker's version when it is the newest
+    live one and their history replays clean. Returns how many moved."""
+    runtime = state.runtime
+    here = runtime.deployment
+    if here is None or (state.registration is not None and state.registration.left):
+        return 0  # (a worker that is leaving takes no run over)
+    try:
+        reports = upgrade_by_policy(
+            runtime.store,
+            runtime.deployments,
+            runtime.agents,
+            here,
+            send=lambda d: send_drive(app, runtime.store, d, deployment=here),
+            memo=state.policy_memo,
+        )
+    except Exception:  # the next sweep tries again
+        log.exception("the agents' upgrade policies could not run")
+        return 0
+    return sum(len(r.moved) for r in reports)
+
+
 def stop_serving(app: Celery) -> bool:
     """This worker process serves its version no more (a warm shutdown began: it takes no
     new message, and finishes the steps it holds): its row goes now, so ``GET
@@ -274,7 +299,9 @@ def register_tasks(app: Celery) -> None:
         timer is due, and apply expired approvals' policies (:func:`sweeps.reap`)."""
         state = worker_state(app)
         store = state.runtime.store
-        return sweeps.reap(store, state.runtime.settings, served_sender(app, state.runtime))
+        sent = sweeps.reap(store, state.runtime.settings, served_sender(app, state.runtime))
+        upgrade_unserved(app, state)
+        return sent
 
     @app.task(name=RETENTION, ignore_result=True, shared=False)
     def retention() -> int:
