@@ -276,10 +276,11 @@ V3_WORKER = "worker-V3"
 def test_a_worker_stopped_cleanly_serves_its_version_no_more_at_once(
     stack: DevStack, settings: Settings, redis_url: str, tmp_path: Path
 ) -> None:
-    """SIGTERM (a warm shutdown) to the only worker of a version, in the middle of a step: the
-    version shows unserved at once (its row goes when the shutdown begins, not when its last
-    heartbeat ages out after a minute), and the heartbeat that renews the lease of the step
-    still finishing does not bring the row back. The shipped pool (gevent)."""
+    """SIGTERM (a warm shutdown) to the only worker of a version while it holds a long model
+    step: the version shows unserved at once, while the worker still finishes that step (its
+    row goes when the shutdown begins, not when the process exits nor when its last heartbeat
+    ages out a minute later), and the heartbeat that renews the step's lease meanwhile does
+    not bring the row back. The shipped pool (gevent)."""
     stack._spawn(
         V3_WORKER,
         [
@@ -291,11 +292,13 @@ def test_a_worker_stopped_cleanly_serves_its_version_no_more_at_once(
         DAR_WORKER_NAME=V3_WORKER,
         DAR_DEPLOYMENT="v3",
         DAR_METRICS_PORT="0",
+        DAR_DEMO_LATENCY_MS="12000",  # a model call the shutdown waits for
     )  # fmt: skip
+    worker = stack.processes[V3_WORKER]
     deadline = time.monotonic() + 60
     while not stack.is_ready(V3_WORKER):
         assert time.monotonic() < deadline, "the v3 worker never became ready"
-        assert stack.processes[V3_WORKER].poll() is None, "the v3 worker exited"
+        assert worker.poll() is None, "the v3 worker exited"
         time.sleep(0.1)
     engine = make_engine(stack.database_url, pool_size=2)
     v3_store = RunStore(engine, deployment="v3")
@@ -323,19 +326,22 @@ def test_a_worker_stopped_cleanly_serves_its_version_no_more_at_once(
             )
         )
         assert send_drive(app, v3_store, Dispatch(run.id, run.dispatch_token))
-        _wait_for_holder(v3_store, [run.id], {V3_WORKER})
+        deadline = time.monotonic() + 30
+        while v3_store.get_run(run.id).locked_by != V3_WORKER:  # inside its first model call
+            assert time.monotonic() < deadline, "the v3 worker never took the run"
+            time.sleep(0.05)
 
-        stack.processes[V3_WORKER].terminate()
+        worker.terminate()
         stopped_at = time.monotonic()
         while v3()["served"]:
-            # well under the 60 s a row takes to age out
-            assert time.monotonic() - stopped_at < 5, "the stopped worker still serves v3"
+            # well under the 60 s a row takes to age out, and under the step's 12 s
+            assert time.monotonic() - stopped_at < 5, "the stopping worker still serves v3"
             time.sleep(0.1)
+        assert worker.poll() is None, "unserved at once: the worker still finishes its step"
         _, versions = stack.request("GET", "/api/versions")
-        if not v3_store.get_run(run.id).status.terminal:  # (in flight when it was counted)
-            assert versions["unservedRuns"] >= 1, versions
-        # The worker finishes what it holds (the run may end on it: its own version's code).
-        stack.processes[V3_WORKER].wait(timeout=60)
+        assert versions["unservedRuns"] >= 1, versions
+        worker.wait(timeout=90)
+        assert v3_store.steps(run.id), "the step in flight was finished, not lost"
         time.sleep(2.5)  # past two of the stack's heartbeats (DAR_HEARTBEAT_SECONDS=1)
         after = v3()
         assert not after["served"], after
