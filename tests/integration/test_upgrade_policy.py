@@ -7,12 +7,16 @@ first; an agent left ``pinned`` (the default) waits for an operator."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
 from celery import Celery
+from werkzeug.serving import make_server
 
+import api
+from cli.main import main
 from db.records import Dispatch, NewRun, Run, RunStatus
 from runtime.agents import Agent, AgentRegistry
 from runtime.config import ConfigError, Settings
@@ -206,3 +210,29 @@ def test_the_policy_is_declared_with_the_agent_and_checked() -> None:
         Agent(name="c", system_prompt="p", upgrade="auto")
     with pytest.raises(ConfigError, match="'pinned', 'replay'"):
         registry.register(Agent(name="d", system_prompt="p"), upgrade="always")
+
+
+def test_the_api_and_dar_versions_show_each_agent_s_policy(
+    settings: Settings, llm: ScriptedLlm, capsys: pytest.CaptureFixture[str]
+) -> None:
+    v2 = _runtime(settings, llm, "v2", "v1", None)
+    v2.agents.replace(replace(v2.agents.get("flow"), upgrade="replay"))  # type: ignore[type-var]
+    celery = make_celery(settings, register=False)
+    server = make_server("127.0.0.1", 0, api.create_app(runtime=v2, celery=celery), threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        body = api.create_app(runtime=v2, celery=celery).test_client().get("/api/versions")
+        policies = body.get_json()["upgradePolicies"]
+        assert policies["flow"] == "replay"
+        assert policies["support"] == "pinned", "the default"
+        assert main(["versions", "--api", url]) == 0
+        out = capsys.readouterr().out
+        assert 'once their version is served no more: flow (upgrade="replay")' in out
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+        server.server_close()
+        celery.close()
+        v2.close()
