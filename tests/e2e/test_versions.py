@@ -38,7 +38,8 @@ QUESTION = "Which acme tickets are overdue?"
 def stack(
     database_url: str, redis_url: str, settings: Settings, tmp_path: Path
 ) -> Iterator[DevStack]:
-    """web, beat and two workers of v1; one worker of v2 beside them."""
+    """web, beat and two workers of v1; one worker of v2 beside them, whose demo agent has
+    the upgrade policy ``replay`` (tests.e2e.policy_agents)."""
     with running_stack(
         tmp_path,
         database_url,
@@ -60,6 +61,7 @@ def stack(
             DAR_WORKER_NAME=V2_WORKER,
             DAR_DEPLOYMENT="v2",
             DAR_METRICS_PORT="0",
+            DAR_AGENT_MODULES="tests.e2e.policy_agents",
         )  # fmt: skip
         deadline = time.monotonic() + 60
         while not s.is_ready(V2_WORKER):
@@ -280,7 +282,11 @@ def test_a_worker_stopped_cleanly_serves_its_version_no_more_at_once(
     step: the version shows unserved at once, while the worker still finishes that step (its
     row goes when the shutdown begins, not when the process exits nor when its last heartbeat
     ages out a minute later), and the heartbeat that renews the step's lease meanwhile does
-    not bring the row back. The shipped pool (gevent)."""
+    not bring the row back. The shipped pool (gevent).
+
+    Then the upgrade policy, in real processes: v2, the newest live version, declares its
+    demo agent ``upgrade="replay"``, so the beat's sweep on v2's worker moves the run left on
+    v3 (once v3's worker let go of it) through the replay check, and it finishes on v2."""
     stack._spawn(
         V3_WORKER,
         [
@@ -348,6 +354,18 @@ def test_a_worker_stopped_cleanly_serves_its_version_no_more_at_once(
         assert after["workers"] == [], after
         log = (tmp_path / "stack.log").read_text(errors="replace")
         assert "BlockingSwitchOutError" not in log  # nothing blocked gevent's signal handler
+
+        deadline = time.monotonic() + 90
+        while not (done := v3_store.get_run(run.id)).status.terminal:
+            assert time.monotonic() < deadline, f"the policy never moved it: {done}"
+            time.sleep(0.2)
+        assert done.status is RunStatus.SUCCEEDED, done.error
+        assert done.deployment == "v2"
+        workers = [s.worker for s in v3_store.steps(run.id)]
+        assert workers[0] == V3_WORKER
+        assert set(workers[1:]) == {V2_WORKER}, workers
+        (audit,) = [e for e in v3_store.audit_events(run.id) if e.action == "upgrade"]
+        assert (audit.actor, audit.detail["from"], audit.detail["to"]) == ("policy", "v3", "v2")
     finally:
         app.close()
         engine.dispose()
