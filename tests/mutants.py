@@ -661,9 +661,9 @@ MUTANTS = (
     ),
     Mutant(
         "framework-billed-failure-unrecorded",
-        "runtime/durable/execution.py",
-        "        if billed is not None:\n            with self.engine_call():",
-        "        if False:\n            with self.engine_call():",
+        "runtime/durable/billed.py",
+        "        if billed is not None:\n            with at.ex.engine_call():",
+        "        if False:\n            with at.ex.engine_call():",
         (
             "tests/frameworks/test_openai_agents.py::test_a_response_that_ends_incomplete_is"
             "_counted_with_what_it_billed",
