@@ -660,10 +660,19 @@ MUTANTS = (
         "a lost call's estimate is no longer an upper bound: budgets under-count it",
     ),
     Mutant(
+        "approval-runs-what-was-not-approved",
+        "runtime/durable/approval.py",
+        "        return at.found.state is State.RECORDED or mismatch\n",
+        "        return at.found.state is State.RECORDED\n",
+        (T + "test_advance_kinds.py::test_an_approval_granted_for_other_arguments_never_runs",),
+        "an approval granted for other arguments runs the code's new ones (issue 35 item 1: "
+        "the approval's answer moved into its kind object)",
+    ),
+    Mutant(
         "framework-billed-failure-unrecorded",
-        "runtime/durable/execution.py",
-        "        if billed is not None:\n            with self.engine_call():",
-        "        if False:\n            with self.engine_call():",
+        "runtime/durable/billed.py",
+        "        if billed is not None:\n            with at.ex.engine_call():",
+        "        if False:\n            with at.ex.engine_call():",
         (
             "tests/frameworks/test_openai_agents.py::test_a_response_that_ends_incomplete_is"
             "_counted_with_what_it_billed",

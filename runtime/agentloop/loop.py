@@ -133,7 +133,7 @@ def _deliver_message(task: Task, conversation: Conversation) -> StepResult | Non
     """The oldest message posted to the run becomes its next step, ``message:n``: a user
     turn after the last turn's tool results. ``None`` when there is none after all."""
     seq = task.next_seq
-    key = f"message:{sum(1 for s in task.steps if s.kind is StepKind.MESSAGE)}"
+    key = f"message:{sum(1 for s in task.steps if kinds.turn_of(s) is kinds.Turn.USER)}"
     kind = kinds.KINDS[kinds.StepKind.MESSAGE].row
 
     task.ensure_lease()

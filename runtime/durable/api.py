@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 from db.records import Usage
 from runtime.config import check_upgrade_policy
+from runtime.durable.container import Llm, RunStep, SideEffect
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.live_call import LiveCall
 from runtime.mcp.servers import McpServer
@@ -252,17 +253,9 @@ def step(
 class Engine(Protocol):
     """What ``steps`` needs from the execution of the function (runtime.durable.execution)."""
 
-    def step(
-        self,
-        kind: str,
-        name: str,
-        thunk: Callable[[], Any],
-        *,
-        type: Any,
-        compensate: Callable[[Any], Any] | None,
-        options: StepOptions,
-        declared_by: str | None = None,
-    ) -> Any: ...
+    def advance(self, step: RunStep) -> Any:
+        """Advance a step container (:mod:`runtime.durable.container`): the one advance."""
+        ...
 
     def approval(
         self,
@@ -354,6 +347,31 @@ class StepOptions:
         reconcile: Reconcile | None = None,
         declared_by: str | None = None,
     ) -> T:
+        step = self.step(
+            name,
+            fn,
+            *args,
+            type=type,
+            compensate=compensate,
+            idempotent=idempotent,
+            reconcile=reconcile,
+            declared_by=declared_by,
+        )
+        result: T = self.steps._engine.advance(step)
+        return result
+
+    def step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        type: Any = None,
+        compensate: Callable[[Any], Any] | None = None,
+        idempotent: bool | None = None,
+        reconcile: Reconcile | None = None,
+        declared_by: str | None = None,
+    ) -> RunStep:
+        """The step container ``.run`` advances (the kind object: runtime.durable.container)."""
         options = self
         if idempotent is not None or reconcile is not None:
             options = StepOptions(
@@ -364,16 +382,14 @@ class StepOptions:
                 self.idempotent if idempotent is None else idempotent,
                 reconcile or self.reconcile,
             )
-        result: T = self.steps._engine.step(
-            "STEP",
+        return RunStep(
             name,
             functools.partial(fn, *args),
-            type=type if type is not None else return_type(fn),
-            compensate=compensate,
-            options=options,
-            declared_by=declared_by,
+            type if type is not None else return_type(fn),
+            options,
+            compensate,
+            compensation_ref(compensate, declared_by) if compensate else None,
         )
-        return result
 
     def tool(
         self,
@@ -392,14 +408,8 @@ class StepOptions:
     def llm(self, name: str, fn: Callable[[Model], T], *, type: Any = None) -> T:
         """``steps.retry(3).llm(...)``: each attempt calls the model afresh."""
         model = Model(self.steps._engine)
-        result: T = self.steps._engine.step(
-            "LLM",
-            name,
-            lambda: fn(model),
-            type=type if type is not None else return_type(fn),
-            compensate=None,
-            options=self,
-        )
+        kind = Llm(name, lambda: fn(model), type if type is not None else return_type(fn), self)
+        result: T = self.steps._engine.advance(kind)
         return result
 
 
@@ -513,7 +523,7 @@ class Steps:
         """Run ``fn(*args)`` once; its result is recorded and returned on every replay.
         After a crash left it in doubt it runs again only if ``idempotent``; else
         ``reconcile(ctx)`` is asked; else the run stops for an operator."""
-        return StepOptions(self).run(
+        step = StepOptions(self).step(
             name,
             fn,
             *args,
@@ -522,6 +532,7 @@ class Steps:
             idempotent=idempotent,
             reconcile=reconcile,
         )
+        return self._engine.advance(step)  # type: ignore[no-any-return]
 
     def tool(
         self,
@@ -542,14 +553,9 @@ class Steps:
 
     def side_effect(self, name: str, fn: Callable[[], T], *, type: Any = None) -> T:
         """Record a non-deterministic value (a uuid, the time, a random number) once."""
-        result: T = self._engine.step(
-            "SIDE_EFFECT",
-            name,
-            fn,
-            type=type if type is not None else return_type(fn),
-            compensate=None,
-            options=StepOptions(self, idempotent=True),
-        )
+        options = StepOptions(self, idempotent=True)
+        kind = SideEffect(name, fn, type if type is not None else return_type(fn), options)
+        result: T = self._engine.advance(kind)
         return result
 
     def llm(self, name: str, fn: Callable[[Model], T], *, type: Any = None) -> T:

@@ -89,7 +89,7 @@ class Compensations:
             s
             for s in recorded.values()
             if s.status is StepStatus.DONE
-            and s.kind is not StepKind.COMPENSATION
+            and not kinds.is_compensation(s)
             # A fork's copied steps were executed by the original run: their effects are
             # the original's, and a fork never undoes them.
             and s.origin is None
@@ -117,7 +117,7 @@ class Compensations:
             return self._run_one(rows[0])
         done, failed = [], []
         for s in sorted(self.execution.recorded.values(), key=lambda s: s.seq):
-            if s.kind is not StepKind.COMPENSATION:
+            if not kinds.is_compensation(s):
                 continue
             name = s.step_key.removeprefix(PREFIX).rsplit(":", 1)[0]
             if s.status is StepStatus.DONE:

@@ -42,12 +42,13 @@ from runtime.durable.api import (
     reset_current_steps,
     set_current_steps,
 )
+from runtime.durable.container import RunStep
 from runtime.durable.errors import ApprovalRejected, StepError
 from runtime.engine.deployment import agent_definition
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.mcp.servers import McpServer, namespaced
 from runtime.pipeline.codec import decode, encode
-from runtime.pipeline.kinds import KINDS, StepKind
+from runtime.pipeline.kinds import KINDS, StepKind, in_history
 from runtime.tools import ToolContext
 
 
@@ -226,11 +227,7 @@ class ReplayEngine:
     position: int = 0
 
     def __post_init__(self) -> None:
-        self.history = [
-            s
-            for s in sorted(self.steps, key=lambda s: s.seq)
-            if "/" not in s.step_key and s.kind is not RowKind.COMPENSATION
-        ]
+        self.history = [s for s in sorted(self.steps, key=lambda s: s.seq) if in_history(s)]
 
     @property
     def replayed(self) -> int:
@@ -298,18 +295,8 @@ class ReplayEngine:
 
     # -- the Engine protocol ------------------------------------------------------------------
 
-    def step(
-        self,
-        kind: str,
-        name: str,
-        thunk: Callable[[], Any],
-        *,
-        type: Any,
-        compensate: Callable[[Any], Any] | None,
-        options: StepOptions,
-        declared_by: str | None = None,
-    ) -> Any:
-        return self._settled(self._next(StepKind(kind), name), type)
+    def advance(self, step: RunStep) -> Any:
+        return self._settled(self._next(step.kind, step.name), step.type)
 
     def approval(
         self,

@@ -11,6 +11,7 @@ that thing, for every kind of step.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import time
 import uuid
@@ -302,7 +303,7 @@ class Task:
         transaction; the returned message runs the next step."""
         dispatch = self.durably(
             rows[-1].step_key,
-            lambda: self.store.record_steps(self.claim, rows),
+            functools.partial(self.store.record_steps, self.claim, rows),  # no frame of its own
             lambda: self._handed_on(rows),
         )
         return StepResult(Outcome.CONTINUE, dispatch=dispatch)

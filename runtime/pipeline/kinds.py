@@ -16,9 +16,11 @@ from :data:`KINDS` (``python -m runtime.pipeline`` prints it) and
 to :class:`StepKind`, its :class:`Policy` to :data:`KINDS` (the row kind it is stored as,
 what is written before it runs, the rule after a crash), paste its row into the docs' table,
 and make its code go through the pipeline: ``effects.run_effect`` for anything with an
-effect, the model-call sequence for anything billed, ``Task`` to record. A simple kind of
-a durable function's top-level step is an object in :mod:`runtime.durable.simple`, driven by
-``Execution.advance``.
+effect, the model-call sequence for anything billed, ``Task`` to record. Every kind of a
+durable function's step is an object behind the protocol of :mod:`runtime.durable.simple`,
+driven by the one ``Execution.advance``; code outside the kinds asks this table (or a
+helper below: :func:`turn_of`, :func:`in_history`) rather than comparing a step's kind
+(``tests/unit/test_one_advance.py``).
 """
 
 from __future__ import annotations
@@ -477,6 +479,17 @@ def turn_of(step: Step) -> Turn:
     if "/" in step.step_key:
         return Turn.NONE
     return _TURNS.get(step.kind, Turn.NONE)
+
+
+def in_history(step: Step) -> bool:
+    """``step`` is one of a durable function's calls in its order (what strict replay
+    compares): a top-level step, not a compensation (those run after, in reverse)."""
+    return "/" not in step.step_key and not is_compensation(step)
+
+
+def is_compensation(step: Step) -> bool:
+    """``step`` is the undo of a completed step (``compensate:<key>``)."""
+    return step.kind is KINDS[StepKind.COMPENSATION].row
 
 
 HEADER = (

@@ -1,0 +1,133 @@
+"""Issue 35, item 1, made mechanical: no ``if kind == ...`` outside the kinds. What differs
+per kind of step is said by the kinds table (``runtime/pipeline/kinds.py``) and the kind
+objects (``runtime/durable/simple.py``, ``container.py``, ``approval.py``, ``billed.py``,
+``child.py``) that the one advance (``Execution.advance``) drives; code anywhere else in the
+programs and the engine that compares a step's kind to a member (``StepKind.X``, a row
+kind) or to a kind's name (``"TOOL"``), or matches on one, decides per kind on its own: this
+test names it. A use that must stay is allow-listed below with its reason."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from db.records import StepKind as RowKind
+from runtime.pipeline.kinds import StepKind
+
+ROOT = Path(__file__).resolve().parents[2]
+SCANNED = ("runtime/durable", "runtime/agentloop", "runtime/frameworks", "runtime/engine")
+KINDS_THEMSELVES = frozenset(
+    {
+        "runtime/pipeline/kinds.py",
+        "runtime/durable/simple.py",
+        "runtime/durable/container.py",
+        "runtime/durable/approval.py",
+        "runtime/durable/billed.py",
+        "runtime/durable/child.py",
+    }
+)
+ALLOWED: dict[str, str] = {
+    "runtime/engine/fork.py:s.kind is StepKind.CHILD": "the refusal of an edit names the "
+    "child run a recorded step waits for: operator tooling reading a row, not a step's run",
+    "runtime/engine/fork.py:target.kind is StepKind.TOOL": "an edited tool output is capped "
+    "as the tool's own output was when the row was written (its row format)",
+    "runtime/engine/replaycheck.py:s.kind is RowKind.TOOL": "the free replay check compares "
+    "the tools a recorded agent-loop history used with those offered now, from row formats",
+    "runtime/engine/replaycheck.py:s.kind is RowKind.MODEL": "as above: the tools a recorded "
+    "model answer asked for",
+}
+"""``path:comparison`` -> why it stays."""
+
+ENUMS = frozenset({"StepKind", "RowKind"})
+NAMES = frozenset({k.value for k in StepKind} | {k.value for k in RowKind})
+
+
+def _names_a_kind(node: ast.expr) -> bool:
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return node.value.id in ENUMS
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return any(_names_a_kind(e) for e in node.elts)
+    return False
+
+
+def _a_kinds_name(node: ast.expr) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in NAMES
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return any(_a_kinds_name(e) for e in node.elts)
+    return False
+
+
+def dispatches(source: str) -> list[tuple[int, str]]:
+    """Each comparison of a step kind (or ``match`` case) in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            parts = [node.left, *node.comparators]
+            text = ast.unparse(node)
+            by_name = any(_a_kinds_name(p) for p in parts) and "kind" in text.lower()
+            if by_name or any(_names_a_kind(p) for p in parts):
+                found.append((node.lineno, text))
+        elif isinstance(node, ast.match_case):
+            for sub in ast.walk(node.pattern):
+                if isinstance(sub, ast.MatchValue) and (
+                    _names_a_kind(sub.value) or _a_kinds_name(sub.value)
+                ):
+                    found.append((node.pattern.lineno, f"case {ast.unparse(node.pattern)}"))
+    return sorted(found)
+
+
+def dispatch_outside_the_kinds(root: Path = ROOT) -> list[str]:
+    out = []
+    for folder in SCANNED:
+        for path in sorted((root / folder).rglob("*.py")):
+            where = path.relative_to(root).as_posix()
+            if where in KINDS_THEMSELVES:
+                continue
+            for line, text in dispatches(path.read_text(encoding="utf-8")):
+                if f"{where}:{text}" not in ALLOWED:
+                    out.append(f"{where}:{line} {text}")
+    return out
+
+
+def test_no_dispatch_on_a_step_kind_outside_the_kinds() -> None:
+    assert dispatch_outside_the_kinds() == []
+
+
+def test_every_allowed_use_is_still_there() -> None:
+    """An allow-list entry whose code went is dropped, not kept as a licence."""
+    present = set()
+    for key in ALLOWED:
+        path, text = key.split(":", 1)
+        if any(t == text for _, t in dispatches((ROOT / path).read_text(encoding="utf-8"))):
+            present.add(key)
+    assert present == set(ALLOWED)
+
+
+def test_the_rule_names_each_form_of_dispatch(tmp_path: Path) -> None:
+    """Mutants: a program deciding per kind by member, by name, or by ``match`` is named;
+    the same code inside a kind object is not."""
+    program = (
+        "def f(step, kind):\n"
+        "    if step.kind is StepKind.TOOL:\n"
+        "        return 1\n"
+        "    if kind == 'SLEEP':\n"
+        "        return 2\n"
+        "    if step.kind in (RowKind.MODEL, RowKind.LLM):\n"
+        "        return 3\n"
+        "    match step.kind:\n"
+        "        case StepKind.CHILD:\n"
+        "            return 4\n"
+        "    return step.name == 'TOOL'\n"  # not a kind: a plain name
+    )
+    for folder in ("runtime/agentloop", "runtime/durable"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "runtime/agentloop/bypass.py").write_text(program)
+    (tmp_path / "runtime/durable/container.py").write_text(program)
+    found = dispatch_outside_the_kinds(tmp_path)
+    assert [f.split(" ", 1)[0] for f in found] == [
+        "runtime/agentloop/bypass.py:2",
+        "runtime/agentloop/bypass.py:4",
+        "runtime/agentloop/bypass.py:6",
+        "runtime/agentloop/bypass.py:9",
+    ]
