@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from celery import Celery
 from prometheus_client import CollectorRegistry, start_http_server
 
-from db.deployments import DeploymentStore
 from db.errors import LeaseLost
 from db.records import Dispatch
 from runtime.config import Settings
@@ -103,7 +102,9 @@ def serve_deployment(app: Celery, runtime: Runtime, heartbeat: Heartbeat) -> Non
     deployment = runtime.deployment
     if deployment is None:
         return
-    versions = DeploymentStore(runtime.lease_store().engine)
+    # The main pool's: the lease store's one connection is the heartbeat's native thread's
+    # (runtime.pipeline.heartbeat), and this runs on a greenlet.
+    versions = runtime.deployments
     worker = runtime.settings.worker_name
     definitions = {n: agent_definition(runtime.agents.get(n)) for n in runtime.agents.names()}
     recorded: list[bool] = []
@@ -175,7 +176,7 @@ def stop_worker_state(app: Celery) -> None:
         deployment = held[1].runtime.deployment
         if deployment is not None:
             try:
-                DeploymentStore(held[1].runtime.lease_store().engine).worker_gone(
+                held[1].runtime.deployments.worker_gone(
                     held[1].runtime.settings.worker_name, deployment
                 )
             except Exception as e:

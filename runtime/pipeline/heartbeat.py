@@ -3,21 +3,47 @@
 One background thread per process renews every held lease with one statement. A lease that
 could not be renewed (another worker took the run over) is marked lost; the step then stops
 without writing. Its writes would be refused by the fence anyway; the flag only saves work.
+
+Under gevent (the shipped worker) the renewal runs on a native OS thread of its own, not a
+greenlet. A greenlet runs only when the hub gets round to it, after every other greenlet
+ready before it has run to its next yield: with thousands of model calls parsing their
+streams on a busy host, one turn of the hub took longer than the lease had left, the lease
+lapsed while its holder was alive and its call still open, and the run was taken over and
+its call paid twice (issue 36: 58 of 10,000 runs). A native thread is scheduled by the OS
+and, for the GIL, within the interpreter's switch interval (5 ms), whatever the hub is
+doing. It has its own database connection (the lease store's pool of one) and touches
+nothing the greenlets share but the table of held leases, under a lock held for a dict copy.
+What else renews with the leases (:meth:`Heartbeat.also_renew`: concurrency-key slots in
+Redis, the version a worker serves) uses clients shared with the greenlets, so it stays on
+a greenlet of the hub.
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from db.records import Claim
 from db.store import RunStore
+from runtime.native import gevent_patched
 
 log = logging.getLogger(__name__)
+
+
+def _native(name: str) -> Any:
+    """``_thread.<name>`` as the interpreter made it (a real OS thread or lock), also when
+    gevent has patched the module."""
+    if gevent_patched():
+        from gevent import monkey
+
+        return monkey.get_original("_thread", name)
+    return getattr(_thread, name)
 
 
 @dataclass
@@ -35,10 +61,19 @@ class Heartbeat:
         self._lease_seconds = lease_seconds
         self._interval = interval_seconds
         self._held: dict[tuple[uuid.UUID, int], HeldLease] = {}
-        self._lock = threading.Lock()
+        # A real lock (never gevent's): taken by greenlets and by the native thread, each
+        # time only for a dict operation, never across a yield.
+        self._lock = _native("allocate_lock")()
         self._stop = threading.Event()
+        self._halt = _native("allocate_lock")()  # held while running; released by stop()
         self._thread: threading.Thread | None = None
+        self._native_done: Any = None  # a real lock the native thread holds while it runs
         self._also: list[Callable[[], None]] = []
+
+    @property
+    def native(self) -> bool:
+        """Whether the leases are renewed on a native OS thread (under gevent)."""
+        return self._native_done is not None
 
     def also_renew(self, renew: Callable[[], None]) -> None:
         """Call ``renew`` at every beat too (slots bounded by the lease, e.g. concurrency
@@ -59,7 +94,12 @@ class Heartbeat:
                 self._held.pop(key, None)
 
     def beat(self) -> None:
-        """Renew every held lease once."""
+        """Renew every held lease once, then what renews with them."""
+        self.renew_leases()
+        self.renew_also()
+
+    def renew_leases(self) -> None:
+        """Renew every held lease once (one statement per worker name)."""
         with self._lock:
             held = list(self._held.values())
         by_worker: dict[str, list[HeldLease]] = {}
@@ -73,6 +113,8 @@ class Heartbeat:
                 if h.claim.run_id in taken and not h.lost.is_set():
                     log.warning("run=%s lease lost: another worker took it over", h.claim.run_id)
                     h.lost.set()
+
+    def renew_also(self) -> None:
         for renew in self._also:
             try:
                 renew()
@@ -80,19 +122,46 @@ class Heartbeat:
                 log.exception("renewing slots with the leases failed; will retry")
 
     def _loop(self) -> None:
+        """Leases and the rest, on one thread (no gevent: threads are native anyway); under
+        gevent, the rest only, on a greenlet (:meth:`_native_loop` renews the leases)."""
         while not self._stop.wait(self._interval):
             try:
-                self.beat()
+                self.renew_also() if self.native else self.beat()
             except Exception:  # the database may be briefly away; the lease has slack
                 log.exception("heartbeat failed; will retry")
 
+    def _native_loop(self) -> None:
+        try:
+            while not self._halt.acquire(True, self._interval):
+                try:
+                    self.renew_leases()
+                except Exception:  # the database may be briefly away; the lease has slack
+                    log.exception("heartbeat failed; will retry")
+            self._halt.release()
+        finally:
+            self._native_done.release()
+
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="dar-heartbeat", daemon=True)
-            self._thread.start()
+        if self._thread is not None:
+            return
+        self._halt.acquire()
+        if gevent_patched():
+            done = _native("allocate_lock")()
+            done.acquire()
+            self._native_done = done
+            _native("start_new_thread")(self._native_loop, ())
+        self._thread = threading.Thread(target=self._loop, name="dar-heartbeat", daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self._interval + 1)
-            self._thread = None
+        if self._thread is None:
+            return
+        if self._halt.locked():
+            self._halt.release()
+        self._thread.join(timeout=self._interval + 1)
+        self._thread = None
+        if self._native_done is not None:
+            if self._native_done.acquire(True, self._interval + 1):
+                self._native_done.release()
+            self._native_done = None
