@@ -120,6 +120,17 @@ SELECT r.id, r.lease_epoch, EXISTS (SELECT 1 FROM renewed WHERE renewed.id = r.i
 FROM run r
 WHERE r.id = ANY(CAST(:ids AS uuid[]));
 
+-- renew_claims --
+-- The heartbeat, for claims this worker has sent and not yet read the answer of (on a busy
+-- gevent hub a greenlet may read it seconds after it committed, while its lease runs): the
+-- lease of each run claimed by :worker for the message carrying the token given, whatever
+-- its epoch (not known yet). A run another worker holds, or whose token moved on, is left.
+UPDATE run r
+SET locked_until = now() + make_interval(secs => :lease_seconds)
+FROM unnest(CAST(:ids AS uuid[]), CAST(:tokens AS uuid[])) AS claiming(id, token)
+WHERE r.id = claiming.id AND r.dispatch_token = claiming.token
+  AND r.locked_by = :worker AND r.status = 'RUNNING';
+
 -- record_step --
 -- Record one step row, fenced, in ONE statement (one round trip, one commit): the run must
 -- still be held by this worker under this lease epoch, else nothing is written and no row is

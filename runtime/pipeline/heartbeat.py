@@ -52,6 +52,15 @@ class HeldLease:
     lost: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass(eq=False)
+class Claiming:
+    """A claim sent and not answered yet (:meth:`Heartbeat.claiming`)."""
+
+    run_id: uuid.UUID
+    token: uuid.UUID
+    worker: str
+
+
 class Heartbeat:
     def __init__(
         self, store: RunStore, worker: str, *, lease_seconds: float, interval_seconds: float
@@ -61,6 +70,7 @@ class Heartbeat:
         self._lease_seconds = lease_seconds
         self._interval = interval_seconds
         self._held: dict[tuple[uuid.UUID, int], HeldLease] = {}
+        self._claiming: list[Claiming] = []
         # A real lock (never gevent's): taken by greenlets and by the native thread, each
         # time only for a dict operation, never across a yield.
         self._lock = _native("allocate_lock")()
@@ -82,11 +92,33 @@ class Heartbeat:
             self._also.append(renew)
 
     @contextlib.contextmanager
+    def claiming(self, run_id: uuid.UUID, token: uuid.UUID, worker: str) -> Iterator[None]:
+        """Around a claim of ``run_id`` for the message carrying ``token``, and what follows
+        until the lease is held (:meth:`hold`): the claim may commit, and its lease start,
+        long before its greenlet gets the answer on a busy hub. Meanwhile the lease claimed
+        for ``worker`` with ``token`` is renewed as any held one (one statement a beat for
+        all of them), so it does not lapse in that window while the worker is alive."""
+        pending = Claiming(run_id, token, worker)
+        with self._lock:
+            self._claiming.append(pending)
+        try:
+            yield
+        finally:
+            with self._lock, contextlib.suppress(ValueError):
+                self._claiming.remove(pending)
+
+    @contextlib.contextmanager
     def hold(self, claim: Claim) -> Iterator[HeldLease]:
         held = HeldLease(claim)
         key = (claim.run_id, claim.epoch)
         with self._lock:
             self._held[key] = held
+            # The claim's answer is read: its lease is renewed by its epoch from now on.
+            token = claim.run.dispatch_token
+            for pending in self._claiming:
+                if (pending.run_id, pending.token) == (claim.run_id, token):
+                    self._claiming.remove(pending)
+                    break
         try:
             yield held
         finally:
@@ -102,6 +134,13 @@ class Heartbeat:
         """Renew every held lease once (one statement per worker name)."""
         with self._lock:
             held = list(self._held.values())
+            claiming = list(self._claiming)
+        if claiming:
+            pending: dict[str, set[tuple[uuid.UUID, uuid.UUID]]] = {}
+            for c in claiming:
+                pending.setdefault(c.worker, set()).add((c.run_id, c.token))
+            for worker, pairs in pending.items():
+                self._store.renew_claims(worker, pairs, self._lease_seconds)
         by_worker: dict[str, list[HeldLease]] = {}
         for h in held:
             by_worker.setdefault(h.claim.worker, []).append(h)
