@@ -169,7 +169,7 @@ class Heartbeat:
             except Exception:  # the database may be briefly away; the lease has slack
                 log.exception("heartbeat failed; will retry")
 
-    def _native_loop(self) -> None:
+    def _native_loop(self, done: Any) -> None:
         try:
             while not self._halt.acquire(True, self._interval):
                 try:
@@ -178,7 +178,7 @@ class Heartbeat:
                     log.exception("heartbeat failed; will retry")
             self._halt.release()
         finally:
-            self._native_done.release()
+            done.release()
 
     def start(self) -> None:
         if self._thread is not None:
@@ -188,7 +188,7 @@ class Heartbeat:
             done = _native("allocate_lock")()
             done.acquire()
             self._native_done = done
-            _native("start_new_thread")(self._native_loop, ())
+            _native("start_new_thread")(self._native_loop, (done,))
         self._thread = threading.Thread(target=self._loop, name="dar-heartbeat", daemon=True)
         self._thread.start()
 
