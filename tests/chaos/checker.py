@@ -1237,7 +1237,8 @@ def report(ev: Evidence, start: float) -> str:
         lines.append(f"  fault hits on durable runs: {dict(sorted(hits.items())) or 'none'}")
     if ev.lease_losses:
         lines.append(
-            "leases found taken over by their holder's heartbeat (post-commit false alarms "
-            "excluded): " + ", ".join(f"{str(k)[:8]}x{v}" for k, v in ev.lease_losses.items())
+            "leases their live holder lost, as its heartbeat or the fence found (post-commit "
+            "false alarms excluded): "
+            + ", ".join(f"{str(k)[:8]}x{v}" for k, v in ev.lease_losses.items())
         )
     return "\n".join(lines)

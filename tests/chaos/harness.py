@@ -629,14 +629,29 @@ def heartbeat_losses(logged: str) -> list[tuple[str, uuid.UUID, float, int]]:
     ]
 
 
+SAME_LOSS_SECONDS = 10.0
+"""A step the fence refused this soon after its worker's heartbeat logged the same run's lease
+lost is that loss (the step wrote before it looked at the heartbeat's flag), not another."""
+
+
 def fenced_out_losses(logged: str) -> list[tuple[str, uuid.UUID, float, int]]:
     """(worker, run, time, offset) of each lease loss only the fence noticed: a step
-    abandoned whose reason is not the heartbeat's (that loss has a heartbeat line)."""
-    return [
-        (m.group(3), uuid.UUID(m.group(4)), log_time(m.group(1), m.group(2)), m.start())
-        for m in FENCED_OUT.finditer(logged)
-        if (m.group(5) or "").strip() != NOTICED_BY_THE_HEARTBEAT
-    ]
+    abandoned whose reason is not the heartbeat's finding, with no heartbeat line of its
+    worker for that run just before (either way, that loss has its heartbeat line)."""
+    noticed = heartbeat_losses(logged)
+    out = []
+    for m in FENCED_OUT.finditer(logged):
+        if (m.group(5) or "").strip() == NOTICED_BY_THE_HEARTBEAT:
+            continue
+        worker, run_id = m.group(3), uuid.UUID(m.group(4))
+        at = log_time(m.group(1), m.group(2))
+        if any(
+            (w, r) == (worker, run_id) and 0 <= at - t <= SAME_LOSS_SECONDS
+            for w, r, t, _ in noticed
+        ):
+            continue
+        out.append((worker, run_id, at, m.start()))
+    return out
 
 
 class Campaign:

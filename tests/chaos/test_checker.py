@@ -419,6 +419,10 @@ away (a call of lease 2 is in flight): no model call from here
 lease on run {RUN_ID} lost: a newer claim of the run is calling the model
 2026-12-07 15:37:21,397 WARNING worker-A run=11c16127 step abandoned, nothing written: lease on \
 run 11c16127-cc0b-4c4f-adf1-94a50a582dd4 lost: heartbeat found the lease taken over
+2026-12-07 15:38:02,100 WARNING worker-B run=22d7aa01-0000-4000-8000-000000000001 lease lost: \
+another worker took it over
+2026-12-07 15:38:02,150 WARNING worker-B run=22d7aa01 step abandoned, nothing written: lease on \
+run 22d7aa01-0000-4000-8000-000000000001 lost: checkpoint refused by the fence
 """
 
 
@@ -426,8 +430,14 @@ def test_a_lease_only_the_fence_saw_lost_is_found_in_the_log_once() -> None:
     from tests.chaos.harness import fenced_out_losses, heartbeat_losses
 
     noticed = uuid.UUID("11c16127-cc0b-4c4f-adf1-94a50a582dd4")
-    assert [(w, r) for w, r, _, _ in heartbeat_losses(_FENCED_LOG)] == [("worker-A", noticed)]
-    # the heartbeat's loss is not counted again from its step's line; the other one is found
+    raced = uuid.UUID("22d7aa01-0000-4000-8000-000000000001")
+    assert [(w, r) for w, r, _, _ in heartbeat_losses(_FENCED_LOG)] == [
+        ("worker-A", noticed),
+        ("worker-B", raced),
+    ]
+    # A loss the heartbeat logged is not counted again from its step's line (whether the
+    # step gave up on the heartbeat's flag or wrote first and met the fence); the loss only
+    # the fence saw is found.
     assert [(w, r) for w, r, _, _ in fenced_out_losses(_FENCED_LOG)] == [("worker-A", RUN_ID)]
 
 
