@@ -19,6 +19,15 @@ from runtime.pipeline.heartbeat import Heartbeat
 from tests.support import expire_lease, register_agent, submit
 
 
+def _nearly_lapsed(runtime: Runtime, run_id: uuid.UUID) -> None:
+    """The claim's answer is read late: its lease has a second left."""
+    with runtime.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE run SET locked_until = now() + interval '1 second' WHERE id = :id"),
+            {"id": run_id},
+        )
+
+
 def _lapsed(runtime: Runtime, run_id: uuid.UUID) -> bool:
     with runtime.engine.connect() as conn:
         return bool(
@@ -43,7 +52,7 @@ def test_a_claim_not_read_yet_is_renewed_by_its_token(runtime: Runtime) -> None:
         assert runtime.store.claim(others.id, d2.token, "other", 2) is not None
         assert runtime.store.claim(moved_on.id, d3.token, "w", 2) is not None
         for run_id in (mine.id, others.id, moved_on.id):
-            expire_lease(runtime.engine, run_id)  # the answers are read late: past the lease
+            _nearly_lapsed(runtime, run_id)
         with runtime.engine.begin() as conn:  # a step of that run committed meanwhile
             conn.execute(
                 text("UPDATE run SET dispatch_token = :t, locked_by = NULL WHERE id = :id"),
@@ -54,6 +63,19 @@ def test_a_claim_not_read_yet_is_renewed_by_its_token(runtime: Runtime) -> None:
         assert _lapsed(runtime, others.id), "never a lease another worker holds"
         assert runtime.store.get_run(moved_on.id).locked_until is not None
         assert _lapsed(runtime, moved_on.id), "never a run whose token moved on"
+
+
+def test_a_lapsed_lease_under_the_same_name_and_token_is_not_renewed(runtime: Runtime) -> None:
+    """A dead predecessor of the same name (a restarted container) held the run with the
+    token this claim carries; its lease lapsed, which is why the message came again. The
+    claim being sent must not keep that lease alive, or it would find it held and drop."""
+    beat = Heartbeat(runtime.lease_store(), "w", lease_seconds=60, interval_seconds=1)
+    run, dispatch = submit(runtime.store)
+    assert runtime.store.claim(run.id, dispatch.token, "w", 2) is not None  # the dead one
+    expire_lease(runtime.engine, run.id)
+    with beat.claiming(run.id, dispatch.token, "w"):
+        beat.beat()  # before this claim reached the database
+        assert runtime.store.claim(run.id, dispatch.token, "w", 2) is not None
 
 
 def test_once_held_a_claim_is_renewed_by_its_epoch_only(runtime: Runtime) -> None:
@@ -69,7 +91,7 @@ def test_once_held_a_claim_is_renewed_by_its_epoch_only(runtime: Runtime) -> Non
         expire_lease(runtime.engine, run.id)
         again = runtime.store.claim(run.id, dispatch.token, "w", 2)
         assert again is not None
-        expire_lease(runtime.engine, run.id)
+        _nearly_lapsed(runtime, run.id)
         beat.beat()
         assert _lapsed(runtime, run.id)
 
@@ -86,16 +108,19 @@ def test_drive_renews_its_claim_before_it_reads_the_answer(runtime: Runtime) -> 
 
     def claim_late(*args: Any, **kwargs: Any) -> Claim | None:
         claim = claim_of(*args, **kwargs)
-        expire_lease(runtime.engine, run.id)  # the greenlet reads the answer a lease later
+        _nearly_lapsed(runtime, run.id)  # the greenlet reads the answer as the lease ends
         driver.heartbeat.beat()  # ... and the heartbeat ran meanwhile
-        seen.append(runtime.store.get_run(run.id).lease_epoch == 1 and not _expired(run.id))
+        seen.append(runtime.store.get_run(run.id).lease_epoch == 1 and _renewed(run.id))
         return claim
 
-    def _expired(run_id: uuid.UUID) -> bool:
+    def _renewed(run_id: uuid.UUID) -> bool:
         with runtime.engine.connect() as conn:
             return bool(
                 conn.execute(
-                    text("SELECT locked_until < now() FROM run WHERE id = :id"), {"id": run_id}
+                    text(
+                        "SELECT locked_until > now() + interval '3 seconds' FROM run WHERE id = :id"
+                    ),
+                    {"id": run_id},
                 ).scalar_one()
             )
 
