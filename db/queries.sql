@@ -120,6 +120,20 @@ SELECT r.id, r.lease_epoch, EXISTS (SELECT 1 FROM renewed WHERE renewed.id = r.i
 FROM run r
 WHERE r.id = ANY(CAST(:ids AS uuid[]));
 
+-- renew_claims --
+-- The heartbeat, for claims this worker has sent and not yet read the answer of (on a busy
+-- gevent hub a greenlet may read it seconds after it committed, while its lease runs): the
+-- live lease of each run claimed by :worker for the message carrying the token given,
+-- whatever its epoch (not known yet). A run another worker holds, or whose token moved on,
+-- is left; so is a lapsed lease: a claim's own is renewed before it lapses (a beat is a
+-- third of a lease), and a lapsed one under the same name and token is a dead predecessor's
+-- (names collide), which the claim being sent is there to take over.
+UPDATE run r
+SET locked_until = now() + make_interval(secs => :lease_seconds)
+FROM unnest(CAST(:ids AS uuid[]), CAST(:tokens AS uuid[])) AS claiming(id, token)
+WHERE r.id = claiming.id AND r.dispatch_token = claiming.token
+  AND r.locked_by = :worker AND r.status = 'RUNNING' AND r.locked_until > now();
+
 -- record_step --
 -- Record one step row, fenced, in ONE statement (one round trip, one commit): the run must
 -- still be held by this worker under this lease epoch, else nothing is written and no row is

@@ -143,7 +143,9 @@ def serve_deployment(app: Celery, runtime: Runtime, heartbeat: Heartbeat) -> Reg
     deployment = runtime.deployment
     if deployment is None or getattr(app, "dar_pool_child", False):
         return None
-    versions = DeploymentStore(runtime.lease_store().engine)
+    # The main pool's: the lease store's one connection is the heartbeat's native thread's
+    # (runtime.pipeline.heartbeat), and this runs on a greenlet.
+    versions = runtime.deployments
     registration = Registration(versions, runtime.settings.worker_name, deployment)
     definitions = {n: agent_definition(runtime.agents.get(n)) for n in runtime.agents.names()}
     recorded: list[bool] = []

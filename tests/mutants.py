@@ -690,6 +690,26 @@ MUTANTS = (
         ),
         "issue 35 U7: a cancelled framework call, billed, is recorded with zero usage",
     ),
+    Mutant(
+        "claim-unrenewed-until-read",
+        "runtime/engine/driver.py",
+        "        with self.heartbeat.claiming(run_id, token, self.worker):\n"
+        "            return self._drive(run_id, token)\n",
+        "        return self._drive(run_id, token)\n",
+        (T + "test_heartbeat_claims.py::test_drive_renews_its_claim_before_it_reads_the_answer",),
+        "issue 36: a claim whose answer a starved greenlet reads late lapses, never renewed",
+    ),
+    Mutant(
+        "claim-renewal-revives-a-lapsed-lease",
+        "db/queries.sql",
+        "  AND r.locked_by = :worker AND r.status = 'RUNNING' AND r.locked_until > now();\n",
+        "  AND r.locked_by = :worker AND r.status = 'RUNNING';\n",
+        (
+            T + "test_heartbeat_claims.py::test_a_lapsed_lease_under_the_same_name_and_token_is"
+            "_not_renewed",
+        ),
+        "issue 36: a claim keeps a dead namesake's lapsed lease alive and then drops its message",
+    ),
 )
 
 

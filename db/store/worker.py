@@ -126,6 +126,26 @@ class WorkerStore(StoreBase):
             ).all()
         return {r.id for r in rows if not r.renewed and r.lease_epoch != epochs[r.id]}
 
+    def renew_claims(
+        self, worker: str, claiming: Iterable[tuple[uuid.UUID, uuid.UUID]], lease_seconds: float
+    ) -> None:
+        """Extend the leases of the runs this worker is claiming for (run id, token) whose
+        claim may have committed though its answer was not read yet (the epoch is not known:
+        the token and the holder's name stand for it until then)."""
+        pairs = list(claiming)
+        if not pairs:
+            return
+        with self._statement() as conn:
+            conn.execute(
+                Q["renew_claims"],
+                {
+                    "worker": worker,
+                    "lease_seconds": lease_seconds,
+                    "ids": [p[0] for p in pairs],
+                    "tokens": [p[1] for p in pairs],
+                },
+            )
+
     # -- checkpoints (fenced) -----------------------------------------------------------
 
     def checkpoint_model(self, claim: Claim, step: NewStep) -> Dispatch:

@@ -120,7 +120,13 @@ class Driver:
     # -- entry points -------------------------------------------------------------------
 
     def drive(self, run_id: uuid.UUID, token: uuid.UUID) -> StepResult:
-        """Handle one drive_run message: at most one step."""
+        """Handle one drive_run message: at most one step. The heartbeat renews the lease
+        from the moment the claim may have committed (:meth:`Heartbeat.claiming`), not
+        only once its answer was read: on a busy hub that can be seconds later."""
+        with self.heartbeat.claiming(run_id, token, self.worker):
+            return self._drive(run_id, token)
+
+    def _drive(self, run_id: uuid.UUID, token: uuid.UUID) -> StepResult:
         try:
             claim = self.store.claim(run_id, token, self.worker, self.settings.lease_seconds)
         except DatabaseUnavailable as e:
@@ -193,14 +199,17 @@ class Driver:
         the database away), the message goes out as usual."""
         assert result.dispatch is not None
         run_id, token = result.dispatch.run_id, result.dispatch.token
-        try:
-            claim = self.store.claim_to_end(run_id, token, self.worker, self.settings.lease_seconds)
-        except DatabaseUnavailable:
-            return result
-        if claim is None:
-            return result
-        crash_point("after_claim")
-        ended = self.execute(claim, token)
+        with self.heartbeat.claiming(run_id, token, self.worker):
+            try:
+                claim = self.store.claim_to_end(
+                    run_id, token, self.worker, self.settings.lease_seconds
+                )
+            except DatabaseUnavailable:
+                return result
+            if claim is None:
+                return result
+            crash_point("after_claim")
+            ended = self.execute(claim, token)
         return replace(ended, wakes=result.wakes + ended.wakes) if result.wakes else ended
 
     def drive_next(self) -> StepResult | None:

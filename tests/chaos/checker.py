@@ -158,9 +158,10 @@ class Evidence:
     non_idempotent_tools: frozenset[str] = frozenset()
     """Tools whose interruption may legitimately park a run NEEDS_ATTENTION."""
     lease_losses: Mapping[uuid.UUID, int] = field(default_factory=dict)
-    """Lease losses found in the workers' logs, per run (reported, and each allows a repeat
-    unless a fault that hit the run explains it: a live worker can lose a lease it could not
-    renew)."""
+    """Lease losses found in the workers' logs, per run: the heartbeat's ``lease lost``, and
+    a step the fence refused for any other reason than the heartbeat's finding (reported,
+    and each allows a repeat and a claim that produced nothing unless a fault that hit the
+    run explains it: a live worker can lose a lease it could not renew)."""
     lease_loss_times: Mapping[uuid.UUID, Sequence[tuple[str, float]]] | None = None
     """The same losses as (worker, ``time.time()`` of the log line), when known: a loss no
     fault that hit the run explains allows a repeat even when faults hit it (a SIGSTOP whose
@@ -1236,7 +1237,8 @@ def report(ev: Evidence, start: float) -> str:
         lines.append(f"  fault hits on durable runs: {dict(sorted(hits.items())) or 'none'}")
     if ev.lease_losses:
         lines.append(
-            "leases found taken over by their holder's heartbeat (post-commit false alarms "
-            "excluded): " + ", ".join(f"{str(k)[:8]}x{v}" for k, v in ev.lease_losses.items())
+            "leases their live holder lost, as its heartbeat or the fence found (post-commit "
+            "false alarms excluded): "
+            + ", ".join(f"{str(k)[:8]}x{v}" for k, v in ev.lease_losses.items())
         )
     return "\n".join(lines)

@@ -607,6 +607,51 @@ HEARTBEAT_LOST = re.compile(
     re.MULTILINE,
 )
 BENIGN_WINDOW = (-1.5, 0.3)
+# A step whose write the fence refused (``tasks/drive.py``): the worker was alive and lost
+# its lease. When the heartbeat found that first, its own line above says so already (the
+# reason then is NOTICED_BY_THE_HEARTBEAT); otherwise (the claim's lease lapsed before the
+# step held it, or the run was taken over between two beats and the step wrote first) this
+# line is the only trace of the loss: a claim that produced nothing, and maybe a repeated
+# model call, with no fault injected.
+FENCED_OUT = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) WARNING\s+(\S+) run=[0-9a-f]{8} "
+    r"step abandoned, nothing written: lease on run ([0-9a-f-]{36}) lost(?:: (.*))?$",
+    re.MULTILINE,
+)
+NOTICED_BY_THE_HEARTBEAT = "heartbeat found the lease taken over"
+
+
+def heartbeat_losses(logged: str) -> list[tuple[str, uuid.UUID, float, int]]:
+    """(worker, run, time, offset) of each heartbeat "lease lost" warning in a log."""
+    return [
+        (m.group(3), uuid.UUID(m.group(4)), log_time(m.group(1), m.group(2)), m.start())
+        for m in HEARTBEAT_LOST.finditer(logged)
+    ]
+
+
+SAME_LOSS_SECONDS = 10.0
+"""A step the fence refused this soon after its worker's heartbeat logged the same run's lease
+lost is that loss (the step wrote before it looked at the heartbeat's flag), not another."""
+
+
+def fenced_out_losses(logged: str) -> list[tuple[str, uuid.UUID, float, int]]:
+    """(worker, run, time, offset) of each lease loss only the fence noticed: a step
+    abandoned whose reason is not the heartbeat's finding, with no heartbeat line of its
+    worker for that run just before (either way, that loss has its heartbeat line)."""
+    noticed = heartbeat_losses(logged)
+    out = []
+    for m in FENCED_OUT.finditer(logged):
+        if (m.group(5) or "").strip() == NOTICED_BY_THE_HEARTBEAT:
+            continue
+        worker, run_id = m.group(3), uuid.UUID(m.group(4))
+        at = log_time(m.group(1), m.group(2))
+        if any(
+            (w, r) == (worker, run_id) and 0 <= at - t <= SAME_LOSS_SECONDS
+            for w, r, t, _ in noticed
+        ):
+            continue
+        out.append((worker, run_id, at, m.start()))
+    return out
 
 
 class Campaign:
@@ -1172,22 +1217,24 @@ class Campaign:
 
     # -- evidence -----------------------------------------------------------------------------
 
-    def lease_loss_lines(self) -> list[tuple[str, uuid.UUID, float, int]]:
-        """(worker, run, time, log offset) of every heartbeat "lease lost" warning."""
+    def _worker_logs(self) -> list[str]:
         out = []
         for name in self.stack.specs:
-            path = self.stack.log_path(f"worker-{name}")
             with contextlib.suppress(OSError):
-                logged = path.read_bytes().decode(errors="replace")
-                for m in HEARTBEAT_LOST.finditer(logged):
-                    at = log_time(m.group(1), m.group(2))
-                    out.append((m.group(3), uuid.UUID(m.group(4)), at, m.start()))
+                out.append(
+                    self.stack.log_path(f"worker-{name}").read_bytes().decode(errors="replace")
+                )
         return out
+
+    def lease_loss_lines(self) -> list[tuple[str, uuid.UUID, float, int]]:
+        """(worker, run, time, log offset) of every heartbeat "lease lost" warning."""
+        return [e for logged in self._worker_logs() for e in heartbeat_losses(logged)]
 
     def genuine_lease_losses(
         self, runs: list[Run], steps: dict[uuid.UUID, list[Step]]
     ) -> list[tuple[str, uuid.UUID, float, int]]:
-        """The warnings not explained by a commit of the same worker just before."""
+        """The heartbeat's warnings not explained by a commit of the same worker just before,
+        and the losses only the fence noticed (:func:`fenced_out_losses`)."""
         ends = {r.id: r.finished_at for r in runs}
         lo, hi = BENIGN_WINDOW
 
@@ -1196,7 +1243,9 @@ class Campaign:
             done.append(ends.get(run_id))
             return any(t is not None and lo <= t.timestamp() - at <= hi for t in done)
 
-        return [e for e in self.lease_loss_lines() if not benign(e[0], e[1], e[2])]
+        noticed = [e for e in self.lease_loss_lines() if not benign(e[0], e[1], e[2])]
+        fenced = [e for logged in self._worker_logs() for e in fenced_out_losses(logged)]
+        return noticed + fenced
 
     def fenced_out_after_sigcont(self) -> tuple[int, int]:
         """(runs held by stopped workers, how many of them the worker found taken over by

@@ -403,3 +403,54 @@ def test_recovery_is_measured_to_the_next_committed_step() -> None:
     ev = good_evidence()
     fault = Fault("kill_worker", "worker-A", at(1.2).timestamp(), disturbed=frozenset({RUN_ID}))
     assert checker.recovery_seconds(fault, ev.runs, ev.steps) == {RUN_ID: pytest.approx(0.8)}
+
+
+# -- lease losses only the fence saw (issue 36; the long campaign's seed 795611) ------------------
+
+# Lines as a saturated worker logged them (tests/e2e/test_starved_heartbeat.py, before the
+# heartbeat had its own thread): a run taken over while its claim's answer was unread, whose
+# step then met the fence with no heartbeat line; and a loss the heartbeat noticed first.
+_FENCED_LOG = f"""\
+2026-12-07 15:37:19,546 WARNING worker-A run=11c16127-cc0b-4c4f-adf1-94a50a582dd4 lease lost: \
+another worker took it over
+2026-12-07 15:37:21,344 WARNING worker-A run={str(RUN_ID)[:8]} taken over while this worker was \
+away (a call of lease 2 is in flight): no model call from here
+2026-12-07 15:37:21,344 WARNING worker-A run={str(RUN_ID)[:8]} step abandoned, nothing written: \
+lease on run {RUN_ID} lost: a newer claim of the run is calling the model
+2026-12-07 15:37:21,397 WARNING worker-A run=11c16127 step abandoned, nothing written: lease on \
+run 11c16127-cc0b-4c4f-adf1-94a50a582dd4 lost: heartbeat found the lease taken over
+2026-12-07 15:38:02,100 WARNING worker-B run=22d7aa01-0000-4000-8000-000000000001 lease lost: \
+another worker took it over
+2026-12-07 15:38:02,150 WARNING worker-B run=22d7aa01 step abandoned, nothing written: lease on \
+run 22d7aa01-0000-4000-8000-000000000001 lost: checkpoint refused by the fence
+"""
+
+
+def test_a_lease_only_the_fence_saw_lost_is_found_in_the_log_once() -> None:
+    from tests.chaos.harness import fenced_out_losses, heartbeat_losses
+
+    noticed = uuid.UUID("11c16127-cc0b-4c4f-adf1-94a50a582dd4")
+    raced = uuid.UUID("22d7aa01-0000-4000-8000-000000000001")
+    assert [(w, r) for w, r, _, _ in heartbeat_losses(_FENCED_LOG)] == [
+        ("worker-A", noticed),
+        ("worker-B", raced),
+    ]
+    # A loss the heartbeat logged is not counted again from its step's line (whether the
+    # step gave up on the heartbeat's flag or wrote first and met the fence); the loss only
+    # the fence saw is found.
+    assert [(w, r) for w, r, _, _ in fenced_out_losses(_FENCED_LOG)] == [("worker-A", RUN_ID)]
+
+
+def test_a_claim_wasted_by_a_lease_only_the_fence_saw_lost_is_paid_for() -> None:
+    """The pattern of run 390ffd28 (seed 795611): one claim more than its steps and its end,
+    no fault on the run. A live worker lost that claim's lease (its process starved past the
+    lease): the fence's line in its log pays for the claim; without it the check fails."""
+    from tests.chaos.harness import fenced_out_losses
+
+    wasted = dataclasses.replace(good_evidence(), runs=[make_run(lease_epoch=5)])
+    assert checker.CLAIMS in {v.invariant for v in check(wasted)}
+    losses = [(w, t) for w, r, t, _ in fenced_out_losses(_FENCED_LOG) if r == RUN_ID]
+    paid = dataclasses.replace(
+        wasted, lease_losses={RUN_ID: len(losses)}, lease_loss_times={RUN_ID: losses}
+    )
+    assert check(paid) == []
