@@ -124,42 +124,39 @@ class Driver:
         from the moment the claim may have committed (:meth:`Heartbeat.claiming`), not
         only once its answer was read: on a busy hub that can be seconds later."""
         with self.heartbeat.claiming(run_id, token, self.worker):
-            return self._drive(run_id, token)
-
-    def _drive(self, run_id: uuid.UUID, token: uuid.UUID) -> StepResult:
-        try:
-            claim = self.store.claim(run_id, token, self.worker, self.settings.lease_seconds)
-        except DatabaseUnavailable as e:
-            # PostgreSQL is unreachable or out of connections: nothing was claimed (or, if
-            # the claim committed and its answer was lost, its lease lapses as any crash's
-            # would). The same message again in a few seconds, rather than the run waiting
-            # for the reaper's sweep; jittered, so a fleet's messages do not return at once.
-            delay = random.uniform(*CLAIM_RETRY_SECONDS)
-            log.warning(
-                "run=%s could not be claimed (%s); its message comes back in %.1fs",
-                short(run_id),
-                e,
-                delay,
-                extra={"run_id": str(run_id)},
-            )
-            return StepResult(Outcome.WAITING, dispatch=Dispatch(run_id, token, delay))
-        if claim is None:
-            elsewhere = self._of_another_version(run_id, token)
-            if elsewhere is not None:
-                return elsewhere
-            log.debug(
-                "run=%s message dropped (stale, duplicate, or lease held)",
-                short(run_id),
-                extra={"run_id": str(run_id)},
-            )
-            return StepResult(Outcome.DROPPED)
-        crash_point("after_claim")
-        result = self.execute(claim, token)
-        if result.dispatch is not None:
-            crash_point("after_checkpoint")
-            if result.ends_next and self.end_in_place and not result.dispatch.delay_seconds:
-                return self._end_here(result)
-        return result
+            try:
+                claim = self.store.claim(run_id, token, self.worker, self.settings.lease_seconds)
+            except DatabaseUnavailable as e:
+                # PostgreSQL is unreachable or out of connections: nothing was claimed (or, if
+                # the claim committed and its answer was lost, its lease lapses as any crash's
+                # would). The same message again in a few seconds, rather than the run waiting
+                # for the reaper's sweep; jittered, so a fleet's messages do not return at once.
+                delay = random.uniform(*CLAIM_RETRY_SECONDS)
+                log.warning(
+                    "run=%s could not be claimed (%s); its message comes back in %.1fs",
+                    short(run_id),
+                    e,
+                    delay,
+                    extra={"run_id": str(run_id)},
+                )
+                return StepResult(Outcome.WAITING, dispatch=Dispatch(run_id, token, delay))
+            if claim is None:
+                elsewhere = self._of_another_version(run_id, token)
+                if elsewhere is not None:
+                    return elsewhere
+                log.debug(
+                    "run=%s message dropped (stale, duplicate, or lease held)",
+                    short(run_id),
+                    extra={"run_id": str(run_id)},
+                )
+                return StepResult(Outcome.DROPPED)
+            crash_point("after_claim")
+            result = self.execute(claim, token)
+            if result.dispatch is not None:
+                crash_point("after_checkpoint")
+                if result.ends_next and self.end_in_place and not result.dispatch.delay_seconds:
+                    return self._end_here(result)
+            return result
 
     def _of_another_version(self, run_id: uuid.UUID, token: uuid.UUID) -> StepResult | None:
         """A message this worker could not claim because its run is of another version (it
