@@ -150,6 +150,9 @@ class _Watched:
     call; never a tool, whose effect may be half done)."""
     interrupted: threading.Event = field(default_factory=threading.Event)
     """Set (before ``cancelled``) when it stops for an interrupting message."""
+    published: bool = False
+    """Entries were queued for it: they are sent when the block ends, before the step that
+    follows is recorded (a client orders a delta before its step's durable events)."""
 
 
 class LiveChannel:
@@ -172,6 +175,9 @@ class LiveChannel:
         self._down_until = 0.0
         self._lock = threading.Condition()
         self._watched: dict[uuid.UUID, list[_Watched]] = {}
+        self._flag_keys: dict[uuid.UUID, tuple[str, str]] = {}
+        """The cancel and interrupt keys of each watched run, made once (polled 5 times a
+        second for every call in flight)."""
         self._watcher: threading.Thread | None = None
         self._closed = False
         self._outbox: collections.deque[tuple[bytes, int]] = collections.deque()
@@ -369,6 +375,8 @@ class LiveChannel:
         watched = _Watched(interruptible=interruptible)
         with self._lock:
             self._watched.setdefault(run_id, []).append(watched)
+            if run_id not in self._flag_keys:
+                self._flag_keys[run_id] = (cancel_key(run_id), interrupt_key(run_id))
             if self._watcher is None:
                 self._watcher = threading.Thread(
                     target=self._watch_loop, name="dar-cancel-watch", daemon=True
@@ -378,12 +386,15 @@ class LiveChannel:
         try:
             yield watched
         finally:
+            if watched.published:
+                self.flush()  # the call's last deltas out before its step's record
             with self._lock:
                 entries = self._watched.get(run_id, [])
                 if watched in entries:
                     entries.remove(watched)
                 if not entries:
                     self._watched.pop(run_id, None)
+                    self._flag_keys.pop(run_id, None)
 
     def _watch_loop(self) -> None:
         while True:
@@ -393,7 +404,8 @@ class LiveChannel:
                 if self._closed:
                     return
                 runs = list(self._watched)
-            keys = [cancel_key(r) for r in runs] + [interrupt_key(r) for r in runs]
+                pairs = [self._flag_keys[r] for r in runs]
+            keys = [c for c, _ in pairs] + [i for _, i in pairs]
             try:
                 flags = self.redis.mget(keys)
             except Exception:  # Redis down, or the client closed under us (close())
@@ -480,6 +492,7 @@ class RedisLiveCall:
 
     def delta(self, attempt: int, text: str) -> None:
         if (attempt, self._base) != self._head_of:
+            self._watched.published = True
             # the attempt's fields, encoded once; its first delta also keeps the stream a day
             self._head_of = (attempt, self._base)
             self._head = xadd_head(
