@@ -14,7 +14,11 @@ one model latency, so the ideal is ``latency x (steps + 1)`` from the first subm
 answer. ``ratio_to_ceiling`` is the runtime's call rate over min(ideal rate, bare-client
 rate). Memory per open call: the processes' RSS when most calls were open, less their RSS
 before the first submit, over the calls open then. CPU per call: the processes' CPU time
-over the calls made (PostgreSQL's and the fake's apart).
+(user + system of every thread, from /proc: not wall time) over the calls made
+(PostgreSQL's and the fake's apart); ``cpu_vs_bare`` the runtime's over the bare client's of
+the same run. And :mod:`bench.streamcpu`: CPU per streamed call of the runtime's client path
+(with and without the live stream) against the bare SDK, one process each, without the
+durable step around it.
 """
 
 from __future__ import annotations
@@ -345,6 +349,12 @@ def _ceiling(rt: dict[str, Any], bare: dict[str, Any]) -> None:
     floor_s = max(rt["ideal_s"], bare.get("elapsed_s") or rt["ideal_s"])
     rt["bare_elapsed_s"] = bare.get("elapsed_s")
     rt["ratio_to_ceiling"] = floor_s / rt["elapsed_s"] if rt.get("elapsed_s") else math.nan
+    # CPU time (not wall time) per call, each side's own processes, same run: ours over bare
+    rt["bare_cpu_ms_per_call"] = bare.get("cpu_ms_per_call")
+    rt["cpu_vs_bare"] = (
+        rt["cpu_ms_per_call"] / bare["cpu_ms_per_call"] if bare.get("cpu_ms_per_call") else math.nan
+    )
+    rt["bare_kib_per_open_call"] = bare.get("kib_per_open_call")
 
 
 def section_realclient(
@@ -354,9 +364,14 @@ def section_realclient(
     *,
     dbos: bool,
     no_stream: bool = True,
+    stream_cpu: tuple[int, int] | None = (200, 2000),
+    callgrind: bool = False,
 ) -> dict[str, Any]:
     """The figures listed in the module docstring, for each level (the first is also run
-    unstreamed, by the frameworks' agents at ``framework_level``, and on DBOS)."""
+    unstreamed, by the frameworks' agents at ``framework_level``, and on DBOS); with
+    ``stream_cpu`` (calls, latency ms), CPU per streamed call of the runtime's client path
+    against the bare SDK, one process each (:mod:`bench.streamcpu`; with ``callgrind`` also
+    instructions per call)."""
     from bench.dbos_bench import available as dbos_available
 
     out: dict[str, Any] = {
@@ -388,6 +403,15 @@ def section_realclient(
                     {"who": "runtime (Anthropic client)", "stream": True, **rt},
                 ]
                 _log(f"  -> {_brief(rt)}; bare {_brief(bare)}")
+            if stream_cpu is not None:
+                from bench import streamcpu
+
+                calls, latency_ms = stream_cpu
+                _log(f"CPU per streamed call, one process: {calls} x {latency_ms} ms, bare/ours")
+                out["stream_cpu"] = streamcpu.compare(
+                    fake.url, calls=calls, latency_ms=latency_ms, callgrind=callgrind
+                )
+                _log("  -> " + streamcpu.table(out["stream_cpu"]).replace("\n", "\n     "))
             if framework_level is not None:
                 for kind, agent in (("pydantic-ai", "bench-pai"), ("openai-agents", "bench-oai")):
                     _log(f"real client: bare {kind}, {framework_level.label()}")
@@ -443,8 +467,8 @@ def table(section: dict[str, Any]) -> str:
     """The section as a Markdown table."""
     head = (
         "| who | stream | runs x calls x latency | calls open at once (peak) | end (s) | ideal (s) "
-        "| vs ideal | vs min(ideal, bare) | CPU ms/call | PG CPU ms/call | KiB/open call "
-        "| all ok |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| vs ideal | vs min(ideal, bare) | CPU ms/call | CPU vs bare | PG CPU ms/call "
+        "| KiB/open call | all ok |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in section["rows"]:
@@ -453,9 +477,14 @@ def table(section: dict[str, Any]) -> str:
             f"| {r['runs']:,} x {r['steps']} x {r['latency_ms'] / 1000:g} s "
             f"| {r['peak_open']:,} | {r.get('elapsed_s', math.nan):.1f} | {r['ideal_s']:.0f} "
             f"| {r['ratio_to_ideal']:.2f} | {r.get('ratio_to_ceiling', math.nan):.2f} "
-            f"| {r['cpu_ms_per_call']:.1f} | {r['postgres_cpu_ms_per_call']:.1f} "
+            f"| {r['cpu_ms_per_call']:.1f} | {r.get('cpu_vs_bare', math.nan):.2f} "
+            f"| {r['postgres_cpu_ms_per_call']:.1f} "
             f"| {r['kib_per_open_call']:.0f} | {r.get('all_succeeded')} |"
         )
+    if section.get("stream_cpu"):
+        from bench import streamcpu
+
+        lines += ["", streamcpu.table(section["stream_cpu"])]
     return "\n".join(lines)
 
 
@@ -472,13 +501,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frameworks", default="200x1x10000", help="RUNSxSTEPSxMS, or 'none'")
     ap.add_argument("--no-dbos", action="store_true")
     ap.add_argument("--no-unstreamed", action="store_true")
+    ap.add_argument(
+        "--stream-cpu",
+        default="200x2000",
+        help="CALLSxMS: CPU per streamed call, ours vs the bare SDK, one process each; 'none'",
+    )
+    ap.add_argument("--callgrind", action="store_true", help="also instructions per call")
     args = ap.parse_args(argv)
     levels = tuple(Level.parse(x) for x in (args.level or ["2000x3x10000"]))
     fw = None if args.frameworks == "none" else Level.parse(args.frameworks)
     env = prepare()
     try:
+        sc = None if args.stream_cpu == "none" else Level.parse(f"0x{args.stream_cpu}")
         res = section_realclient(
-            env, levels, fw, dbos=not args.no_dbos, no_stream=not args.no_unstreamed
+            env,
+            levels,
+            fw,
+            dbos=not args.no_dbos,
+            no_stream=not args.no_unstreamed,
+            stream_cpu=(sc.steps, sc.latency_ms) if sc else None,
+            callgrind=args.callgrind,
         )
     finally:
         env.close()

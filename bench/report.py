@@ -460,8 +460,43 @@ def rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
                     r["ratio_to_ceiling"] >= 0.9 and bool(r.get("all_succeeded")),
                     ratio=r["ratio_to_ceiling"],
                 )
-            add("f", f"  CPU ms per call, {how}", r["cpu_ms_per_call"], "", None)
-            add("f", f"  KiB per open call, {how}", r["kib_per_open_call"], "", None, nd=0)
+            add(
+                "f",
+                f"  CPU ms per call (CPU time, not wall), {how}",
+                r["cpu_ms_per_call"],
+                "bare client's" if r.get("bare_cpu_ms_per_call") else "",
+                r.get("bare_cpu_ms_per_call"),
+            )
+            add(
+                "f",
+                f"  KiB per open call, {how}",
+                r["kib_per_open_call"],
+                "bare client's" if r.get("bare_kib_per_open_call") else "",
+                r.get("bare_kib_per_open_call"),
+                nd=0,
+            )
+        sc = real.get("stream_cpu") or {}
+        bare_sc = sc.get("bare") or {}
+        for mode, what in (("client", "runtime's client"), ("live", "client + live stream")):
+            if mode not in sc:
+                continue
+            add(
+                "f",
+                f"CPU ms per streamed call, one process, {what}",
+                sc[mode]["cpu_ms_per_call"],
+                "bare SDK's",
+                bare_sc.get("cpu_ms_per_call"),
+                nd=2,
+            )
+            if "instructions_per_call" in sc[mode]:
+                add(
+                    "f",
+                    f"  M instructions per streamed call (callgrind), {what}",
+                    sc[mode]["instructions_per_call"] / 1e6,
+                    "bare SDK's",
+                    (bare_sc.get("instructions_per_call") or 0) / 1e6 or None,
+                    nd=2,
+                )
     return out
 
 
