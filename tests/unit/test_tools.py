@@ -97,7 +97,8 @@ def test_literal_is_an_enum_also_inside_optional() -> None:
     # (its values in that order). The enum's order carries no meaning; its values and the
     # null do.
     priority = schema["properties"]["priority"]
-    assert list(priority) == ["enum"] and priority["enum"][-1] is None
+    assert list(priority) == ["enum"]
+    assert priority["enum"][-1] is None
     assert sorted(priority["enum"][:-1]) == ["high", "low"]
     assert schema["properties"]["level"] == {"enum": [1, 2, 3]}
     assert schema["required"] == ["status"]
