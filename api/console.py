@@ -38,6 +38,7 @@ PAGES = {
     "overview": "Overview",
     "diff": "Compare runs",
     "schedules": "Schedules",
+    "versions": "Versions",
 }
 
 
@@ -101,6 +102,13 @@ def schedules_page() -> Response:
     return _page("schedules")
 
 
+@bp.get("/versions")
+def versions_page() -> Response:
+    """The deployment versions, their workers and runs in flight; upgrades
+    (``/api/versions``)."""
+    return _page("versions")
+
+
 @bp.get("/overview")
 def overview_page() -> Response:
     return _page("overview")
@@ -122,7 +130,17 @@ def whoami() -> Response:
                 "roles": list(ROLES),
                 "approvalRoles": declared,
                 "can": {
-                    a: True for a in ("submit", "fork", "cancel", "resume", "resolve", "approve")
+                    a: True
+                    for a in (
+                        "submit",
+                        "fork",
+                        "cancel",
+                        "resume",
+                        "resolve",
+                        "approve",
+                        "versions",
+                        "upgrade",
+                    )
                 },
             }
         )
@@ -140,6 +158,8 @@ def whoami() -> Response:
                 "resume": principal.has("submit"),
                 "resolve": principal.has("admin"),
                 "approve": principal.has("approve") and any(principal.holds(r) for r in declared),
+                "versions": principal.has("metrics"),
+                "upgrade": principal.has("admin"),
             },
         }
     )

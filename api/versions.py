@@ -17,6 +17,7 @@ from api.errors import ApiError, invalid
 from api.state import state
 from api.validation import json_body
 from db.records import Deployment
+from runtime.agents import upgrade_policy
 from runtime.engine.deployment import agent_definition
 from runtime.engine.upgrade import MAX_UPGRADE, upgrade_runs
 from tasks.dispatch import send_drive
@@ -79,6 +80,9 @@ def versions() -> Response:
             "current": runtime.deployment,
             "unservedRuns": sum(d.in_flight for d in found if not _served(d, any_live)),
             "versions": body,
+            "upgradePolicies": {
+                n: upgrade_policy(runtime.agents.get(n)) for n in runtime.agents.names()
+            },
         }
     )
 

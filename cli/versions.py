@@ -80,6 +80,12 @@ def _versions(args: argparse.Namespace) -> int:
             f"{body['unservedRuns']} runs in flight belong to a version no worker serves: "
             "start a worker of it, or `dar upgrade VERSION`"
         )
+    replay = sorted(a for a, p in body.get("upgradePolicies", {}).items() if p == "replay")
+    if replay:
+        print(
+            f"upgraded by policy once their version is served no more: {', '.join(replay)} "
+            '(upgrade="replay")'
+        )
     return 0
 
 

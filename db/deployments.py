@@ -70,6 +70,15 @@ class DeploymentStore:
             rows = conn.execute(Q["live_deployments"], {"live_seconds": self.live_seconds})
             return {r.deployment for r in rows}
 
+    def newest_live(self) -> str | None:
+        """The live version that appeared last (first recorded its agents' definitions
+        latest): where an upgrade policy moves runs no live worker serves."""
+        with self._autocommit.connect() as conn:
+            row = conn.execute(
+                Q["newest_live_deployment"], {"live_seconds": self.live_seconds}
+            ).first()
+        return None if row is None else str(row.deployment)
+
     def count_unserved_runs(self) -> int:
         """Runs in flight of a version no live worker serves."""
         with self._autocommit.connect() as conn:

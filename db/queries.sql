@@ -1517,6 +1517,18 @@ WHERE (CAST(:deployment AS text) IS NULL OR deployment = CAST(:deployment AS tex
 ORDER BY created_at DESC
 LIMIT :limit;
 
+-- newest_live_deployment --
+-- Of the versions some live worker serves, the one that appeared last (its agents' definitions
+-- were first recorded latest): the version an upgrade policy moves unserved runs to.
+SELECT a.deployment
+FROM deployment_agent a
+WHERE a.deployment IN (
+    SELECT deployment FROM deployment_worker
+    WHERE last_seen >= now() - make_interval(secs => :live_seconds))
+GROUP BY a.deployment
+ORDER BY min(a.recorded_at) DESC, a.deployment DESC
+LIMIT 1;
+
 -- live_deployments --
 -- The versions some live worker serves (seen within :live_seconds).
 SELECT DISTINCT deployment FROM deployment_worker

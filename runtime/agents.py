@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from db.errors import DarError
+from runtime.config import UPGRADE_POLICIES as UPGRADE_POLICIES
+from runtime.config import check_upgrade_policy
 from runtime.mcp.servers import McpServer
 from runtime.tools import Tool
 
@@ -70,6 +72,11 @@ class Subagent:
         }
 
 
+def upgrade_policy(agent: object) -> str:
+    """The agent's upgrade policy (:data:`runtime.config.UPGRADE_POLICIES`)."""
+    return str(getattr(agent, "upgrade", "pinned"))
+
+
 @dataclass(frozen=True)
 class Agent:
     """An agent loop: the model decides, the tools run. A ``name`` (what runs are submitted
@@ -90,10 +97,15 @@ class Agent:
     :meth:`AgentRegistry.register_mcp_server`."""
     subagents: tuple[Subagent | str, ...] = ()
     """Agents the model may hand tasks to, as tools (:class:`Subagent`, or an agent's name)."""
+    upgrade: str = "pinned"
+    """How its runs move to a new version: ``"pinned"`` (by an operator) or ``"replay"`` (by
+    the new version's workers once the old version is served no more, after the replay
+    check): :data:`UPGRADE_POLICIES`."""
     tools_by_name: dict[str, Tool] = field(init=False, repr=False, compare=False)
     subagents_by_name: dict[str, Subagent] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        check_upgrade_policy(self.name, self.upgrade)
         by_name: dict[str, Tool] = {}
         for t in self.tools:
             if isinstance(t, str):
@@ -247,16 +259,19 @@ class AgentRegistry:
             resolved = tuple(self._tools[t] if isinstance(t, str) else t for t in agent.tools)
             self._agents[name] = replace(agent, tools=resolved)
 
-    def register(self, agent: Any, **options: Any) -> AnyAgent:
+    def register(self, agent: Any, *, upgrade: str | None = None, **options: Any) -> AnyAgent:
         """Add an agent: ours (:class:`Agent`, a durable function), or a framework's
         (a ``pydantic_ai.Agent``, an OpenAI Agents SDK ``agents.Agent``), which runs as the
         durable function :mod:`runtime.frameworks` makes of it (``options``: the adapter's,
-        e.g. ``deps=`` for a Pydantic AI agent)."""
+        e.g. ``deps=`` for a Pydantic AI agent). ``upgrade``: its upgrade policy
+        (:data:`UPGRADE_POLICIES`), in place of the one it was declared with."""
         from runtime.frameworks import adapt
 
         adapted = adapt(agent, **options)
         if adapted is not None:
             agent = adapted
+        if upgrade is not None:
+            agent = replace(agent, upgrade=check_upgrade_policy(agent.name, upgrade))
         if agent.name in self._agents:
             raise AgentConfigError(f"two agents are registered under the name {agent.name!r}")
         self._agents[agent.name] = agent

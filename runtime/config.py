@@ -36,6 +36,24 @@ class ConfigError(DarError):
     """Invalid configuration."""
 
 
+UPGRADE_POLICIES = ("pinned", "replay")
+"""How an agent's runs move to a new version (``upgrade=`` when it is declared or registered):
+
+- ``"pinned"`` (the default): a run stays on the version it started on until an operator
+  upgrades it (``POST /api/versions/{v}/upgrade``, ``dar upgrade``);
+- ``"replay"``: once no live worker serves a run's version, the newest live version's
+  workers upgrade it themselves, through the same replay check (runtime.engine.upgrade)."""
+
+
+def check_upgrade_policy(owner: str, policy: object) -> str:
+    if policy not in UPGRADE_POLICIES:
+        raise ConfigError(
+            f"agent {owner!r}: upgrade={policy!r} is not a policy "
+            f"(one of: {', '.join(repr(p) for p in UPGRADE_POLICIES)})"
+        )
+    return str(policy)
+
+
 def _get(env: Mapping[str, str], name: str, default: str) -> str:
     value = env.get(name, "").strip()
     return value if value else default

@@ -10,7 +10,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from celery import Celery
 from prometheus_client import CollectorRegistry, start_http_server
@@ -23,12 +23,49 @@ from runtime.engine import sweeps
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.deployment import agent_definition
 from runtime.engine.driver import Driver, Outcome
+from runtime.engine.upgrade import PolicyMemo, upgrade_by_policy
 from runtime.observe.metrics import Metrics
 from runtime.pipeline.heartbeat import Heartbeat
 from tasks.dispatch import LOOKUP, send_drive
 from tasks.names import DRIVE_RUN, REAP, RETENTION, STATS_ROLLUP
 
 log = logging.getLogger(__name__)
+
+
+class Registration:
+    """This worker's row in ``deployment_worker`` (what ``GET /api/versions`` counts as a
+    live worker of its version): renewed at every heartbeat, removed when the worker stops
+    cleanly. Once :meth:`leave` is called it is never written again, so the heartbeat that
+    keeps renewing the leases of the steps still finishing cannot bring it back."""
+
+    def __init__(self, versions: DeploymentStore, worker: str, deployment: str) -> None:
+        self.versions = versions
+        self.worker = worker
+        self.deployment = deployment
+        self._lock = threading.Lock()
+        self._left = False
+
+    @property
+    def left(self) -> bool:
+        return self._left
+
+    def seen(self) -> bool:
+        """Renew the row; ``False`` once the worker has left (nothing written)."""
+        with self._lock:  # a renewal in progress ends before leave() deletes
+            if self._left:
+                return False
+            self.versions.worker_seen(self.worker, self.deployment)
+            return True
+
+    def leave(self) -> bool:
+        """Serve nothing from now on: the row goes at once (a kill -9 leaves it to age out).
+        Returns whether this was the first call; any call deletes again (and waits for one
+        in progress), so the last one before the process exits is sure to have ended."""
+        with self._lock:
+            first = not self._left
+            self._left = True
+            self.versions.worker_gone(self.worker, self.deployment)
+            return first
 
 
 @dataclass
@@ -39,6 +76,8 @@ class WorkerState:
     heartbeat: Heartbeat
     driver: Driver
     registry: CollectorRegistry
+    registration: Registration | None = None
+    policy_memo: PolicyMemo = field(default_factory=PolicyMemo)
 
 
 _state_lock = threading.Lock()
@@ -66,7 +105,7 @@ def worker_state(app: Celery) -> WorkerState:
             lease_seconds=settings.lease_seconds,
             interval_seconds=settings.heartbeat_seconds,
         )
-        serve_deployment(app, runtime, heartbeat)
+        registration = serve_deployment(app, runtime, heartbeat)
         heartbeat.start()
         registry = CollectorRegistry()
         metrics = Metrics(registry)
@@ -79,16 +118,17 @@ def worker_state(app: Celery) -> WorkerState:
             except OSError as e:
                 log.error("worker metrics port %d unavailable: %s", settings.metrics_port, e)
         driver = runtime.driver(heartbeat=heartbeat, metrics=metrics)
-        state = WorkerState(runtime, heartbeat, driver, registry)
+        state = WorkerState(runtime, heartbeat, driver, registry, registration)
         setattr(app, "dar_state", (os.getpid(), state))  # noqa: B010 - Celery has no slot
         log.info("worker %s ready (pid %d)", settings.worker_name, os.getpid())
         return state
 
 
-def serve_deployment(app: Celery, runtime: Runtime, heartbeat: Heartbeat) -> None:
+def serve_deployment(app: Celery, runtime: Runtime, heartbeat: Heartbeat) -> Registration | None:
     """This worker drives runs of its version (the queue the worker's main process chose,
     :func:`tasks.signals.connect_signals`) and says so at every heartbeat
-    (``GET /api/versions``)."""
+    (``GET /api/versions``). A prefork pool's child does not say so: its main process, the
+    one that consumes the version's queue, does, and only it knows when it stops."""
     chosen: str | None = getattr(app.conf, "dar_deployment", None)
     if chosen and chosen != runtime.deployment:
         log.warning(
@@ -101,15 +141,16 @@ def serve_deployment(app: Celery, runtime: Runtime, heartbeat: Heartbeat) -> Non
         )
         runtime.store.deployment = chosen
     deployment = runtime.deployment
-    if deployment is None:
-        return
+    if deployment is None or getattr(app, "dar_pool_child", False):
+        return None
     versions = DeploymentStore(runtime.lease_store().engine)
-    worker = runtime.settings.worker_name
+    registration = Registration(versions, runtime.settings.worker_name, deployment)
     definitions = {n: agent_definition(runtime.agents.get(n)) for n in runtime.agents.names()}
     recorded: list[bool] = []
 
     def seen() -> None:
-        versions.worker_seen(worker, deployment)
+        if not registration.seen():
+            return
         if not recorded:  # once: what a later upgrade's replay check compares with
             versions.record_definitions(deployment, definitions)
             recorded.append(True)
@@ -120,6 +161,7 @@ def serve_deployment(app: Celery, runtime: Runtime, heartbeat: Heartbeat) -> Non
     except Exception as e:  # the database away: the heartbeat says it later
         log.warning("could not record the version this worker serves yet: %s", e)
     heartbeat.also_renew(seen)
+    return registration
 
 
 def warn_if_renamed(
@@ -168,18 +210,55 @@ def served_sender(app: Celery, runtime: Runtime) -> Callable[[Dispatch], bool]:
     return send
 
 
+def upgrade_unserved(app: Celery, state: WorkerState) -> int:
+    """The agents' upgrade policies (:func:`upgrade_by_policy`): runs of an ``upgrade="replay"``
+    agent that no live worker serves move to this worker's version when it is the newest
+    live one and their history replays clean. Returns how many moved."""
+    runtime = state.runtime
+    here = runtime.deployment
+    if here is None or (state.registration is not None and state.registration.left):
+        return 0  # (a worker that is leaving takes no run over)
+    try:
+        reports = upgrade_by_policy(
+            runtime.store,
+            runtime.deployments,
+            runtime.agents,
+            here,
+            send=lambda d: send_drive(app, runtime.store, d, deployment=here),
+            memo=state.policy_memo,
+        )
+    except Exception:  # the next sweep tries again
+        log.exception("the agents' upgrade policies could not run")
+        return 0
+    return sum(len(r.moved) for r in reports)
+
+
+def stop_serving(app: Celery) -> bool:
+    """This worker process serves its version no more (a warm shutdown began: it takes no
+    new message, and finishes the steps it holds): its row goes now, so ``GET
+    /api/versions`` and the unserved-runs gauge say so at once, not when the row ages out.
+    Returns whether a row was removed."""
+    held: tuple[int, WorkerState] | None = getattr(app, "dar_state", None)
+    if held is None or held[0] != os.getpid() or held[1].registration is None:
+        return False
+    registration = held[1].registration
+    try:
+        first = registration.leave()
+    except Exception as e:  # the database away: the row ages out by its heartbeat
+        log.warning("could not record that this worker stopped serving: %s", e)
+        return False
+    if first:
+        log.info(
+            "worker %s serves version %s no more", registration.worker, registration.deployment
+        )
+    return True
+
+
 def stop_worker_state(app: Celery) -> None:
     held: tuple[int, WorkerState] | None = getattr(app, "dar_state", None)
     if held is not None and held[0] == os.getpid():
         held[1].heartbeat.stop()
-        deployment = held[1].runtime.deployment
-        if deployment is not None:
-            try:
-                DeploymentStore(held[1].runtime.lease_store().engine).worker_gone(
-                    held[1].runtime.settings.worker_name, deployment
-                )
-            except Exception as e:
-                log.warning("could not record that this worker stopped serving: %s", e)
+        stop_serving(app)
         if getattr(app, "dar_runtime", None) is None:
             held[1].runtime.close()
     setattr(app, "dar_state", None)  # noqa: B010
@@ -220,7 +299,9 @@ def register_tasks(app: Celery) -> None:
         timer is due, and apply expired approvals' policies (:func:`sweeps.reap`)."""
         state = worker_state(app)
         store = state.runtime.store
-        return sweeps.reap(store, state.runtime.settings, served_sender(app, state.runtime))
+        sent = sweeps.reap(store, state.runtime.settings, served_sender(app, state.runtime))
+        upgrade_unserved(app, state)
+        return sent
 
     @app.task(name=RETENTION, ignore_result=True, shared=False)
     def retention() -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from runtime.engine.deployment import deployment_version, queue_name
 from runtime.engine.preflight import check_startup
 from runtime.observe.logctx import configure_logging, set_process_worker
 from runtime.observe.tracing import configure_from_env
-from tasks.drive import stop_worker_state, worker_state
+from tasks.drive import stop_serving, stop_worker_state, worker_state
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,21 @@ def consume_own_version(app: Celery, worker: Any, registry: AgentRegistry) -> st
     return deployment
 
 
+def beside(fn: Callable[..., object], *args: Any) -> None:
+    """Call ``fn(*args)`` beside the caller, a signal handler: in a greenlet under the gevent
+    pool (where the handler runs in the event loop, and a thread's start would block it), else
+    in a daemon thread."""
+    if "gevent" in sys.modules:
+        from gevent import monkey
+
+        if monkey.is_module_patched("threading"):
+            import gevent
+
+            gevent.spawn(fn, *args)
+            return
+    threading.Thread(target=fn, args=args, name="dar-beside", daemon=True).start()
+
+
 def connect_signals(app: Celery) -> None:
     @signals.worker_init.connect(weak=False)
     def _check_config(sender: Any = None, **_: Any) -> None:
@@ -105,6 +122,19 @@ def connect_signals(app: Celery) -> None:
         from tasks.beat import start_schedule_loop
 
         start_schedule_loop(app, app.conf.dar_settings)
+
+    @signals.worker_process_init.connect(weak=False)
+    def _pool_child(**_: Any) -> None:
+        # A prefork pool's child: the main process says which version this worker serves
+        # (and stops saying so when it stops); a child's heartbeat must not say it again.
+        setattr(app, "dar_pool_child", True)  # noqa: B010 - Celery has no slot
+
+    @signals.worker_shutting_down.connect(weak=False)
+    def _stop_serving(**_: Any) -> None:
+        # SIGTERM (a warm shutdown): the worker takes no new message from now on, so its
+        # version is served by it no more, even while its steps in flight finish. Sent from
+        # the signal handler: the database call runs beside it, not inside it.
+        beside(stop_serving, app)
 
     @signals.worker_shutdown.connect(weak=False)
     def _stop_heartbeats(**_: Any) -> None:

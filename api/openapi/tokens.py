@@ -37,9 +37,20 @@ def schemas(c: Context) -> JsonObj:
                 },
                 "can": {
                     "type": "object",
+                    "description": "what the console may offer this token (versions: read "
+                    "GET /api/versions, the metrics role; upgrade: POST an upgrade, admin)",
                     "properties": {
                         a: {"type": "boolean"}
-                        for a in ("submit", "cancel", "resume", "resolve", "approve")
+                        for a in (
+                            "submit",
+                            "fork",
+                            "cancel",
+                            "resume",
+                            "resolve",
+                            "approve",
+                            "versions",
+                            "upgrade",
+                        )
                     },
                 },
             },

@@ -98,6 +98,14 @@ def schemas(c: object = None) -> JsonObj:
                 "type": "integer",
                 "description": "runs in flight of versions no live worker serves",
             },
+            "upgradePolicies": {
+                "type": "object",
+                "description": "each agent of this web process's version, with its upgrade "
+                "policy: pinned (an operator upgrades its runs) or replay (the newest live "
+                "version's workers upgrade the runs of a version no live worker serves, after "
+                "the same replay check, audited with the actor policy)",
+                "additionalProperties": {"type": "string", "enum": ["pinned", "replay"]},
+            },
             "versions": {
                 "type": "array",
                 "items": {

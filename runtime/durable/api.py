@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from db.records import Usage
+from runtime.config import check_upgrade_policy
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.live_call import LiveCall
 from runtime.mcp.servers import McpServer
@@ -92,8 +93,12 @@ class DurableAgent:
     mcp_servers: tuple[McpServer | str, ...] = ()
     """MCP servers ``steps.tool(server, tool, arguments)`` may call (or names of servers
     configured in ``DAR_MCP_SERVERS``)."""
+    upgrade: str = "pinned"
+    """How its runs move to a new version: ``"pinned"`` (by an operator) or ``"replay"``
+    (automatically, after the replay check): ``runtime.agents.UPGRADE_POLICIES``."""
 
     def __post_init__(self) -> None:
+        check_upgrade_policy(self.name, self.upgrade)
         if self.input_type is None:
             params = list(inspect.signature(self.fn).parameters)
             hints = typing.get_type_hints(self.fn)
@@ -107,9 +112,12 @@ def durable_agent(
     max_steps: int | None = None,
     on_approval: Callable[[ApprovalRequest], None] | None = None,
     mcp_servers: Sequence[McpServer | str] = (),
+    upgrade: str = "pinned",
 ) -> Callable[[Callable[[Any, Steps], Any]], DurableAgent]:
     """Declare ``fn(input, steps)`` a durable function called ``name``; register the result
-    with ``registry.register(...)`` in your module's ``register(registry)``."""
+    with ``registry.register(...)`` in your module's ``register(registry)``. ``upgrade``:
+    ``"replay"`` moves its runs to a new version by themselves once their version is served
+    no more, after a clean replay check (``"pinned"``, the default: an operator does)."""
 
     def wrap(fn: Callable[[Any, Steps], Any]) -> DurableAgent:
         return DurableAgent(
@@ -119,6 +127,7 @@ def durable_agent(
             max_steps=max_steps,
             on_approval=on_approval,
             mcp_servers=tuple(mcp_servers),
+            upgrade=upgrade,
         )
 
     return wrap

@@ -29,7 +29,10 @@ from sqlalchemy import Engine, text
 from api.auth import hash_token
 from cli.devstack import CODE_ROOT, DevStack
 from cli.embedded import free_port
+from db.engine import make_engine
+from db.records import NewRun
 from db.schema import metadata
+from db.store import RunStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.timeout(120)]
 
@@ -689,3 +692,86 @@ def test_overview_charts_over_24h_and_7d(tab: Tab, console: Console) -> None:
     page.get_by_label("last 7 days").check()
     page.locator("#c-finished-sum").filter(has_text="last 7d").wait_for()
     assert_every_control_labelled(tab)
+
+
+def test_versions_show_what_is_served_and_an_upgrade_shows_its_check(
+    tab: Tab, console: Console
+) -> None:
+    """The versions panel: this stack's version, served by its two workers; a version no
+    worker serves (its workers were stopped) highlighted, its runs waiting; a check, then an
+    upgrade from the panel, each with its report: the run that replays clean moves and
+    finishes on this version's workers, the run of an agent this version no longer has stays,
+    its divergence shown."""
+    page = tab.page
+    current = console.call("GET", "/api/versions")["current"]
+    engine = make_engine(console.stack.database_url, pool_size=1)
+    old = RunStore(engine, deployment="v-old")
+    try:
+        runs = {}
+        for agent in ("acme-tickets", "retired-agent"):
+            run, _ = old.create_run(
+                NewRun(
+                    agent=agent,
+                    input="Which acme tickets are overdue?",
+                    model="claude-sonnet-4-5",
+                    max_steps=20,
+                    token_budget=50_000,
+                    timeout_seconds=600,
+                    tenant="acme",
+                )
+            )
+            runs[agent] = str(run.id)
+        clean, divergent = runs["acme-tickets"], runs["retired-agent"]
+
+        sign_in(tab, OPS, "/versions")
+        waiting = page.locator("#versions tr.unserved[data-deployment='v-old']")
+        waiting.wait_for()
+        assert waiting.locator("td.served").inner_text() == "no: its runs wait"
+        assert waiting.locator("td.in-flight").inner_text() == "2"
+        served = page.locator(f"#versions tr[data-deployment='{current}']")
+        assert served.locator("td.served").inner_text() == "yes"
+        assert "2 live" in served.locator("td").nth(2).inner_text()
+        assert served.get_by_role("button").count() == 0, "no upgrade of this version to itself"
+        page.locator("#versions-summary").filter(has_text="2 run(s) in flight wait").wait_for()
+        page.locator("#policies li[data-agent='acme-tickets']").filter(has_text="pinned").wait_for()
+        assert_every_control_labelled(tab)
+
+        page.get_by_role("button", name="Check the runs of v-old").click()
+        report = page.locator("#report")
+        report.filter(has_text="Check (nothing moved)").wait_for()
+        page.locator(f"#report-runs tr[data-run-id='{clean}'] td.outcome").filter(
+            has_text="would move"
+        ).wait_for()
+        stays = page.locator(f"#report-runs tr.diverged[data-run-id='{divergent}']")
+        assert stays.locator("td.outcome").inner_text() == "stays"
+        assert "retired-agent" in stays.locator("td.divergence").inner_text()
+        assert {old.get_run(uuid.UUID(r)).deployment for r in runs.values()} == {"v-old"}
+
+        page.get_by_role("button", name=f"Upgrade the runs of v-old to {current}").click()
+        page.locator(f"#report-runs tr[data-run-id='{clean}'] td.outcome").filter(
+            has_text="moved"
+        ).wait_for()
+        assert "retired-agent" in stays.locator("td.divergence").inner_text()
+        page.locator("#versions-summary").filter(has_text="1 run(s) in flight wait").wait_for()
+        tab.shot("versions")
+        assert console.wait_status(clean, "SUCCEEDED")["deployment"] == current
+        assert old.get_run(uuid.UUID(divergent)).deployment == "v-old"
+        audit = [e for e in old.audit_events(uuid.UUID(clean)) if e.action == "upgrade"]
+        assert [(e.actor, e.detail["from"], e.detail["to"]) for e in audit] == [
+            ("ops", "v-old", current)
+        ]
+
+        # The last check's report outlives a reload (kept in this tab's session storage).
+        page.reload()
+        page.locator("body[data-ready='1']").wait_for()
+        page.locator(f"#report-runs tr[data-run-id='{clean}'] td.outcome").filter(
+            has_text="moved"
+        ).wait_for()
+
+        # A read-only token: no versions (they take the metrics role), no upgrade.
+        page.evaluate("sessionStorage.clear()")
+        sign_in(tab, VIEWER, "/versions")
+        page.locator("#versions-note").filter(has_text="metrics role").wait_for()
+        assert page.get_by_role("button", name=re.compile("Upgrade|Check")).count() == 0
+    finally:
+        engine.dispose()

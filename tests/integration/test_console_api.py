@@ -169,6 +169,8 @@ def test_whoami_with_tokens(runtime: Runtime, celery: Celery) -> None:
         "resume": True,
         "resolve": True,
         "approve": False,  # admin does not imply approval roles
+        "versions": True,
+        "upgrade": True,
     }
     assert admin["approvalRoles"] == []
     lead = client.get("/api/whoami", headers=_bearer("l")).get_json()

@@ -1300,11 +1300,135 @@ function schedulesPage() {
   watch(load, 5000);
 }
 
+// -- versions -------------------------------------------------------------------------------
+
+const REPORT_KEY = "dar.lastCheck";
+
+function divergenceText(d) {
+  if (!d) return "";
+  return `${d.seq === null ? "the run" : `seq ${d.seq}`}: recorded ${d.recorded}; the new code: ${d.asked}`;
+}
+
+/** The report of an upgrade (or of a check: dryRun) as POST /api/versions/{v}/upgrade
+ *  returned it: each run checked, whether it moved, and the first divergence of those that
+ *  stay. */
+function renderReport(report) {
+  const section = $("#report");
+  if (!report) {
+    section.hidden = true;
+    return;
+  }
+  section.hidden = false;
+  const what = report.dryRun ? "Check (nothing moved)" : "Upgrade";
+  $("#report-summary").textContent = `${what} of version ${report.from} to ${report.to}: `
+    + `${report.checked} run(s) checked, ${report.moved.length} moved, `
+    + `${report.stayed.length} stay (their history does not replay), `
+    + `${report.busy.length} busy (held by a worker: try again).`;
+  const tbody = clear($("#report-runs tbody"));
+  for (const r of report.runs) {
+    let outcome = "stays";
+    if (r.moved) outcome = "moved";
+    else if (r.busy) outcome = "busy";
+    else if (r.clean) outcome = report.dryRun ? "would move" : "clean";
+    tbody.append(h("tr", { "data-run-id": r.runId, class: r.clean ? null : "diverged" },
+      h("td", {}, runLink(r.runId)), h("td", {}, r.agent), h("td", { class: "num" }, r.steps),
+      h("td", { class: "outcome" }, outcome), h("td", { class: "divergence" }, divergenceText(r.divergence)),
+      h("td", {}, (r.configurationChanges || []).join("; "))));
+  }
+  if (!report.runs.length) {
+    tbody.append(h("tr", {}, h("td", { colspan: 6 }, "No run of this version to move.")));
+  }
+}
+
+function versionsPage() {
+  const note = $("#versions-note");
+  if (!me.can.versions) {
+    note.hidden = false;
+    note.textContent = "This token cannot read the versions: that takes the metrics role.";
+    return;
+  }
+  let stored = null;
+  try {
+    stored = JSON.parse(sessionStorage.getItem(REPORT_KEY) || "null");
+  } catch {
+    stored = null;
+  }
+  renderReport(stored);
+  let shown = null;
+  const upgrade = async (deployment, dryRun, button) => {
+    button.disabled = true;
+    try {
+      const path = `/api/versions/${encodeURIComponent(deployment)}/upgrade`;
+      const report = await api("POST", path, { dryRun });
+      sessionStorage.setItem(REPORT_KEY, JSON.stringify(report));
+      renderReport(report);
+      flash(dryRun
+        ? `Checked ${report.checked} run(s) of ${deployment}: ${report.stayed.length} would stay.`
+        : `Moved ${report.moved.length} run(s) of ${deployment} to ${report.to}; `
+          + `${report.stayed.length} stay.`);
+      shown = null;
+      await load();
+    } catch (e) {
+      flash(e.message, true);
+    } finally {
+      button.disabled = false;
+    }
+  };
+  const load = async () => {
+    const data = await api("GET", "/api/versions");
+    // Workers' heartbeats change lastSeen every few seconds: redraw only what a person sees
+    // (so a button is not replaced under the pointer).
+    const key = JSON.stringify([data.current, data.unservedRuns, data.upgradePolicies,
+      data.versions.map((v) => [v.deployment, v.served, v.runs,
+        v.workers.map((w) => [w.worker, w.live])])]);
+    if (key === shown) return;
+    shown = key;
+    const summary = $("#versions-summary");
+    summary.textContent = data.unservedRuns
+      ? `${data.unservedRuns} run(s) in flight wait for a version no live worker serves.`
+      : "Every run in flight is of a version a live worker serves.";
+    summary.className = data.unservedRuns ? "error" : "";
+    const tbody = clear($("#versions tbody"));
+    for (const v of data.versions) {
+      const name = v.deployment === null ? "(none)" : v.deployment;
+      const current = v.deployment === data.current;
+      const unserved = !v.served && v.inFlight > 0;
+      const live = v.workers.filter((w) => w.live).map((w) => w.worker);
+      const actions = h("div", { class: "actions" });
+      if (me.can.upgrade && data.current && !current && v.deployment !== null) {
+        const check = h("button", { type: "button", class: "secondary",
+          "aria-label": `Check the runs of ${name}` }, "Check");
+        check.addEventListener("click", () => upgrade(v.deployment, true, check));
+        const move = h("button", { type: "button",
+          "aria-label": `Upgrade the runs of ${name} to ${data.current}` },
+          `Upgrade to ${data.current}`);
+        move.addEventListener("click", () => upgrade(v.deployment, false, move));
+        actions.append(check, move);
+      }
+      const statuses = Object.entries(v.runs).map(([st, n]) => h("span", {},
+        badge(st), ` ${n} `));
+      tbody.append(h("tr", { "data-deployment": name, class: unserved ? "unserved" : null },
+        h("td", {}, h("code", {}, name), current ? h("span", { class: "note" }, "this web's") : ""),
+        h("td", { class: "served" }, v.served ? "yes" : (unserved ? "no: its runs wait" : "no")),
+        h("td", {}, live.length ? `${live.length} live: ${live.join(", ")}` : "none live"),
+        h("td", { class: "num in-flight" }, v.inFlight),
+        h("td", {}, statuses.length ? statuses : "none"),
+        h("td", {}, actions)));
+    }
+    $("#versions-empty").hidden = data.versions.length > 0;
+    const policies = clear($("#policies"));
+    for (const [agent, policy] of Object.entries(data.upgradePolicies || {})) {
+      policies.append(h("li", { "data-agent": agent }, `${agent}: `, h("code", {}, policy)));
+    }
+  };
+  watch(load, 3000);
+}
+
 // -- start ----------------------------------------------------------------------------------
 
 const PAGES = {
   runs: runsPage, run: runPage, approvals: approvalsPage, attention: attentionPage,
-  overview: overviewPage, diff: diffPage, schedules: schedulesPage,
+  overview: overviewPage, diff: diffPage, schedules: schedulesPage, versions: versionsPage,
 };
 let started = false;
 
