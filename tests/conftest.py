@@ -83,12 +83,17 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         config.option.durations = 25
 
 
-# CI's whole run must end within 15 minutes (900 s): the install, lint and docs build take
-# ~100 s and the oldest-framework run ~50 s on its two cores, so the suite's share is this
-# many seconds of `pytest --all`. Measured on an idle CI machine: 495 s (2026-12-07). A CI
-# run (CI=true) whose suite takes longer fails here, naming its slowest files, so growth is
-# seen while a landing still fits, not when one times out.
-SUITE_BUDGET_SECONDS = float(os.environ.get("DAR_SUITE_BUDGET_SECONDS", "720"))
+# CI's whole run must end within 15 minutes (900 s) and aims at 8: the install, lint, docs
+# build and the oldest-framework run take ~110 s before the suite on its two cores (.ci/run
+# overlaps them), so the suite's share is this many seconds of `pytest --all`. The aim is 6
+# minutes (360 s), not reached yet: measured from a clean clone on 2026-12-07 with other work
+# on the same two cores (load 8-14), 809 s for 1,572 tests, where the tree before issue 38's
+# item 3 took 1,020 s without 19 of them (and 493 s on an idle machine): ~390 s expected
+# idle. 540 s is that plus a margin for a CI host that is not idle (one was 26% slower), and
+# above the last idle measurement of the older, slower tree. A CI run (CI=true) whose suite
+# takes longer fails here, naming its slowest files, so growth is seen while a landing still
+# fits, not when one times out.
+SUITE_BUDGET_SECONDS = float(os.environ.get("DAR_SUITE_BUDGET_SECONDS", "540"))
 
 
 def _budgeted(config: pytest.Config) -> bool:
@@ -177,22 +182,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # The longest files of `pytest --all`, longest first (seconds of one process, summed over
-# the file's tests, on CI's two cores, from `--durations`). Handed out first and in this
-# order, the longest are never the last thing a process starts. A stale entry costs minutes
-# of CI, never a result: keep it roughly in step when a file grows past a minute.
+# the file's tests, from `--durations`; the order measured on a loaded machine, 2026-12-07,
+# after the partition test shared its stack and the framework kill tests stopped waiting
+# leases out). Handed out first and in this order, the longest are never the last thing a
+# process starts. A stale entry costs minutes of CI, never a result: keep it roughly in step
+# when a file grows past a minute.
 LONGEST_FILES = (
-    "tests/e2e/test_kill_worker_frameworks_sdk.py",
-    "tests/chaos/test_partition.py",
-    "tests/e2e/test_kill_worker_frameworks.py",
     "tests/integration/test_api_fuzz.py",
+    "tests/e2e/test_kill_worker_frameworks_sdk.py",
     "tests/e2e/test_readme_commands.py",
-    "tests/chaos/test_pg_restart.py",
-    "tests/e2e/test_rate_limits.py",
-    "tests/e2e/test_startup.py",
-    "tests/e2e/test_kill_worker_mcp.py",
-    "tests/e2e/test_serving.py",
-    "tests/e2e/test_kill_worker.py",
+    "tests/unit/test_tiers.py",
+    "tests/integration/test_stats_rollup.py",
     "tests/chaos/test_chaos.py",
+    "tests/e2e/test_rate_limits.py",
+    "tests/e2e/test_kill_worker_frameworks.py",
+    "tests/e2e/test_serving.py",
+    "tests/chaos/test_pg_restart.py",
+    "tests/chaos/test_partition.py",
+    "tests/e2e/test_startup.py",
+    "tests/e2e/test_kill_worker.py",
+    "tests/e2e/test_kill_worker_mcp.py",
 )
 
 

@@ -107,8 +107,11 @@ class Partition:
     store: RunStore
 
 
-@pytest.fixture
-def partition() -> Iterator[Partition]:
+@pytest.fixture(scope="module")
+def partition_stack() -> Iterator[Partition]:
+    """One stack for the file's four modes: its private PostgreSQL (an initdb), Redis and six
+    processes took ~30 s to start and stop per mode. Each mode ends with every run ended and
+    worker-P working again by itself (the test asserts it), which is where the next begins."""
     tmp = Path(tempfile.mkdtemp(prefix="dar-partition-"))
     with FakeMessagesApi(default_responder=Responder()) as fake:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DAR_", "ANTHROPIC_"))}
@@ -172,6 +175,18 @@ def partition() -> Iterator[Partition]:
             print(f"partition: process logs in {stack.log_dir}", flush=True)
 
 
+@pytest.fixture
+def partition(partition_stack: Partition) -> Partition:
+    """The file's stack with both of worker-P's ways passing traffic (a mode that failed
+    half-way may have left one cut) and every process of it running."""
+    p = partition_stack
+    p.proxy.heal()
+    p.broker_proxy.heal()
+    for name, proc in p.stack.processes.items():
+        assert proc.poll() is None, f"{name} exited (code {proc.returncode}) in an earlier mode"
+    return p
+
+
 def _submit(p: Partition, tag: str) -> uuid.UUID:
     body = {"input": f"[part {tag}] Remind the owner of ticket 101.", "tokenBudget": 1_000_000}
     req = urllib.request.Request(
@@ -219,7 +234,7 @@ def test_a_partitioned_worker_is_fenced_loses_no_token_and_recovers(
     partition: Partition, mode: str
 ) -> None:
     p = partition
-    prefix = mode[0]
+    prefix = mode[:3]  # the runs' tags, unique across the modes sharing the stack and the fake
     runs = {f"{prefix}{i:02d}": _submit(p, f"{prefix}{i:02d}") for i in range(RUNS)}
 
     def held_by_p() -> dict[uuid.UUID, int]:

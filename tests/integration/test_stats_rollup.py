@@ -37,52 +37,60 @@ def _history(store: RunStore, runs: int = 160, seed: int = 27) -> list[uuid.UUID
     without their model: the cost is the run's model's)."""
     rng = random.Random(seed)
     ids = []
+    ended: list[dict[str, object]] = []
+    steps: list[dict[str, object]] = []
+    for i in range(runs):
+        run, _ = store.create_run(
+            NewRun(
+                agent="stats-agent",
+                input=f"run {i}",
+                model=MODELS[i % 2],
+                max_steps=50,
+                token_budget=100_000,
+                timeout_seconds=600,
+                tenant=TENANTS[i % 3],
+            )
+        )
+        ids.append(run.id)
+        # The newest runs end within the current hour (the part the roll-up never holds).
+        age = rng.uniform(0, 3600) if i < 12 else rng.uniform(0, WEEK + 3 * 3600)
+        status = rng.choice(("SUCCEEDED", "SUCCEEDED", "FAILED", "CANCELLED", "TIMED_OUT"))
+        ended.append({"status": status, "age": age, "id": run.id})
+        for seq in range(1, rng.randrange(2, 7)):
+            model_step = seq % 2 == 1
+            steps.append(
+                {
+                    "id": run.id,
+                    "seq": seq,
+                    "key": f"s:{seq}",
+                    "kind": "MODEL" if model_step else "TOOL",
+                    "model": (None if seq == 3 else MODELS[seq % 2]) if model_step else None,
+                    "cost": Decimal(rng.randrange(1, 9000)) / 10**6 if model_step else 0,
+                    "latency": rng.randrange(200, 5000) if model_step else None,
+                    "age": age,
+                    "took": rng.uniform(0.01, 30),
+                }
+            )
+    # The ends and the step rows in two batches (one statement each, pipelined), not a round
+    # trip per row: ~700 of them per history took most of this file's time.
     with store.engine.begin() as conn:
-        for i in range(runs):
-            run, _ = store.create_run(
-                NewRun(
-                    agent="stats-agent",
-                    input=f"run {i}",
-                    model=MODELS[i % 2],
-                    max_steps=50,
-                    token_budget=100_000,
-                    timeout_seconds=600,
-                    tenant=TENANTS[i % 3],
-                )
-            )
-            ids.append(run.id)
-            # The newest runs end within the current hour (the part the roll-up never holds).
-            age = rng.uniform(0, 3600) if i < 12 else rng.uniform(0, WEEK + 3 * 3600)
-            status = rng.choice(("SUCCEEDED", "SUCCEEDED", "FAILED", "CANCELLED", "TIMED_OUT"))
-            conn.execute(
-                text(
-                    "UPDATE run SET status = :status,"
-                    " finished_at = now() - make_interval(secs => :age) WHERE id = :id"
-                ),
-                {"status": status, "age": age, "id": run.id},
-            )
-            for seq in range(1, rng.randrange(2, 7)):
-                model_step = seq % 2 == 1
-                conn.execute(
-                    text(
-                        "INSERT INTO run_step (run_id, seq, step_key, kind, status, model,"
-                        " cost_usd, latency_ms, lease_epoch, started_at, finished_at)"
-                        " VALUES (:id, :seq, :key, :kind, 'DONE', :model, :cost, :latency, 1,"
-                        " now() - make_interval(secs => :age + :took),"
-                        " now() - make_interval(secs => :age - :seq))"
-                    ),
-                    {
-                        "id": run.id,
-                        "seq": seq,
-                        "key": f"s:{seq}",
-                        "kind": "MODEL" if model_step else "TOOL",
-                        "model": (None if seq == 3 else MODELS[seq % 2]) if model_step else None,
-                        "cost": Decimal(rng.randrange(1, 9000)) / 10**6 if model_step else 0,
-                        "latency": rng.randrange(200, 5000) if model_step else None,
-                        "age": age,
-                        "took": rng.uniform(0.01, 30),
-                    },
-                )
+        conn.execute(
+            text(
+                "UPDATE run SET status = :status,"
+                " finished_at = now() - make_interval(secs => :age) WHERE id = :id"
+            ),
+            ended,
+        )
+        conn.execute(
+            text(
+                "INSERT INTO run_step (run_id, seq, step_key, kind, status, model,"
+                " cost_usd, latency_ms, lease_epoch, started_at, finished_at)"
+                " VALUES (:id, :seq, :key, :kind, 'DONE', :model, :cost, :latency, 1,"
+                " now() - make_interval(secs => :age + :took),"
+                " now() - make_interval(secs => :age - :seq))"
+            ),
+            steps,
+        )
     return ids
 
 
