@@ -15,12 +15,12 @@ from typing import Any, ClassVar
 from db.records import StepStatus, Usage
 from runtime.durable.api import Billed, BilledFailure
 from runtime.durable.container import type_name
-from runtime.durable.simple import At, Record, SimpleKind
+from runtime.durable.simple import At, SimpleKind
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.live_call import LiveCall, current_live_call
 from runtime.observe.logctx import error_text, set_step
 from runtime.pipeline import modelcall
-from runtime.pipeline.checkpoint import Outcome, StepResult
+from runtime.pipeline.checkpoint import Outcome, Record, StepResult
 from runtime.pipeline.codec import encode
 from runtime.pipeline.kinds import StepKind
 
