@@ -2,8 +2,12 @@
 
 The model decides, tools run, repeat. The conversation is rebuilt from the step rows (replay);
 the next step is the first pending tool of the last turn, else a model call, else the end.
-A tool call is a step with an effect (:mod:`runtime.pipeline.effects`), a model call goes through
-:mod:`runtime.pipeline.modelcall`; this module only chooses between them and records their rows.
+The model turn and the tool step are kinds of the one advance
+(:meth:`runtime.pipeline.checkpoint.Program.advance`, a durable function's too), as
+:class:`Loop` places them: :class:`ModelTurn` (through :mod:`runtime.pipeline.modelcall`) and
+:class:`ToolCall` (a step with an effect, :mod:`runtime.pipeline.effects`); the advance looks
+them up and records what they give it. Messages and sub-agents are recorded through the
+checkpoint here (not yet kind objects).
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from db.records import NewRun, NewStep, RunStatus, StepKind, StepStatus
+from db.records import NewRun, NewStep, RunStatus, Step, StepKind, StepStatus
 from runtime.agents import Agent
 from runtime.llm.base import LlmError, LlmRequest
 from runtime.mcp.client import CallResult
@@ -23,7 +28,7 @@ from runtime.mcp.toolset import Toolset
 from runtime.observe.logctx import set_step
 from runtime.observe.tracing import Span, step_span
 from runtime.pipeline import effects, kinds, mcpcall, modelcall, usage
-from runtime.pipeline.checkpoint import Outcome, StepResult, Task
+from runtime.pipeline.checkpoint import Outcome, Program, Record, StepResult, Task
 from runtime.pipeline.faults import crash_point
 from runtime.pipeline.replay import (
     FINISHING_STOPS,
@@ -65,7 +70,8 @@ def run_agent(task: Task, agent: Agent) -> StepResult:
                 "gen_ai.tool.call.id": use["id"],
             },
         ):
-            return _tool_step(task, agent, use)
+            tool_step: StepResult = Loop(task).advance(ToolCall(agent, use))
+            return tool_step
     if task.claim.run.messages_pending > 0:  # a step boundary: messages go in now
         delivered = _deliver_message(task, conversation)
         if delivered is not None:
@@ -89,7 +95,68 @@ def run_agent(task: Task, agent: Agent) -> StepResult:
             "gen_ai.request.model": task.claim.run.model,
         },
     ) as span:
-        return _model_step(task, agent, conversation, span, toolset)
+        model_step: StepResult = Loop(task).advance(ModelTurn(agent, conversation, span, toolset))
+        return model_step
+
+
+# -- the loop's steps through the one advance -----------------------------------------------
+
+
+@dataclass
+class Here:
+    """One step of the loop being advanced, as its kind sees it: its key, what the log says
+    of it, its seq."""
+
+    task: Task
+    key: str
+    found: kinds.Found
+
+    @property
+    def row(self) -> Step | None:
+        return self.found.row
+
+    @property
+    def seq(self) -> int:
+        return self.row.seq if self.row is not None else self.task.next_seq
+
+
+class Loop(Program[Here]):
+    """The agent loop as a program of the one advance
+    (:meth:`runtime.pipeline.checkpoint.Program.advance`): its kinds name their own keys
+    (``model:n`` by turn, ``tool:<tool_use id>``), and :func:`run_agent` guarded the task
+    before choosing its step (the guard decides its end too)."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+
+    def locate(self, step: LoopKind) -> Here:
+        return Here(self.task, step.key, self.task.look_up(step.key))
+
+
+class LoopKind:
+    """A kind of the agent loop's step. The loop advances only a step its conversation holds
+    no answer for (a recorded row is replayed into the conversation, :mod:`replay`), so what
+    its row gives back is the fold's (:func:`runtime.pipeline.kinds.turn_of`), not the
+    advance's; its run gives a :class:`Record` to commit or ends the task of its own."""
+
+    @property
+    def key(self) -> str:
+        raise NotImplementedError
+
+    def settled(self, at: Here) -> bool:
+        return at.found.state is kinds.State.RECORDED
+
+    def replay(self, at: Here) -> StepResult:
+        raise AssertionError(f"{at.key} is in the conversation already")
+
+    def failed(self, at: Here) -> BaseException:
+        return AssertionError(f"{at.key} is in the conversation already")
+
+    def run(self, at: Here) -> Record | StepResult:
+        raise NotImplementedError
+
+    def predates(self) -> Any:
+        raise NotImplementedError  # no markers in the loop
 
 
 def span_attributes(task: Task, kind: str) -> dict[str, Any]:
@@ -332,55 +399,68 @@ def _request(
     )
 
 
-def _model_step(
-    task: Task,
-    agent: Agent,
-    conversation: Conversation,
-    span: Span | None,
-    toolset: Toolset | None = None,
-) -> StepResult:
-    seq = task.next_seq
-    set_step(seq)
-    request = _request(task, agent, conversation, toolset)
-    key = model_step_key(conversation.model_turns + 1)
-    outcome = modelcall.call(task, request, kind=kinds.StepKind.MODEL, key=key, seq=seq)
-    if isinstance(outcome, modelcall.Failed):
-        if not isinstance(outcome.error, LlmError):
-            raise outcome.error  # not an answer of the API: the task fails, the run goes on
-        return task.finish(RunStatus.FAILED, error=modelcall.failure(outcome.error))
-    if isinstance(outcome, modelcall.Stopped):
-        return task.finish(outcome.status, error=outcome.reason)
-    if isinstance(outcome, modelcall.Interrupted):
-        return _interrupted(task, conversation, key)
-    if isinstance(outcome, modelcall.Later):
-        return task.schedule(
-            outcome.delay_seconds,
-            outcome.reason,
-            model_attempts=outcome.model_attempts,
-            admission=outcome.admission,
-            wakeable=outcome.wakeable,
+@dataclass(frozen=True)
+class ModelTurn(LoopKind):
+    """The model's next turn, ``model:n`` (:func:`runtime.pipeline.modelcall.call`): its answer
+    recorded by the advance (billed even when the fence refuses it)."""
+
+    agent: Agent
+    conversation: Conversation
+    span: Span | None
+    toolset: Toolset | None = None
+
+    @property
+    def key(self) -> str:
+        return model_step_key(self.conversation.model_turns + 1)
+
+    def run(self, at: Here) -> Record | StepResult:
+        task, key, seq = at.task, at.key, at.seq
+        set_step(seq)
+        request = _request(task, self.agent, self.conversation, self.toolset)
+        outcome = modelcall.call(
+            task, request, kind=kinds.StepKind.MODEL, key=key, seq=seq, record=False
         )
-    response = outcome.response
-    if span is not None and outcome.answer is not None:
-        span.set(
-            {
-                "gen_ai.request.max_tokens": request.max_tokens,
-                "gen_ai.response.model": response.model,
-                "gen_ai.response.id": response.request_id,
-                "gen_ai.response.finish_reasons": [response.stop_reason or ""],
-                "gen_ai.usage.input_tokens": response.usage.input_tokens,
-                "gen_ai.usage.output_tokens": response.usage.output_tokens,
-                "gen_ai.usage.cache_creation.input_tokens": (
-                    response.usage.cache_creation_input_tokens
-                ),
-                "gen_ai.usage.cache_read.input_tokens": response.usage.cache_read_input_tokens,
-            }
+        if isinstance(outcome, modelcall.Failed):
+            if not isinstance(outcome.error, LlmError):
+                raise outcome.error  # not an answer of the API: the task fails, the run goes on
+            return task.finish(RunStatus.FAILED, error=modelcall.failure(outcome.error))
+        if isinstance(outcome, modelcall.Stopped):
+            return task.finish(outcome.status, error=outcome.reason)
+        if isinstance(outcome, modelcall.Interrupted):
+            return _interrupted(task, self.conversation, key)
+        if isinstance(outcome, modelcall.Later):
+            return task.schedule(
+                outcome.delay_seconds,
+                outcome.reason,
+                model_attempts=outcome.model_attempts,
+                admission=outcome.admission,
+                wakeable=outcome.wakeable,
+            )
+        response = outcome.response
+        if self.span is not None and outcome.answer is not None:
+            self.span.set(
+                {
+                    "gen_ai.request.max_tokens": request.max_tokens,
+                    "gen_ai.response.model": response.model,
+                    "gen_ai.response.id": response.request_id,
+                    "gen_ai.response.finish_reasons": [response.stop_reason or ""],
+                    "gen_ai.usage.input_tokens": response.usage.input_tokens,
+                    "gen_ai.usage.output_tokens": response.usage.output_tokens,
+                    "gen_ai.usage.cache_creation.input_tokens": (
+                        response.usage.cache_creation_input_tokens
+                    ),
+                    "gen_ai.usage.cache_read.input_tokens": (
+                        response.usage.cache_read_input_tokens
+                    ),
+                }
+            )
+        # no tool to run and a finishing stop: what is left of this run is its end, no step
+        ends = response.stop_reason in FINISHING_STOPS and not any(
+            isinstance(b, dict) and b.get("type") == "tool_use" for b in response.content or ()
         )
-    # no tool to run and a finishing stop: what is left of this run is its end, no step
-    ends = response.stop_reason in FINISHING_STOPS and not any(
-        isinstance(b, dict) and b.get("type") == "tool_use" for b in response.content or ()
-    )
-    return StepResult(Outcome.CONTINUE, dispatch=outcome.dispatch, ends_next=ends)
+        if isinstance(outcome, modelcall.Recorded):  # a fork's replayed answer, recorded
+            return StepResult(Outcome.CONTINUE, dispatch=outcome.dispatch, ends_next=ends)
+        return Record([outcome.row], write=outcome.write, ends_next=ends, then=outcome.logged)
 
 
 # -- tool step ------------------------------------------------------------------------------
@@ -395,115 +475,129 @@ def other_version(started_on: str | None, here: str | None) -> str:
     return f" (the run started on {began}; this worker runs version {here})"
 
 
-def _tool_step(task: Task, agent: Agent, use: dict[str, Any]) -> StepResult:
-    tool_use_id: str = use["id"]
-    name: str = use["name"]
-    key = tool_step_key(tool_use_id)
-    found = task.look_up(key)
-    existing = found.row
-    seq = existing.seq if existing is not None else task.next_seq
-    set_step(seq)
-    tool = agent.tools_by_name.get(name)
-    limit = task.settings.max_tool_output_chars
-    started = time.monotonic()
-    toolset = mcpcall.recorded_toolset(task) if tool is None else None
-    mcp_tool = toolset.get(name) if toolset is not None else None
-    server = agent.servers.get(mcp_tool.server) if mcp_tool is not None else None
-    if tool is None and (mcp_tool is None or server is None):
-        # nothing to run, nothing in doubt: the model learns its mistake
-        offered = [*agent.tools_by_name, *(t.name for t in toolset.tools)] if toolset else []
-        known = ", ".join(sorted(offered or agent.tools_by_name)) or "none"
-        output = f"error: unknown tool {name!r}; known tools: {known}"
-        output += other_version(task.claim.run.deployment, task.store.deployment)
-        if mcp_tool is not None:
-            output = f"error: tool {name!r} belongs to MCP server {mcp_tool.server!r}, which "
-            output += "this agent no longer declares"
-        unknown = NewStep(
+@dataclass(frozen=True)
+class ToolCall(LoopKind):
+    """A tool the model asked for, ``tool:<tool_use id>``: a Python ``@tool`` or an MCP
+    server's tool, a step with an effect (:func:`runtime.pipeline.effects.run_effect`);
+    its output (or error) recorded by the advance as the ``tool_result`` the model reads."""
+
+    agent: Agent
+    use: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        return tool_step_key(self.use["id"])
+
+    def run(self, at: Here) -> Record | StepResult:
+        task, agent, use, key, found = at.task, self.agent, self.use, at.key, at.found
+        tool_use_id: str = use["id"]
+        name: str = use["name"]
+        existing = found.row
+        seq = at.seq
+        set_step(seq)
+        tool = agent.tools_by_name.get(name)
+        limit = task.settings.max_tool_output_chars
+        started = time.monotonic()
+        toolset = mcpcall.recorded_toolset(task) if tool is None else None
+        mcp_tool = toolset.get(name) if toolset is not None else None
+        server = agent.servers.get(mcp_tool.server) if mcp_tool is not None else None
+        if tool is None and (mcp_tool is None or server is None):
+            # nothing to run, nothing in doubt: the model learns its mistake
+            offered = [*agent.tools_by_name, *(t.name for t in toolset.tools)] if toolset else []
+            known = ", ".join(sorted(offered or agent.tools_by_name)) or "none"
+            output = f"error: unknown tool {name!r}; known tools: {known}"
+            output += other_version(task.claim.run.deployment, task.store.deployment)
+            if mcp_tool is not None:
+                output = f"error: tool {name!r} belongs to MCP server {mcp_tool.server!r}, "
+                output += "which this agent no longer declares"
+            unknown = NewStep(
+                seq=seq,
+                step_key=key,
+                kind=StepKind.TOOL,
+                status=StepStatus.ERROR,
+                response=output,
+                error=output,
+                attempt=1,
+                latency_ms=0,
+                tool_name=name,
+                tool_use_id=tool_use_id,
+            )
+            return Record([unknown])
+        arguments = dict(use.get("input") or {})
+        attempt = (existing.attempt + 1) if existing is not None else 1
+        if tool is not None:
+            python_tool = tool
+
+            def invoke(ctx: ToolContext) -> Any:
+                return python_tool.invoke(arguments, ctx)
+
+            fn: Callable[[ToolContext], Any] = invoke
+            idempotent, reconcile = tool.idempotent, tool.reconcile
+            timeout: float | None = tool.timeout_seconds
+            label, limit_seconds = f"tool {name!r}", tool.timeout_seconds
+        else:
+            assert mcp_tool is not None
+            assert server is not None
+            call = mcpcall.prepare(task, server, mcp_tool, arguments)
+            fn, idempotent, reconcile = call.fn, call.idempotent, call.reconcile
+            # The MCP client keeps the time itself: it cancels the request on the server.
+            timeout, label, limit_seconds = None, call.label, call.timeout_seconds
+        effect = effects.Effect(
+            key=key,
+            kind=kinds.StepKind.TOOL if tool is not None else kinds.StepKind.MCP_TOOL,
             seq=seq,
-            step_key=key,
-            kind=StepKind.TOOL,
-            status=StepStatus.ERROR,
-            response=output,
-            error=output,
-            attempt=1,
-            latency_ms=0,
+            fn=fn,
+            label=f"{label} (tool_use id {tool_use_id}, seq={seq})",
+            idempotent=idempotent,
+            reconcile=reconcile,
+            timeout_seconds=timeout,
+            attempt=attempt,
             tool_name=name,
             tool_use_id=tool_use_id,
+            context_key=tool_use_id,
         )
-        return task.checkpoint([unknown])
-    arguments = dict(use.get("input") or {})
-    attempt = (existing.attempt + 1) if existing is not None else 1
-    if tool is not None:
-        python_tool = tool
+        if existing is None:
+            log.info("run=%s seq=%d TOOL %s id=%s started", task.rid, seq, name, tool_use_id)
+        verdict = effects.run_effect(task, effect, found)
+        stopped = effects.unsettled(task, verdict)
+        if stopped is not None:
+            return stopped
+        status = StepStatus.ERROR if isinstance(verdict, effects.Raised) else StepStatus.DONE
+        if isinstance(verdict, effects.WasReconciled):
+            output = render_output(verdict.output, limit)
+        elif isinstance(verdict, effects.Ran) and isinstance(verdict.value, CallResult):
+            answer = verdict.value  # an MCP result: its isError decides
+            status = StepStatus.ERROR if answer.is_error else StepStatus.DONE
+            output = render_output(answer.text, limit)
+        elif isinstance(verdict, effects.Ran):
+            output = render_output(verdict.value, limit)
+        else:
+            assert isinstance(verdict, effects.Raised)
+            e = verdict.error
+            if verdict.timed_out:
+                output = f"error: tool {name!r} timed out after {limit_seconds:g}s"
+            elif isinstance(e, ToolInputError):
+                output = f"error: {e}"
+            elif tool is None:
+                output = render_output(mcpcall.error_text(e), limit)
+            else:  # a failing tool is information for the model
+                output = render_output(f"error: {type(e).__name__}: {e}", limit)
+        failed = status is StepStatus.ERROR
+        result = effects.row(
+            effect, verdict, status=status, response=output, error=output if failed else None
+        )
+        done = result.status is StepStatus.DONE
 
-        def invoke(ctx: ToolContext) -> Any:
-            return python_tool.invoke(arguments, ctx)
+        def recorded() -> None:
+            task.observe("TOOL", "ok" if done else "error", started)
+            log.info(
+                "run=%s seq=%d TOOL %s id=%s %s %dms",
+                task.rid,
+                seq,
+                name,
+                tool_use_id,
+                "done" if done else "error",
+                result.latency_ms or 0,
+            )
 
-        fn: Callable[[ToolContext], Any] = invoke
-        idempotent, reconcile = tool.idempotent, tool.reconcile
-        timeout: float | None = tool.timeout_seconds
-        label, limit_seconds = f"tool {name!r}", tool.timeout_seconds
-    else:
-        assert mcp_tool is not None
-        assert server is not None
-        call = mcpcall.prepare(task, server, mcp_tool, arguments)
-        fn, idempotent, reconcile = call.fn, call.idempotent, call.reconcile
-        # The MCP client keeps the time itself: it cancels the request on the server.
-        timeout, label, limit_seconds = None, call.label, call.timeout_seconds
-    effect = effects.Effect(
-        key=key,
-        kind=kinds.StepKind.TOOL if tool is not None else kinds.StepKind.MCP_TOOL,
-        seq=seq,
-        fn=fn,
-        label=f"{label} (tool_use id {tool_use_id}, seq={seq})",
-        idempotent=idempotent,
-        reconcile=reconcile,
-        timeout_seconds=timeout,
-        attempt=attempt,
-        tool_name=name,
-        tool_use_id=tool_use_id,
-        context_key=tool_use_id,
-    )
-    if existing is None:
-        log.info("run=%s seq=%d TOOL %s id=%s started", task.rid, seq, name, tool_use_id)
-    verdict = effects.run_effect(task, effect, found)
-    stopped = effects.unsettled(task, verdict)
-    if stopped is not None:
-        return stopped
-    status = StepStatus.ERROR if isinstance(verdict, effects.Raised) else StepStatus.DONE
-    if isinstance(verdict, effects.WasReconciled):
-        output = render_output(verdict.output, limit)
-    elif isinstance(verdict, effects.Ran) and isinstance(verdict.value, CallResult):
-        answer = verdict.value  # an MCP result: its isError decides
-        status = StepStatus.ERROR if answer.is_error else StepStatus.DONE
-        output = render_output(answer.text, limit)
-    elif isinstance(verdict, effects.Ran):
-        output = render_output(verdict.value, limit)
-    else:
-        assert isinstance(verdict, effects.Raised)
-        e = verdict.error
-        if verdict.timed_out:
-            output = f"error: tool {name!r} timed out after {limit_seconds:g}s"
-        elif isinstance(e, ToolInputError):
-            output = f"error: {e}"
-        elif tool is None:
-            output = render_output(mcpcall.error_text(e), limit)
-        else:  # a failing tool is information for the model
-            output = render_output(f"error: {type(e).__name__}: {e}", limit)
-    failed = status is StepStatus.ERROR
-    result = effects.row(
-        effect, verdict, status=status, response=output, error=output if failed else None
-    )
-    outcome = task.checkpoint([result])
-    verdict_word = "done" if result.status is StepStatus.DONE else "error"
-    task.observe("TOOL", "ok" if result.status is StepStatus.DONE else "error", started)
-    log.info(
-        "run=%s seq=%d TOOL %s id=%s %s %dms",
-        task.rid,
-        seq,
-        name,
-        tool_use_id,
-        verdict_word,
-        result.latency_ms or 0,
-    )
-    return outcome
+        return Record([result], then=recorded)

@@ -81,6 +81,7 @@ class BilledCall(SimpleKind):
             with at.ex.engine_call():
                 at.ex.stop(outcome.status, outcome.reason)
         assert not isinstance(outcome, modelcall.Interrupted)  # its kind is not interruptible
+        assert not isinstance(outcome, modelcall.Made)  # recorded by the call
         billed = outcome.error if isinstance(outcome.error, BilledFailure) else None
         error = billed.error if billed is not None else outcome.error  # billed all the same
         text = f"{type_name(error)}: {error}"

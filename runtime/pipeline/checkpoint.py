@@ -313,15 +313,6 @@ class Task:
         )
         return StepResult(Outcome.CONTINUE, dispatch=dispatch)
 
-    def record_model(self, row: NewStep, *, child: bool) -> Dispatch | None:
-        """Record a model call (its tokens added to the run): as the task's step, handing
-        the lease on in the same statement; or, with ``child``, inside the running step.
-        The caller makes it durable (:func:`runtime.pipeline.modelcall.record_billed`)."""
-        if child:
-            self.store.record_child(self.claim, row)
-            return None
-        return self.store.checkpoint_model(self.claim, row)
-
     def record_replayed(self, row: NewStep, original: Step, *, hand_over: bool) -> Dispatch | None:
         """Record a model step a fork answered from the original's ``original`` row; with
         ``hand_over`` it is the task's step and the lease is handed on."""
