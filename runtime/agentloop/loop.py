@@ -6,8 +6,8 @@ The model turn and the tool step are kinds of the one advance
 (:meth:`runtime.pipeline.checkpoint.Program.advance`, a durable function's too), as
 :class:`Loop` places them: :class:`ModelTurn` (through :mod:`runtime.pipeline.modelcall`) and
 :class:`ToolCall` (a step with an effect, :mod:`runtime.pipeline.effects`); the advance looks
-them up and records what they give it. Messages and sub-agents are recorded through the
-checkpoint here (not yet kind objects).
+them up and records what they give it; a posted message is delivered as :class:`Message`.
+Sub-agents are recorded through the checkpoint here (not yet a kind object).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def run_agent(task: Task, agent: Agent) -> StepResult:
             tool_step: StepResult = Loop(task).advance(ToolCall(agent, use))
             return tool_step
     if task.claim.run.messages_pending > 0:  # a step boundary: messages go in now
-        delivered = _deliver_message(task, conversation)
+        delivered = _deliver_message(task)
         if delivered is not None:
             return delivered
     if conversation.finished:
@@ -152,7 +152,7 @@ class LoopKind:
     def failed(self, at: Here) -> BaseException:
         return AssertionError(f"{at.key} is in the conversation already")
 
-    def run(self, at: Here) -> Record | StepResult:
+    def run(self, at: Here) -> Record | StepResult | None:
         raise NotImplementedError
 
     def predates(self) -> Any:
@@ -196,24 +196,43 @@ def halt_reason(task: Task, conversation: Conversation) -> str | None:
 # -- a message posted to the run ------------------------------------------------------------
 
 
-def _deliver_message(task: Task, conversation: Conversation) -> StepResult | None:
-    """The oldest message posted to the run becomes its next step, ``message:n``: a user
-    turn after the last turn's tool results. ``None`` when there is none after all."""
-    seq = task.next_seq
-    key = f"message:{sum(1 for s in task.steps if kinds.turn_of(s) is kinds.Turn.USER)}"
-    kind = kinds.KINDS[kinds.StepKind.MESSAGE].row
+@dataclass(frozen=True)
+class Message(LoopKind):
+    """The oldest message posted to the run, delivered at a step boundary as its next step,
+    ``message:n``: a user turn after the last turn's tool results. The message is consumed in
+    the transaction that records its step (:meth:`Task.deliver_message`), so the kind records
+    it of its own; ``None`` when there is none after all."""
 
-    task.ensure_lease()
-    crash_point("before_message_delivery")
-    dispatch = task.deliver_message(
-        NewStep(seq, key, kind, StepStatus.DONE, attempt=1, latency_ms=0)
-    )
-    if dispatch is None:
-        return None
-    if task.services.live is not None:  # an interrupt flag for it has nothing left to stop
-        task.services.live.clear_interrupt(task.run_id)
-    log.info("run=%s seq=%d MESSAGE %s delivered", task.rid, seq, key)
-    return StepResult(Outcome.CONTINUE, dispatch=dispatch)
+    delivered: int
+    """The messages the run's conversation holds already (``n``)."""
+
+    @classmethod
+    def next(cls, task: Task) -> Message:
+        return cls(sum(1 for s in task.steps if kinds.turn_of(s) is kinds.Turn.USER))
+
+    @property
+    def key(self) -> str:
+        return f"message:{self.delivered}"
+
+    def run(self, at: Here) -> StepResult | None:
+        task, seq = at.task, at.seq
+        row = NewStep(seq, at.key, kinds.KINDS[kinds.StepKind.MESSAGE].row, StepStatus.DONE,
+                      attempt=1, latency_ms=0)  # fmt: skip
+        task.ensure_lease()
+        crash_point("before_message_delivery")
+        dispatch = task.deliver_message(row)
+        if dispatch is None:
+            return None
+        if task.services.live is not None:  # an interrupt flag for it has nothing left to stop
+            task.services.live.clear_interrupt(task.run_id)
+        log.info("run=%s seq=%d MESSAGE %s delivered", task.rid, seq, at.key)
+        return StepResult(Outcome.CONTINUE, dispatch=dispatch)
+
+
+def _deliver_message(task: Task) -> StepResult | None:
+    """The next message as the task's step (:class:`Message`), through the one advance."""
+    delivered: StepResult | None = Loop(task).advance(Message.next(task))
+    return delivered
 
 
 def _interrupted(task: Task, conversation: Conversation, key: str) -> StepResult:
@@ -223,7 +242,7 @@ def _interrupted(task: Task, conversation: Conversation, key: str) -> StepResult
     record loses nothing: the message is still pending, and the next task delivers it at
     the step boundary before any model call."""
     crash_point("after_interrupt")
-    delivered = _deliver_message(task, conversation)
+    delivered = _deliver_message(task)
     if delivered is not None:
         return delivered
     # Nothing pending: delivered at a boundary meanwhile (a stale flag). Make the call again.

@@ -2,7 +2,7 @@
 loop runs its steps only in its kinds, through the one advance. What differs per kind of step
 is said by the kinds table (``runtime/pipeline/kinds.py``) and the kind objects
 (``runtime/durable/simple.py``, ``container.py``, ``approval.py``, ``billed.py``,
-``child.py``; the agent loop's ``ModelTurn`` and ``ToolCall`` in
+``child.py``; the agent loop's ``ModelTurn``, ``ToolCall`` and ``Message`` in
 ``runtime/agentloop/loop.py``) that the one advance
 (``runtime.pipeline.checkpoint.Program.advance``) drives; code anywhere else in the programs
 and the engine that compares a step's kind to a member (``StepKind.X``, a row kind) or to a
@@ -139,8 +139,11 @@ def test_the_rule_names_each_form_of_dispatch(tmp_path: Path) -> None:
 # -- the agent loop runs a step only in a kind, through the advance ---------------------------
 
 LOOP = "runtime/agentloop"
-RUNS_A_STEP = frozenset({"run_effect", "call"})
-"""``effects.run_effect`` (a step with an effect), ``modelcall.call`` (a model call)."""
+RUNS_A_STEP = frozenset(
+    {("effects", "run_effect"), ("modelcall", "call"), ("task", "deliver_message")}
+)
+"""``effects.run_effect`` (a step with an effect), ``modelcall.call`` (a model call), a
+message's delivery (a step recorded as the message is consumed)."""
 
 
 def steps_run_outside_a_kind(root: Path = ROOT) -> list[str]:
@@ -160,8 +163,7 @@ def steps_run_outside_a_kind(root: Path = ROOT) -> list[str]:
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
                 and isinstance(node.func.value, ast.Name)
-                and node.func.value.id in ("effects", "modelcall")
-                and node.func.attr in RUNS_A_STEP
+                and (node.func.value.id, node.func.attr) in RUNS_A_STEP
                 and id(node) not in inside
             ):
                 where = path.relative_to(root).as_posix()
@@ -174,11 +176,13 @@ def test_the_agent_loop_runs_its_steps_only_in_its_kinds() -> None:
     source = (ROOT / LOOP / "loop.py").read_text(encoding="utf-8")
     assert ".advance(ModelTurn(" in source
     assert ".advance(ToolCall(" in source
+    assert ".advance(Message." in source
 
 
 def test_the_loop_rule_names_a_step_run_around_the_advance(tmp_path: Path) -> None:
-    """A mutant: the loop calling the model or the step executor from a plain function (as
-    ``_model_step`` and ``_tool_step`` did) is named; the same call in a kind's run is not."""
+    """A mutant: the loop calling the model, the step executor or a message's delivery from a
+    plain function (as ``_model_step``, ``_tool_step`` and ``_deliver_message`` did) is
+    named; the same call in a kind's run is not."""
     (tmp_path / LOOP).mkdir(parents=True)
     (tmp_path / LOOP / "loop.py").write_text(
         "def _model_step(task, request):\n"
@@ -188,8 +192,11 @@ def test_the_loop_rule_names_a_step_run_around_the_advance(tmp_path: Path) -> No
         "        return modelcall.call(at.task, self.request)\n"
         "def _tool_step(task, effect, found):\n"
         "    return effects.run_effect(task, effect, found)\n"
+        "def _deliver_message(task, row):\n"
+        "    return task.deliver_message(row)\n"
     )
     assert steps_run_outside_a_kind(tmp_path) == [
         "runtime/agentloop/loop.py:2 modelcall.call",
         "runtime/agentloop/loop.py:7 effects.run_effect",
+        "runtime/agentloop/loop.py:9 task.deliver_message",
     ]
