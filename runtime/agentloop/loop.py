@@ -6,8 +6,8 @@ The model turn and the tool step are kinds of the one advance
 (:meth:`runtime.pipeline.checkpoint.Program.advance`, a durable function's too), as
 :class:`Loop` places them: :class:`ModelTurn` (through :mod:`runtime.pipeline.modelcall`) and
 :class:`ToolCall` (a step with an effect, :mod:`runtime.pipeline.effects`); the advance looks
-them up and records what they give it; a posted message is delivered as :class:`Message`.
-Sub-agents are recorded through the checkpoint here (not yet a kind object).
+them up and records what they give it; a posted message is delivered as :class:`Message`,
+sub-agents started and waited for as :class:`StartSubagents` and :class:`CollectSubagent`.
 """
 
 from __future__ import annotations
@@ -265,10 +265,12 @@ def _subagents(task: Task, agent: Agent, pending: list[dict[str, Any]]) -> StepR
         return None
     fresh = [u for u in calls if task.look_up(tool_step_key(u["id"])).row is None]
     if fresh:
-        return _start_subagents(task, agent, fresh)
+        started: StepResult = Loop(task).advance(StartSubagents(agent, fresh))
+        return started
     if len(calls) < len(pending):
         return None  # the turn's other tools run while the children work
-    return _collect_subagent(task, calls)
+    collected: StepResult = Loop(task).advance(CollectSubagent(calls))
+    return collected
 
 
 def _recheck(task: Task) -> float:
@@ -292,110 +294,132 @@ def _subagent_error(seq: int, use: dict[str, Any], text: str) -> NewStep:
     )
 
 
-def _start_subagents(task: Task, agent: Agent, fresh: list[dict[str, Any]]) -> StepResult:
-    """Start a child run for each sub-agent call, with its ``PENDING`` row, in one
-    transaction (a crash never starts one twice: the child's id and idempotency key come
-    from the parent and the step key). Children started together split what the parent
-    has left of its token budget, so together they cannot spend more than it."""
-    kind = kinds.KINDS[kinds.StepKind.SUBAGENT].row
-    seq = task.next_seq
-    refused: list[NewStep] = []
-    for i, use in enumerate(fresh):
-        work = (use.get("input") or {}).get("task")
-        if not isinstance(work, str) or not work.strip():
-            text = f"error: sub-agent {use['name']!r} needs a non-empty string 'task'"
-            refused.append(_subagent_error(seq + i, use, text))
-    if refused:  # the model learns its mistake; the valid calls start in the next step
-        return task.checkpoint(refused)
-    share = task.budget_left() // len(fresh)
-    if share <= 0:
-        text = "error: no token budget left for a sub-agent"
-        return task.checkpoint([_subagent_error(seq + i, u, text) for i, u in enumerate(fresh)])
-    started: list[tuple[NewStep, NewRun, uuid.UUID]] = []
-    for i, use in enumerate(fresh):
-        sub = agent.subagents_by_name[use["name"]]
-        key = tool_step_key(use["id"])
-        new, child_id = task.child_run(
-            key,
-            sub.agent,
-            use["input"]["task"],
-            token_budget=min(sub.token_budget or share, share),
-            timeout_seconds=sub.timeout_seconds,
-        )
-        row = NewStep(
-            seq + i,
-            key,
-            kind,
-            StepStatus.PENDING,
-            response={"runId": str(child_id), "agent": sub.agent},
-            attempt=1,
-            tool_name=use["name"],
-            tool_use_id=use["id"],
-        )
-        started.append((row, new, child_id))
-    names = ", ".join(f"{r.tool_name}={str(c)[:8]}" for r, _, c in started)
-    task.ensure_lease()
-    first = task.start_children(started, _recheck(task), f"waiting for sub-agents {names}")
-    log.info("run=%s seq=%d SUBAGENT started %s", task.rid, seq, names)
-    return StepResult(Outcome.WAITING, wakes=tuple(first))
+@dataclass(frozen=True)
+class StartSubagents(LoopKind):
+    """The sub-agents of the last turn not started yet, all started in one step, placed at the
+    first one's key (``tool:<tool_use id>``): a child run for each, with its ``PENDING`` row, in
+    one transaction (a crash never starts one twice: the child's id and idempotency key come
+    from the parent and the step key). Children started together split what the parent has
+    left of its token budget, so together they cannot spend more than it."""
+
+    agent: Agent
+    fresh: list[dict[str, Any]]
+
+    @property
+    def key(self) -> str:
+        return tool_step_key(self.fresh[0]["id"])
+
+    def run(self, at: Here) -> Record | StepResult:
+        task, agent, fresh = at.task, self.agent, self.fresh
+        kind = kinds.KINDS[kinds.StepKind.SUBAGENT].row
+        seq = at.seq
+        refused: list[NewStep] = []
+        for i, use in enumerate(fresh):
+            work = (use.get("input") or {}).get("task")
+            if not isinstance(work, str) or not work.strip():
+                text = f"error: sub-agent {use['name']!r} needs a non-empty string 'task'"
+                refused.append(_subagent_error(seq + i, use, text))
+        if refused:  # the model learns its mistake; the valid calls start in the next step
+            return Record(refused)
+        share = task.budget_left() // len(fresh)
+        if share <= 0:
+            text = "error: no token budget left for a sub-agent"
+            return Record([_subagent_error(seq + i, u, text) for i, u in enumerate(fresh)])
+        started: list[tuple[NewStep, NewRun, uuid.UUID]] = []
+        for i, use in enumerate(fresh):
+            sub = agent.subagents_by_name[use["name"]]
+            key = tool_step_key(use["id"])
+            new, child_id = task.child_run(
+                key,
+                sub.agent,
+                use["input"]["task"],
+                token_budget=min(sub.token_budget or share, share),
+                timeout_seconds=sub.timeout_seconds,
+            )
+            row = NewStep(
+                seq + i,
+                key,
+                kind,
+                StepStatus.PENDING,
+                response={"runId": str(child_id), "agent": sub.agent},
+                attempt=1,
+                tool_name=use["name"],
+                tool_use_id=use["id"],
+            )
+            started.append((row, new, child_id))
+        names = ", ".join(f"{r.tool_name}={str(c)[:8]}" for r, _, c in started)
+        task.ensure_lease()
+        first = task.start_children(started, _recheck(task), f"waiting for sub-agents {names}")
+        log.info("run=%s seq=%d SUBAGENT started %s", task.rid, seq, names)
+        return StepResult(Outcome.WAITING, wakes=tuple(first))
 
 
 def _took_ms(since: datetime, until: datetime | None) -> int:
     return max(0, int((until - since).total_seconds() * 1000)) if until is not None else 0
 
 
-def _collect_subagent(task: Task, calls: list[dict[str, Any]]) -> StepResult:
-    """Record the result of the first child that ended as its tool's result; park (holding
-    nothing) while none has."""
-    kind = kinds.KINDS[kinds.StepKind.SUBAGENT].row
-    for _ in range(2):  # a child that ends while the parent parks is read at once
-        waiting: list[uuid.UUID] = []
-        for use in calls:
-            found = task.look_up(tool_step_key(use["id"])).row
-            assert found is not None
-            child_id = uuid.UUID(found.response["runId"])
-            child = task.store.get_run(child_id)
-            if not child.status.terminal:
-                waiting.append(child_id)
-                continue
-            cost = child.cost_usd + child.unrecorded_cost_usd
-            limit = task.settings.max_tool_output_chars
-            if child.status is RunStatus.SUCCEEDED:
-                status, text = StepStatus.DONE, render_output(child.result, limit)
-            else:
-                status = StepStatus.ERROR
-                why = child.error or "no error recorded"
-                text = f"error: sub-agent {use['name']!r} (run {child_id}) ended {child.status}"
-                text = render_output(f"{text}: {why}", limit)
-            row = NewStep(
-                found.seq,
-                found.step_key,
-                kind,
-                status,
-                response=text,
-                error=text if status is StepStatus.ERROR else None,
-                attempt=1,
-                usage=child.usage,
-                cost_usd=cost,
-                unrecorded_tokens=usage.unrecorded_in_tree(child),
-                latency_ms=_took_ms(found.started_at, child.finished_at),
-                tool_name=use["name"],
-                tool_use_id=use["id"],
-            )
-            log.info(
-                "run=%s seq=%d SUBAGENT %s run=%s %s",
-                task.rid,
-                found.seq,
-                use["name"],
-                str(child_id)[:8],
-                child.status,
-            )
-            return task.checkpoint([row])
-        names = ", ".join(str(c)[:8] for c in waiting)
-        reason = f"waiting for sub-agent runs {names}"
-        if task.park_for_child(waiting[0], _recheck(task), reason):
-            return StepResult(Outcome.WAITING)
-    return task.schedule(0.0, "a sub-agent ended: reading its result")
+@dataclass(frozen=True)
+class CollectSubagent(LoopKind):
+    """The result of the first child that ended, recorded as its tool's result; parked
+    (holding nothing) while none has. Placed at the first call's key (its ``PENDING`` row)."""
+
+    calls: list[dict[str, Any]]
+
+    @property
+    def key(self) -> str:
+        return tool_step_key(self.calls[0]["id"])
+
+    def run(self, at: Here) -> Record | StepResult:
+        task, calls = at.task, self.calls
+        kind = kinds.KINDS[kinds.StepKind.SUBAGENT].row
+        for _ in range(2):  # a child that ends while the parent parks is read at once
+            waiting: list[uuid.UUID] = []
+            for use in calls:
+                found = task.look_up(tool_step_key(use["id"])).row
+                assert found is not None
+                child_id = uuid.UUID(found.response["runId"])
+                child = task.store.get_run(child_id)
+                if not child.status.terminal:
+                    waiting.append(child_id)
+                    continue
+                cost = child.cost_usd + child.unrecorded_cost_usd
+                limit = task.settings.max_tool_output_chars
+                if child.status is RunStatus.SUCCEEDED:
+                    status, text = StepStatus.DONE, render_output(child.result, limit)
+                else:
+                    status = StepStatus.ERROR
+                    why = child.error or "no error recorded"
+                    text = f"error: sub-agent {use['name']!r} (run {child_id}) ended {child.status}"
+                    text = render_output(f"{text}: {why}", limit)
+                row = NewStep(
+                    found.seq,
+                    found.step_key,
+                    kind,
+                    status,
+                    response=text,
+                    error=text if status is StepStatus.ERROR else None,
+                    attempt=1,
+                    usage=child.usage,
+                    cost_usd=cost,
+                    unrecorded_tokens=usage.unrecorded_in_tree(child),
+                    latency_ms=_took_ms(found.started_at, child.finished_at),
+                    tool_name=use["name"],
+                    tool_use_id=use["id"],
+                )
+                log.info(
+                    "run=%s seq=%d SUBAGENT %s run=%s %s",
+                    task.rid,
+                    found.seq,
+                    use["name"],
+                    str(child_id)[:8],
+                    child.status,
+                )
+                return Record([row])
+            names = ", ".join(str(c)[:8] for c in waiting)
+            reason = f"waiting for sub-agent runs {names}"
+            if task.park_for_child(waiting[0], _recheck(task), reason):
+                return StepResult(Outcome.WAITING)
+        return task.schedule(0.0, "a sub-agent ended: reading its result")
 
 
 # -- model step -----------------------------------------------------------------------------
