@@ -7,7 +7,8 @@ The model turn and the tool step are kinds of the one advance
 :class:`Loop` places them: :class:`ModelTurn` (through :mod:`runtime.pipeline.modelcall`) and
 :class:`ToolCall` (a step with an effect, :mod:`runtime.pipeline.effects`); the advance looks
 them up and records what they give it; a posted message is delivered as :class:`Message`,
-sub-agents started and waited for as :class:`StartSubagents` and :class:`CollectSubagent`.
+sub-agents started and waited for as :class:`StartSubagents` and :class:`CollectSubagent`,
+the MCP tool set listed as :class:`ListToolset`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from db.records import NewRun, NewStep, RunStatus, Step, StepKind, StepStatus
 from runtime.agents import Agent
 from runtime.llm.base import LlmError, LlmRequest
 from runtime.mcp.client import CallResult
-from runtime.mcp.toolset import Toolset
+from runtime.mcp.servers import McpServer
+from runtime.mcp.toolset import TOOLSET_KEY, Toolset
 from runtime.observe.logctx import set_step
 from runtime.observe.tracing import Span, step_span
 from runtime.pipeline import effects, kinds, mcpcall, modelcall, usage
@@ -84,7 +86,8 @@ def run_agent(task: Task, agent: Agent) -> StepResult:
     if toolset is None and agent.servers and conversation.model_turns == 0:
         # Fixed before the first model step, once. (A run that started before its agent had
         # MCP servers keeps offering what it offered: no tool set, no MCP tools.)
-        return mcpcall.record_toolset(task, list(agent.servers.values()))
+        listed: StepResult = Loop(task).advance(ListToolset(list(agent.servers.values())))
+        return listed
     with step_span(
         f"chat {task.claim.run.model}",
         {
@@ -157,6 +160,21 @@ class LoopKind:
 
     def predates(self) -> Any:
         raise NotImplementedError  # no markers in the loop
+
+
+@dataclass(frozen=True)
+class ListToolset(LoopKind):
+    """The MCP tools the run offers, ``toolset``: listed and recorded once, before its first
+    model call (:func:`runtime.pipeline.mcpcall.list_toolset`)."""
+
+    servers: list[McpServer]
+
+    @property
+    def key(self) -> str:
+        return TOOLSET_KEY
+
+    def run(self, at: Here) -> Record | StepResult:
+        return mcpcall.list_toolset(at.task, self.servers, at.seq)
 
 
 def span_attributes(task: Task, kind: str) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 loop runs its steps only in its kinds, through the one advance. What differs per kind of step
 is said by the kinds table (``runtime/pipeline/kinds.py``) and the kind objects
 (``runtime/durable/simple.py``, ``container.py``, ``approval.py``, ``billed.py``,
-``child.py``; the agent loop's ``ModelTurn``, ``ToolCall``, ``Message``, ``StartSubagents``
-and ``CollectSubagent`` in ``runtime/agentloop/loop.py``) that the one advance
+``child.py``; the agent loop's ``ModelTurn``, ``ToolCall``, ``Message``, ``StartSubagents``,
+``CollectSubagent`` and ``ListToolset`` in ``runtime/agentloop/loop.py``) that the one advance
 (``runtime.pipeline.checkpoint.Program.advance``) drives; code anywhere else in the programs
 and the engine that compares a step's kind to a member (``StepKind.X``, a row kind) or to a
 kind's name (``"TOOL"``), or matches on one, decides per kind on its own: this test names it.
@@ -143,15 +143,17 @@ RUNS_A_STEP = frozenset(
     {
         ("effects", "run_effect"),
         ("modelcall", "call"),
+        ("mcpcall", "list_toolset"),
         ("task", "checkpoint"),
         ("task", "deliver_message"),
         ("task", "start_children"),
         ("task", "park_for_child"),
     }
 )
-"""``effects.run_effect`` (a step with an effect), ``modelcall.call`` (a model call), a
-step's record (the advance records what a kind gives it), a message's delivery (a step
-recorded as the message is consumed), sub-agents started or waited for."""
+"""``effects.run_effect`` (a step with an effect), ``modelcall.call`` (a model call), the
+MCP tool set's listing, a step's record (the advance records what a kind gives it), a
+message's delivery (a step recorded as the message is consumed), sub-agents started or
+waited for."""
 
 
 def steps_run_outside_a_kind(root: Path = ROOT) -> list[str]:
@@ -187,6 +189,7 @@ def test_the_agent_loop_runs_its_steps_only_in_its_kinds() -> None:
     assert ".advance(Message." in source
     assert ".advance(StartSubagents(" in source
     assert ".advance(CollectSubagent(" in source
+    assert ".advance(ListToolset(" in source
 
 
 def test_the_loop_rule_names_a_step_run_around_the_advance(tmp_path: Path) -> None:
