@@ -358,8 +358,8 @@ MUTANTS = (
     Mutant(
         "tree-hold-released-by-a-dying-worker",
         "runtime/pipeline/modelcall.py",
-        "    except Exception:\n        release_tree_budget(task)\n",
-        "    except BaseException:\n        release_tree_budget(task)\n",
+        "    except Exception:\n        release_tree_budget(task)\n        raise\n    # (a",
+        "    except BaseException:\n        release_tree_budget(task)\n        raise\n    # (a",
         (T + "test_subagents.py::test_a_call_lost_with_its_worker_does_not_wedge_the_tree",),
         "a call lost with its worker released from the tree's budget as if it cost nothing",
     ),
@@ -576,8 +576,8 @@ MUTANTS = (
     Mutant(
         "message-recorded-around-the-checkpoint",
         "runtime/agentloop/loop.py",
-        "    dispatch = task.deliver_message(\n",
-        "    dispatch = task.store.deliver_message(task.claim, lambda c: \n",
+        "        dispatch = task.deliver_message(row)\n",
+        "        dispatch = task.store.deliver_message(task.claim, lambda c: row)\n",
         ("tests/unit/test_one_pipeline.py::test_only_the_pipeline_writes_a_runs_steps_or_state",),
         "issue 35 U6: a program records its own step, around the checkpoint's blip retry",
     ),

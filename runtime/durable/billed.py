@@ -15,12 +15,12 @@ from typing import Any, ClassVar
 from db.records import StepStatus, Usage
 from runtime.durable.api import Billed, BilledFailure
 from runtime.durable.container import type_name
-from runtime.durable.simple import At, Record, SimpleKind
+from runtime.durable.simple import At, SimpleKind
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.live_call import LiveCall, current_live_call
 from runtime.observe.logctx import error_text, set_step
 from runtime.pipeline import modelcall
-from runtime.pipeline.checkpoint import Outcome, StepResult
+from runtime.pipeline.checkpoint import Outcome, Record, StepResult
 from runtime.pipeline.codec import encode
 from runtime.pipeline.kinds import StepKind
 
@@ -81,6 +81,7 @@ class BilledCall(SimpleKind):
             with at.ex.engine_call():
                 at.ex.stop(outcome.status, outcome.reason)
         assert not isinstance(outcome, modelcall.Interrupted)  # its kind is not interruptible
+        assert not isinstance(outcome, modelcall.Made)  # recorded by the call
         billed = outcome.error if isinstance(outcome.error, BilledFailure) else None
         error = billed.error if billed is not None else outcome.error  # billed all the same
         text = f"{type_name(error)}: {error}"

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from db.records import RunStatus, StepStatus
-from runtime.durable.simple import At, Record, SimpleKind
+from runtime.durable.simple import At, SimpleKind
 from runtime.pipeline import usage
-from runtime.pipeline.checkpoint import Outcome, StepResult
+from runtime.pipeline.checkpoint import Outcome, Record, StepResult
 from runtime.pipeline.codec import encode
 from runtime.pipeline.kinds import StepKind
 

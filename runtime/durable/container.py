@@ -19,7 +19,7 @@ from typing import Any, ClassVar, NoReturn, Protocol
 
 from db.records import NewStep, StepStatus
 from runtime.durable.errors import DurableConfigError, Pause, StepTimeout
-from runtime.durable.simple import At, Record, SimpleKind, recorded_error
+from runtime.durable.simple import At, SimpleKind, recorded_error
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.mcp.client import CallResult
 from runtime.mcp.errors import McpRemoteError, McpUnavailable
@@ -27,6 +27,7 @@ from runtime.mcp.servers import McpServer
 from runtime.mcp.toolset import OfferedTool, idempotent, offered
 from runtime.observe.logctx import error_text, set_step
 from runtime.pipeline import effects, mcpcall, modelcall
+from runtime.pipeline.checkpoint import Record
 from runtime.pipeline.codec import decode, encode
 from runtime.pipeline.guard import Stop
 from runtime.pipeline.kinds import KINDS, State, StepKind

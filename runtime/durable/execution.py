@@ -1,7 +1,8 @@
 """One task's replay of a durable function.
 
-The function runs from the top on every task. Every step, whatever its kind, goes through one
-function, :meth:`Execution.advance`: its key (``name:n`` at the top level, where ``n`` counts
+The function runs from the top on every task. Every step, whatever its kind, goes through the
+one advance (:meth:`runtime.pipeline.checkpoint.Program.advance`, the agent loop's too), as
+:meth:`Execution.locate` places it: its key (``name:n`` at the top level, where ``n`` counts
 earlier calls with that name, so loops work; ``parent/name:n`` inside another step), the
 strict replay of the order, the look-up in the step log; a recorded answer given back (or its
 error raised again) without running; else the guard, and the kind runs; what it gives to
@@ -23,7 +24,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from db.records import NewStep, RunStatus, Step, StepStatus
+from db.records import NewStep, RunStatus, Step
 from runtime.durable.api import (
     ApprovalBuilder,
     Billed,
@@ -50,11 +51,11 @@ from runtime.durable.errors import (
     NonDeterministicReplay,
     Yield,
 )
-from runtime.durable.simple import At, Record, Send, SimpleKind, Sleep, Version, WaitFor
+from runtime.durable.simple import At, Send, SimpleKind, Sleep, Version, WaitFor
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.live_call import LiveCall
 from runtime.mcp.servers import McpServer, namespaced
-from runtime.pipeline.checkpoint import Outcome, StepResult, Task
+from runtime.pipeline.checkpoint import Outcome, Program, StepResult, Task
 from runtime.pipeline.codec import decode, encode
 from runtime.pipeline.guard import Stop
 from runtime.pipeline.kinds import KINDS, StepKind, in_history
@@ -67,8 +68,9 @@ def _base_name(key: str) -> str:
     return key.rsplit(":", 1)[0]
 
 
-class Execution:
-    """Implements ``steps`` (the :class:`~runtime.durable.api.Engine` protocol) for one task."""
+class Execution(Program[At]):
+    """Implements ``steps`` (the :class:`~runtime.durable.api.Engine` protocol) for one task;
+    its steps go through the one advance (:meth:`Program.advance`)."""
 
     def __init__(self, task: Task, agent: DurableAgent) -> None:
         self.task = task
@@ -228,14 +230,12 @@ class Execution:
             if stop is not None:
                 self.stop(stop.status, stop.reason)
 
-    # -- the one advance ------------------------------------------------------------------------
+    # -- the one advance (runtime.pipeline.checkpoint.Program.advance): how a function places
+    # and guards its steps
 
-    def advance(self, step: SimpleKind) -> Any:
-        """Advance a step of any kind (:mod:`runtime.durable.simple`): its key, the strict
-        replay of the order (at the top level), the look-up; a recorded answer given back
-        (or its error raised again); else the guard (at the top level), and the kind runs:
-        what it gives to record is checkpointed here, ending the task; or it gives its value
-        (a nested step, recorded inside the running one), or ends the task of its own."""
+    def locate(self, step: SimpleKind) -> At | None:
+        """The step's key (``name:n``, ``parent/name:n``), the strict replay of the order (at
+        the top level) and the look-up; ``None`` for a marker the run's history predates."""
         self._check_yielded()
         misplaced = step.misplaced(bool(self.stack))
         if misplaced is not None:
@@ -247,20 +247,14 @@ class Execution:
             # The run's history went past this point before the marker existed: it started
             # on the old code and stays on the old branch. Nothing is recorded.
             self.counters = before
-            return step.predates()
+            return None
         if not self.stack:
             self._check_replay(key)
-        if step.settled(at):
-            if at.row is not None and at.row.status is StepStatus.DONE:
-                return step.replay(at)
-            raise step.failed(at)
+        return at
+
+    def guard_step(self, step: SimpleKind, at: At) -> None:
         if not self.stack:
             self._guard(step.kind)
-        done = step.run(at)
-        if isinstance(done, Record):
-            with self.engine_call():
-                self.end(self.task.checkpoint(done.rows))
-        return done
 
     # -- the kinds, each through the one advance -----------------------------------------------
 

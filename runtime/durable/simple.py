@@ -1,6 +1,7 @@
 """The one protocol of a durable function's step kinds, and the simple kinds (sleep, send,
 a version marker, a signal wait): each kind a small object driven by the one advance
-(:meth:`runtime.durable.execution.Execution.advance`).
+(:meth:`runtime.pipeline.checkpoint.Program.advance`, the agent loop's too), as
+:class:`runtime.durable.execution.Execution` places and guards its steps.
 
 The advance does what every kind shares: the key (``name:n``, ``parent/name:n``), the strict
 replay of the order, the look-up in the step log, a recorded result given back
@@ -34,7 +35,7 @@ from runtime.durable.errors import (
     StepTimeout,
     VersionUnsupported,
 )
-from runtime.pipeline.checkpoint import Outcome, StepResult
+from runtime.pipeline.checkpoint import Outcome, Record, StepResult
 from runtime.pipeline.codec import encode
 from runtime.pipeline.kinds import KINDS, Found, State, StepKind
 
@@ -88,14 +89,6 @@ class Advancing(Protocol):
     ) -> None: ...
 
     def current_context(self) -> ToolContext | None: ...
-
-
-@dataclass(frozen=True)
-class Record:
-    """What a kind's run gives the advance to record: ``rows`` through the checkpoint, in the
-    transaction that hands the lease on (the task ends)."""
-
-    rows: list[NewStep]
 
 
 def recorded_error(key: str, row: Step) -> StepError:

@@ -10,6 +10,7 @@ that thing, for every kind of step.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import logging
@@ -18,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from db.errors import DatabaseUnavailable, LeaseLost
 from db.records import Claim, Dispatch, NewRun, NewStep, Run, RunStatus, Step, StepStatus, Usage
@@ -41,11 +42,15 @@ from runtime.pipeline.replay import ReplayCache
 if (
     TYPE_CHECKING
 ):  # runtime.observe.live_channel imports redis (and ssl): not before gevent patches it
+    from contextlib import AbstractContextManager
+
     from runtime.observe.live_channel import LiveChannel
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
+P = TypeVar("P", bound="Place")
+P_contra = TypeVar("P_contra", bound="Place", contravariant=True)
 
 
 class Outcome(enum.StrEnum):
@@ -307,15 +312,6 @@ class Task:
             lambda: self._handed_on(rows),
         )
         return StepResult(Outcome.CONTINUE, dispatch=dispatch)
-
-    def record_model(self, row: NewStep, *, child: bool) -> Dispatch | None:
-        """Record a model call (its tokens added to the run): as the task's step, handing
-        the lease on in the same statement; or, with ``child``, inside the running step.
-        The caller makes it durable (:func:`runtime.pipeline.modelcall.record_billed`)."""
-        if child:
-            self.store.record_child(self.claim, row)
-            return None
-        return self.store.checkpoint_model(self.claim, row)
 
     def record_replayed(self, row: NewStep, original: Step, *, hand_over: bool) -> Dispatch | None:
         """Record a model step a fork answered from the original's ``original`` row; with
@@ -638,3 +634,102 @@ class Task:
     def observe(self, kind: str, outcome: str, started: float) -> None:
         if self.services.metrics is not None:
             self.services.metrics.step(kind, outcome, time.monotonic() - started)
+
+
+# -- the one advance ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Record:
+    """What a kind's run gives the advance to record: ``rows`` through the checkpoint, in the
+    transaction that hands the lease on (the task ends)."""
+
+    rows: list[NewStep]
+    write: Callable[[], Dispatch | None] | None = None
+    """How ``rows`` are recorded when not by :meth:`Task.checkpoint`: a billed model call's
+    record (:func:`runtime.pipeline.modelcall.record_billed`: counted even when refused)."""
+    ends_next: bool = False
+    """The step ended the conversation (:attr:`StepResult.ends_next`)."""
+    then: Callable[[], None] | None = None
+    """What the kind says once its record is committed (its log line, its metric)."""
+
+
+class Place(Protocol):
+    """One step being advanced, as the advance reads it: what the log holds of its key."""
+
+    @property
+    def row(self) -> Step | None: ...
+
+
+class Kind(Protocol[P_contra]):
+    """A kind of step, as the one advance drives it (the durable functions' kinds:
+    :mod:`runtime.durable.simple`; the agent loop's: :mod:`runtime.agentloop.loop`)."""
+
+    def settled(self, at: P_contra) -> bool:
+        """Its recorded row answers the call: given back (``DONE``) or its error raised."""
+        ...
+
+    def replay(self, at: P_contra) -> Any:
+        """What its recorded ``DONE`` row gives back."""
+        ...
+
+    def failed(self, at: P_contra) -> BaseException:
+        """The error its settled, not ``DONE``, row raises again."""
+        ...
+
+    def run(self, at: P_contra) -> Any:
+        """Run it: a :class:`Record` to commit, or its value, or the task's end of its own."""
+        ...
+
+    def predates(self) -> Any:
+        """A marker's value for a run whose history predates it."""
+        ...
+
+
+class Program(Generic[P]):
+    """A program over the step log (a durable function's execution, the agent loop): every
+    step of every kind goes through its one :meth:`advance`. What differs per program is
+    how it places a step (its key, its order) and guards it; per kind, the kind object."""
+
+    task: Task
+
+    def locate(self, step: Any) -> P | None:
+        """The step's key and what the log says of it (``None``: a marker the run's history
+        predates: nothing runs, nothing is recorded)."""
+        raise NotImplementedError
+
+    def guard_step(self, step: Any, at: P) -> None:
+        """The guard before a step runs (it may end the task)."""
+
+    def engine_call(self) -> AbstractContextManager[None]:
+        """Around the engine's own work (a durable function tells it from its own failure)."""
+        return contextlib.nullcontext()
+
+    def end(self, result: StepResult) -> Any:
+        """End the task with ``result`` (a durable function unwinds; the loop returns it)."""
+        return result
+
+    def advance(self, step: Kind[P]) -> Any:
+        """Advance a step of any kind: placed and looked up; a recorded answer given back (or
+        its error raised again); else guarded, and the kind runs: what it gives to record is
+        committed here, ending the task; or it gives its value (a nested step), or ends the
+        task of its own."""
+        at = self.locate(step)
+        if at is None:
+            return step.predates()
+        if step.settled(at):
+            if at.row is not None and at.row.status is StepStatus.DONE:
+                return step.replay(at)
+            raise step.failed(at)
+        self.guard_step(step, at)
+        done = step.run(at)
+        if not isinstance(done, Record):
+            return done
+        with self.engine_call():
+            if done.write is None:
+                ended = self.task.checkpoint(done.rows)
+            else:
+                ended = StepResult(Outcome.CONTINUE, dispatch=done.write())
+        if done.then is not None:
+            done.then()
+        return self.end(replace(ended, ends_next=True) if done.ends_next else ended)

@@ -18,9 +18,10 @@ what is written before it runs, the rule after a crash), paste its row into the 
 and make its code go through the pipeline: ``effects.run_effect`` for anything with an
 effect, the model-call sequence for anything billed, ``Task`` to record. Every kind of a
 durable function's step is an object behind the protocol of :mod:`runtime.durable.simple`,
-driven by the one ``Execution.advance``; code outside the kinds asks this table (or a
-helper below: :func:`turn_of`, :func:`in_history`) rather than comparing a step's kind
-(``tests/unit/test_one_advance.py``).
+and the agent loop's model turn and tool step are objects in :mod:`runtime.agentloop.loop`,
+all driven by the one advance (``runtime.pipeline.checkpoint.Program.advance``); code
+outside the kinds asks this table (or a helper below: :func:`turn_of`, :func:`in_history`)
+rather than comparing a step's kind (``tests/unit/test_one_advance.py``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from runtime.mcp.client import CallResult, McpClients
 from runtime.mcp.errors import McpError, McpInDoubt, McpRemoteError, McpUnavailable
 from runtime.mcp.servers import McpConfigError, McpServer, Reconcile, ToolPolicy
 from runtime.mcp.toolset import TOOLSET_KEY, OfferedTool, Toolset, idempotent, offered, same_schema
-from runtime.pipeline.checkpoint import StepResult, Task
+from runtime.pipeline.checkpoint import Record, StepResult, Task
 from runtime.tools import ToolContext, ToolInputError
 
 log = logging.getLogger(__name__)
@@ -49,9 +49,10 @@ def recorded_toolset(task: Task) -> Toolset | None:
     return Toolset.from_json(row.response) if row is not None else None
 
 
-def record_toolset(task: Task, servers: list[McpServer]) -> StepResult:
-    """List every server's tools and record them: the run's tool set from now on. A server
-    that cannot be reached is waited for on a durable timer (the run holds nothing)."""
+def list_toolset(task: Task, servers: list[McpServer], seq: int) -> Record | StepResult:
+    """List every server's tools, the run's tool set from now on: its row, for the advance to
+    record (the agent loop's ``ListToolset``). A server that cannot be reached is waited for
+    on a durable timer (the run holds nothing)."""
     mcp = clients(task)
     taken: set[str] = set()
     tools: list[OfferedTool] = []
@@ -66,7 +67,7 @@ def record_toolset(task: Task, servers: list[McpServer]) -> StepResult:
         return task.schedule(delay, f"{e}; trying again in {delay:g}s")
     toolset = Toolset(tuple(tools))
     row = NewStep(
-        seq=task.next_seq,
+        seq=seq,
         step_key=TOOLSET_KEY,
         kind=StepKind.TOOLSET,
         status=StepStatus.DONE,
@@ -81,7 +82,7 @@ def record_toolset(task: Task, servers: list[McpServer]) -> StepResult:
         len(tools),
         ", ".join(s.name for s in servers),
     )
-    return task.checkpoint([row])
+    return Record([row])
 
 
 # -- one call -------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ is the caller's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -640,6 +641,19 @@ class Recorded:
 
 
 @dataclass(frozen=True)
+class Made:
+    """The call was made and is not recorded yet (``record=False``): the caller's advance
+    records it with ``write`` (:func:`record_billed`: counted even when the fence refuses
+    it), then says so (``logged``)."""
+
+    response: LlmResponse
+    row: NewStep
+    answer: Answer
+    write: Callable[[], Dispatch | None]
+    logged: Callable[[], None]
+
+
+@dataclass(frozen=True)
 class Later:
     """Not called now: come back on a durable timer (flow control, or the API asked for a
     retry later)."""
@@ -682,7 +696,7 @@ class Interrupted:
     usage: Usage
 
 
-Outcome = Recorded | Later | Stopped | Failed | Interrupted
+Outcome = Recorded | Made | Later | Stopped | Failed | Interrupted
 
 
 def call(
@@ -697,12 +711,15 @@ def call(
     make: Callable[[], LlmResponse] | None = None,
     diverged: bool | None = None,
     guard: bool = False,
+    record: bool = True,
 ) -> Outcome:
     """One model call of a step of ``kind``, start to record: a fork's recorded answer,
     the guard (with ``guard``: cancel, deadline, budget), the strict budget, admission, the
     call, its classification, its price and its record (retried across a database blip;
-    billed even when the fence refuses it). An exception other than the call's own
-    (:class:`Failed`) is the engine's: the database, the lease."""
+    billed even when the fence refuses it). Without ``record``, an answer is given back
+    :class:`Made`, its record for the caller's advance to write (the agent loop's model
+    turn: :class:`runtime.pipeline.checkpoint.Record`). An exception other than the call's
+    own (:class:`Failed`) is the engine's: the database, the lease."""
     policy = kinds.KINDS[kind]
     assert policy.bills, f"a {kind} step does not call the model"
     body = body if body is not None else request.to_json()
@@ -732,10 +749,10 @@ def call(
         return Later(shared.delay_seconds, shared.reason, task.claim.run.model_attempts, True, True)
     if not shared:
         return _admit_and_call(task, request, kind=kind, key=key, seq=seq, attempt=attempt,
-                               body=body, make=make)  # fmt: skip
+                               body=body, make=make, record=record)  # fmt: skip
     try:
         outcome = _admit_and_call(task, request, kind=kind, key=key, seq=seq, attempt=attempt,
-                                  body=body, make=make)  # fmt: skip
+                                  body=body, make=make, record=record)  # fmt: skip
     except (LeaseLost, DatabaseUnavailable):
         # the call may be billed and not counted yet (owed, or the run taken over): the
         # hold stays until the run's next call or its end
@@ -744,8 +761,24 @@ def call(
         release_tree_budget(task)
         raise
     # (a BaseException is the worker dying: the hold stays, a lost call of its lease)
+    if isinstance(outcome, Made):  # its hold goes once its record is written
+        return replace(outcome, write=functools.partial(_released_after, task, outcome.write))
     release_tree_budget(task)
     return outcome
+
+
+def _released_after(task: Task, write: Callable[[], T]) -> T:
+    """``write``, the record of a call held against its tree's budget, then the hold's
+    release (as :func:`call` releases it after a call it records itself)."""
+    try:
+        written = write()
+    except (LeaseLost, DatabaseUnavailable):
+        raise  # billed and not counted yet: the hold stays
+    except Exception:
+        release_tree_budget(task)
+        raise
+    release_tree_budget(task)
+    return written
 
 
 def _admit_and_call(
@@ -758,6 +791,7 @@ def _admit_and_call(
     attempt: int,
     body: dict[str, Any],
     make: Callable[[], LlmResponse] | None,
+    record: bool = True,
 ) -> Outcome:
     """:func:`call` from flow control's admission on."""
     policy = kinds.KINDS[kind]
@@ -791,18 +825,32 @@ def _admit_and_call(
         stop_reason=response.stop_reason,
         request=body if task.settings.store_requests else None,
     )
-    dispatch = record_billed(
+    # recorded as the task's step, handing the lease on in the same statement, or inside the
+    # running step; a try whose answer was lost committed: the run carries the token it set
+    store_write = task.store.record_child if policy.child else task.store.checkpoint_model
+    write = functools.partial(
+        record_billed,
         task,
         answer,
-        lambda: task.record_model(row, child=policy.child),
+        functools.partial(store_write, task.claim, row),  # no frame of its own
         row=row,
-        # committed by a try whose answer was lost: the run carries the token it set
-        committed=lambda: (
-            None
-            if policy.child
-            else Dispatch(task.run_id, task.store.get_run(task.run_id).dispatch_token)
-        ),
+        committed=functools.partial(_handed_on, task, policy.child),
     )
+    logged = functools.partial(_logged, task, kind, key, seq, answer)
+    if not record:
+        return Made(response, row, answer, write, logged)
+    dispatch = write()
+    logged()
+    return Recorded(response, row, dispatch, answer)
+
+
+def _handed_on(task: Task, child: bool) -> Dispatch | None:
+    """What an earlier, committed try of a model call's record handed the lease on with."""
+    return None if child else Dispatch(task.run_id, task.store.get_run(task.run_id).dispatch_token)
+
+
+def _logged(task: Task, kind: kinds.StepKind, key: str, seq: int, answer: Answer) -> None:
+    response = answer.response
     log.info(
         "run=%s seq=%d MODEL%s stop=%s in=%d out=%d latency=%dms",
         task.rid,
@@ -813,7 +861,6 @@ def _admit_and_call(
         response.usage.output_tokens,
         answer.latency_ms,
     )
-    return Recorded(response, row, dispatch, answer)
 
 
 def _later(task: Task, key: str, e: RetryLater) -> Outcome:

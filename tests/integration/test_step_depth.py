@@ -1,9 +1,11 @@
 """How deep the engine is between a worker's entry and a step's commit (issue 35, item 1: "a
 durable step reaches its commit in <= 8 frames through <= 4 modules").
 
-A durable function's ``steps.run`` step is driven on the real engine and PostgreSQL from the
-function the Celery task calls (:meth:`runtime.engine.driver.Driver.drive`) to the store's
-checkpoint write (``record_steps``); the stack between them is read at that write. Counted:
+A durable function's ``steps.run`` step, and the agent loop's model turn and tool step (the
+same advance, :meth:`runtime.pipeline.checkpoint.Program.advance`), are driven on the real
+engine and PostgreSQL from the function the Celery task calls
+(:meth:`runtime.engine.driver.Driver.drive`) to the store's checkpoint write (``record_steps``;
+a model turn's ``checkpoint_model``); the stack between them is read at that write. Counted:
 the engine's frames from the entry (itself included) to the one calling the store (included),
 and their modules; the user's own function (the test's module) is not the engine's, and the
 store's frames are the commit itself."""
@@ -21,7 +23,10 @@ from db.records import Claim, NewStep
 from runtime.durable import Steps, durable_agent
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Driver
+from runtime.llm.scripted import ScriptedLlm
 from runtime.testing.testkit import DurableTester
+from runtime.tools import tool
+from tests.support import drive_to_end, register_agent, submit
 
 MAX_FRAMES = 8
 MAX_MODULES = 4
@@ -70,6 +75,61 @@ def test_a_durable_step_reaches_its_commit_in_few_frames_and_modules(
     assert frames[0] == ("runtime.engine.driver", "Driver.drive"), path
     assert len(frames) <= MAX_FRAMES, f"{len(frames)} frames: {path}"
     assert len(modules) <= MAX_MODULES, f"{len(modules)} modules: {sorted(modules)}"
+
+
+def _loop_stacks_at_commit(
+    runtime: Runtime, llm: ScriptedLlm, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, list[tuple[str, str]]]:
+    """The engine's frames at each step write of an agent-loop run (a model turn asking for a
+    tool, the tool, the answer), by step key."""
+    seen: dict[str, list[tuple[str, str]]] = {}
+    for name in ("record_steps", "checkpoint_model"):
+        write = getattr(runtime.store, name)
+
+        def spy(claim: Claim, rows: Any, write: Callable[..., Any] = write) -> Any:
+            last = rows[-1] if isinstance(rows, list) else rows
+            seen[last.step_key] = _engine_frames(sys._getframe(1), Driver.drive)
+            return write(claim, rows)
+
+        monkeypatch.setattr(runtime.store, name, spy)
+
+    @tool
+    def lookup(q: str) -> str:
+        """Look something up."""
+        return "found"
+
+    register_agent(runtime.agents, lookup)
+    llm.then_tool_use("toolu_1", "lookup", {"q": "x"}).then_text("done")
+    _, dispatch = submit(runtime.store)
+    drive_to_end(runtime.driver(), dispatch)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("key", "max_frames", "max_modules"), [("model:1", 7, 4), ("tool:toolu_1", 7, 3)]
+)
+def test_an_agent_loop_step_reaches_its_commit_in_few_frames_and_modules(
+    runtime: Runtime,
+    llm: ScriptedLlm,
+    monkeypatch: pytest.MonkeyPatch,
+    key: str,
+    max_frames: int,
+    max_modules: int,
+) -> None:
+    """The agent loop's model turn and tool step go through the same advance as a durable
+    step, within the issue's target and held at what they reach: a model turn is Driver.drive
+    -> execute -> _run_program -> run_agent -> Program.advance -> record_billed -> durably (7
+    frames, 4 modules; 11 before it went through the advance), a tool step the same to
+    Task.checkpoint -> durably (7 frames, 3 modules)."""
+    assert max_frames <= MAX_FRAMES
+    assert max_modules <= MAX_MODULES
+    frames = _loop_stacks_at_commit(runtime, llm, monkeypatch)[key]
+    path = " -> ".join(f"{m.rsplit('.', 1)[-1]}.{f}" for m, f in frames)
+    modules = {m for m, _ in frames}
+    assert frames[0] == ("runtime.engine.driver", "Driver.drive"), path
+    assert ("runtime.pipeline.checkpoint", "Program.advance") in frames, path
+    assert len(frames) <= max_frames, f"{len(frames)} frames: {path}"
+    assert len(modules) <= max_modules, f"{len(modules)} modules: {sorted(modules)}"
 
 
 def test_the_count_sees_a_deeper_path(runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,10 +1,13 @@
-"""Issue 35, item 1, made mechanical: no ``if kind == ...`` outside the kinds. What differs
-per kind of step is said by the kinds table (``runtime/pipeline/kinds.py``) and the kind
-objects (``runtime/durable/simple.py``, ``container.py``, ``approval.py``, ``billed.py``,
-``child.py``) that the one advance (``Execution.advance``) drives; code anywhere else in the
-programs and the engine that compares a step's kind to a member (``StepKind.X``, a row
-kind) or to a kind's name (``"TOOL"``), or matches on one, decides per kind on its own: this
-test names it. A use that must stay is allow-listed below with its reason."""
+"""Issue 35, item 1, made mechanical: no ``if kind == ...`` outside the kinds, and the agent
+loop runs its steps only in its kinds, through the one advance. What differs per kind of step
+is said by the kinds table (``runtime/pipeline/kinds.py``) and the kind objects
+(``runtime/durable/simple.py``, ``container.py``, ``approval.py``, ``billed.py``,
+``child.py``; the agent loop's ``ModelTurn``, ``ToolCall``, ``Message``, ``StartSubagents``,
+``CollectSubagent`` and ``ListToolset`` in ``runtime/agentloop/loop.py``) that the one advance
+(``runtime.pipeline.checkpoint.Program.advance``) drives; code anywhere else in the programs
+and the engine that compares a step's kind to a member (``StepKind.X``, a row kind) or to a
+kind's name (``"TOOL"``), or matches on one, decides per kind on its own: this test names it.
+A use that must stay is allow-listed below with its reason."""
 
 from __future__ import annotations
 
@@ -130,4 +133,83 @@ def test_the_rule_names_each_form_of_dispatch(tmp_path: Path) -> None:
         "runtime/agentloop/bypass.py:4",
         "runtime/agentloop/bypass.py:6",
         "runtime/agentloop/bypass.py:9",
+    ]
+
+
+# -- the agent loop runs a step only in a kind, through the advance ---------------------------
+
+LOOP = "runtime/agentloop"
+RUNS_A_STEP = frozenset(
+    {
+        ("effects", "run_effect"),
+        ("modelcall", "call"),
+        ("mcpcall", "list_toolset"),
+        ("task", "checkpoint"),
+        ("task", "deliver_message"),
+        ("task", "start_children"),
+        ("task", "park_for_child"),
+    }
+)
+"""``effects.run_effect`` (a step with an effect), ``modelcall.call`` (a model call), the
+MCP tool set's listing, a step's record (the advance records what a kind gives it), a
+message's delivery (a step recorded as the message is consumed), sub-agents started or
+waited for."""
+
+
+def steps_run_outside_a_kind(root: Path = ROOT) -> list[str]:
+    """Each call in the agent loop that runs a step (the step executor, the model call)
+    anywhere but in a kind object's ``run``: a step the advance does not drive (no look-up,
+    no record through it)."""
+    out = []
+    for path in sorted((root / LOOP).rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        inside: set[int] = set()
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for fn in cls.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == "run":
+                    inside |= {id(n) for n in ast.walk(fn)}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and (node.func.value.id, node.func.attr) in RUNS_A_STEP
+                and id(node) not in inside
+            ):
+                where = path.relative_to(root).as_posix()
+                out.append(f"{where}:{node.lineno} {ast.unparse(node.func)}")
+    return out
+
+
+def test_the_agent_loop_runs_its_steps_only_in_its_kinds() -> None:
+    assert steps_run_outside_a_kind() == []
+    source = (ROOT / LOOP / "loop.py").read_text(encoding="utf-8")
+    assert ".advance(ModelTurn(" in source
+    assert ".advance(ToolCall(" in source
+    assert ".advance(Message." in source
+    assert ".advance(StartSubagents(" in source
+    assert ".advance(CollectSubagent(" in source
+    assert ".advance(ListToolset(" in source
+
+
+def test_the_loop_rule_names_a_step_run_around_the_advance(tmp_path: Path) -> None:
+    """A mutant: the loop calling the model, the step executor or a message's delivery from a
+    plain function (as ``_model_step``, ``_tool_step`` and ``_deliver_message`` did) is
+    named; the same call in a kind's run is not."""
+    (tmp_path / LOOP).mkdir(parents=True)
+    (tmp_path / LOOP / "loop.py").write_text(
+        "def _model_step(task, request):\n"
+        "    return modelcall.call(task, request)\n"
+        "class ModelTurn:\n"
+        "    def run(self, at):\n"
+        "        return modelcall.call(at.task, self.request)\n"
+        "def _tool_step(task, effect, found):\n"
+        "    return effects.run_effect(task, effect, found)\n"
+        "def _deliver_message(task, row):\n"
+        "    return task.deliver_message(row)\n"
+    )
+    assert steps_run_outside_a_kind(tmp_path) == [
+        "runtime/agentloop/loop.py:2 modelcall.call",
+        "runtime/agentloop/loop.py:7 effects.run_effect",
+        "runtime/agentloop/loop.py:9 task.deliver_message",
     ]
