@@ -212,8 +212,8 @@ MUTANTS = (
     Mutant(
         "lean-publisher-pushes-to-the-wrong-end",
         "tasks/publish.py",
-        "self._client.lpush(self.queue",
-        "self._client.rpush(self.queue",
+        "self._client.lpush(queue or self.queue",
+        "self._client.rpush(queue or self.queue",
         (T + "test_publish.py::test_queued_runs_are_served_oldest_first",),
         "the lean publisher pushes to the other end: queued runs served newest first",
     ),
@@ -475,9 +475,9 @@ MUTANTS = (
     Mutant(
         "signal-wait-without-the-run-lock",
         "db/store/worker.py",
-        "                if signal is not None:\n"
-        '                    conn.execute(Q["lock_run_row"], {"id": claim.run_id})\n',
-        "                if signal is not None:\n",
+        "            if signal is not None:\n"
+        '                f.conn.execute(Q["lock_run_row"], {"id": claim.run_id})\n',
+        "            if signal is not None:\n",
         (T + "test_signals.py::test_a_signal_sent_while_the_run_parks_for_it_wakes_it",),
         "a signal landing between a wait's look and its park is never woken (the run sleeps "
         "until its deadline)",
@@ -545,8 +545,8 @@ MUTANTS = (
     Mutant(
         "send-wakes-after-its-commit",
         "db/store/worker.py",
-        "                woken = _wake(conn, target, send=True)\n",
-        "                woken = None\n",
+        "            woken = _wake(f.conn, target, send=True)\n",
+        "            woken = None\n",
         (
             T + "test_records_durable.py::test_a_signal_wakes_its_parked_target_in_the_senders"
             "_transaction",
@@ -694,8 +694,11 @@ MUTANTS = (
         "claim-unrenewed-until-read",
         "runtime/engine/driver.py",
         "        with self.heartbeat.claiming(run_id, token, self.worker):\n"
-        "            return self._drive(run_id, token)\n",
-        "        return self._drive(run_id, token)\n",
+        "            try:\n"
+        "                claim = self.store.claim(",
+        "        with self.heartbeat.claiming(run_id, uuid.uuid4(), self.worker):\n"
+        "            try:\n"
+        "                claim = self.store.claim(",
         (T + "test_heartbeat_claims.py::test_drive_renews_its_claim_before_it_reads_the_answer",),
         "issue 36: a claim whose answer a starved greenlet reads late lapses, never renewed",
     ),
