@@ -1164,8 +1164,8 @@ def cost_line(ev: Evidence) -> str:
     return (
         f"cost: billed {billed} tokens; step rows {rows}, exact unrecorded {exact}; lost with "
         f"their worker {lost}, estimated {estimated} ({covered}; the estimates exceed the lost "
-        f"calls by {estimated - lost}: a ~33% input margin, and the output at twice the run's "
-        "longest answer (at least 256 tokens) or max_tokens, per lost call)"
+        f"calls by {estimated - lost}: a ~33% input margin, and the output at the call's "
+        "max_tokens, per lost call: an upper bound)"
     )
 
 
