@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from db.errors import DatabaseUnavailable, LeaseLost
 from db.records import Claim, Dispatch, NewRun, NewStep, Run, RunStatus, Step, StepStatus, Usage
-from db.records import StepKind as RowKind
 from db.store import RunStore
 from runtime.admission.flow_control import Answered, FlowControl, Grant
 from runtime.config import Settings
@@ -35,7 +34,7 @@ from runtime.observe.metrics import Metrics
 from runtime.observe.tracing import run_span
 from runtime.pipeline.guard import Stop, guard
 from runtime.pipeline.heartbeat import HeldLease
-from runtime.pipeline.kinds import Found, look_up
+from runtime.pipeline.kinds import Found, look_up, waits_for_a_run
 from runtime.pipeline.prompthash import PromptHashes
 from runtime.pipeline.replay import ReplayCache
 
@@ -611,7 +610,7 @@ class Task:
         if (
             run.status.terminal
             and run.status is not RunStatus.SUCCEEDED
-            and any(s.kind is RowKind.CHILD and s.status is StepStatus.PENDING for s in self.steps)
+            and any(waits_for_a_run(s) for s in self.steps)
         ):  # a parent that ends early ends the child it waits for (and its children)
             self.durably("-", lambda: self.store.cancel_children(run.id))
         wakes: tuple[Dispatch, ...] = ()

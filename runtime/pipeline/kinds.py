@@ -20,7 +20,8 @@ effect, the model-call sequence for anything billed, ``Task`` to record. Every k
 durable function's step is an object behind the protocol of :mod:`runtime.durable.simple`,
 and the agent loop's model turn and tool step are objects in :mod:`runtime.agentloop.loop`,
 all driven by the one advance (``runtime.pipeline.checkpoint.Program.advance``); code
-outside the kinds asks this table (or a helper below: :func:`turn_of`, :func:`in_history`)
+outside the kinds asks this table (or a helper below: :func:`turn_of`, :func:`in_history`,
+:func:`is_compensation`, :func:`waits_for_a_run`, :func:`stored_as_a_model_call`)
 rather than comparing a step's kind (``tests/unit/test_one_advance.py``).
 """
 
@@ -139,6 +140,9 @@ class Policy:
     recorded, its live attempt retracted); the message is delivered and the step made again."""
     turn: Turn = Turn.NONE
     """What its row adds to the agent loop's conversation (:func:`turn_of`)."""
+    waits_for_a_run: bool = False
+    """It starts another run and waits for its end, its row ``PENDING`` meanwhile
+    (:func:`waits_for_a_run`): a parent that ends early ends that run."""
 
     @property
     def guarded_as_model(self) -> bool:
@@ -378,6 +382,7 @@ KINDS: dict[StepKind, Policy] = {
         "a parent crash never starts it twice; the parent waits parked (no lease) and is "
         "woken when the child ends; the child's tokens and cost are added to the parent's "
         "with its result",
+        waits_for_a_run=True,
     ),
     StepKind.MESSAGE: Policy(
         name="message",
@@ -409,6 +414,7 @@ KINDS: dict[StepKind, Policy] = {
         "runs the turn's other tools, then waits parked and records each child's result as "
         "it ends",
         turn=Turn.TOOL_RESULT,
+        waits_for_a_run=True,
     ),
 }
 
@@ -491,6 +497,21 @@ def in_history(step: Step) -> bool:
 def is_compensation(step: Step) -> bool:
     """``step`` is the undo of a completed step (``compensate:<key>``)."""
     return step.kind is KINDS[StepKind.COMPENSATION].row
+
+
+_WAITING_ROWS = frozenset(policy.row for policy in KINDS.values() if policy.waits_for_a_run)
+_BILLED_ROWS = frozenset(policy.row for policy in KINDS.values() if policy.bills)
+
+
+def waits_for_a_run(step: Step) -> bool:
+    """``step`` started another run (a child run, a sub-agent) and waits for its end."""
+    return step.kind in _WAITING_ROWS and step.status is StepStatus.PENDING
+
+
+def stored_as_a_model_call(step: Step) -> bool:
+    """``step``'s row is of a kind a model call is stored as (a ``steps.llm`` body shares
+    one: it has no prompt hash)."""
+    return step.kind in _BILLED_ROWS
 
 
 HEADER = (

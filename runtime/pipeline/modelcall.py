@@ -29,7 +29,6 @@ from db.records import (
     NewStep,
     RunStatus,
     Step,
-    StepKind,
     StepStatus,
     TreeSpend,
     Usage,
@@ -899,7 +898,7 @@ def has_diverged(steps: list[Step]) -> bool:
     """Whether this run called the real model already: a fork replaying the model stops
     replaying at the first request that differs from the original's, for good."""
     return any(
-        s.kind in (StepKind.MODEL, StepKind.LLM) and s.prompt_hash is not None and s.origin is None
+        kinds.stored_as_a_model_call(s) and s.prompt_hash is not None and s.origin is None
         for s in steps
     )
 
@@ -919,7 +918,7 @@ def recorded_answer(
     original = task.store.step_by_key(run.forked_from_run, key)
     if (
         original is None
-        or original.kind not in (StepKind.MODEL, StepKind.LLM)
+        or not kinds.stored_as_a_model_call(original)
         or original.status is not StepStatus.DONE
         or original.prompt_hash != prompt_hash(body)
     ):

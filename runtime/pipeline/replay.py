@@ -13,8 +13,8 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-from db.records import Step, StepKind, StepStatus
-from runtime.pipeline.kinds import Turn, turn_of
+from db.records import Step, StepStatus
+from runtime.pipeline.kinds import Turn, turn_of, waits_for_a_run
 from runtime.pipeline.lru import TakeOut
 
 JsonObj = dict[str, Any]
@@ -91,7 +91,7 @@ class _Fold:
             self._message(step)
             return
         if turn is Turn.TOOL_RESULT:
-            if step.kind is StepKind.CHILD and step.status is StepStatus.PENDING:
+            if waits_for_a_run(step):
                 return  # a sub-agent still working: its tool_use stays pending
             if step.status is not StepStatus.STARTED:
                 self.pending.pop(step.tool_use_id or "", None)

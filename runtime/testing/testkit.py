@@ -31,6 +31,7 @@ from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Outcome
 from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.pipeline.codec import encode
+from runtime.pipeline.kinds import in_history, is_compensation
 
 
 class SimulatedCrash(BaseException):
@@ -199,7 +200,7 @@ def _parked_on_a_wait(reason: str | None) -> bool:
 
 
 def _top_level(steps: list[Step]) -> list[Step]:
-    return [s for s in steps if "/" not in s.step_key and s.kind is not StepKind.COMPENSATION]
+    return [s for s in steps if in_history(s)]
 
 
 class RunAssert:
@@ -246,7 +247,7 @@ class RunAssert:
         actual = [
             s.step_key.removeprefix("compensate:").rsplit(":", 1)[0]
             for s in self.r.steps
-            if s.kind is StepKind.COMPENSATION and s.status is StepStatus.DONE
+            if is_compensation(s) and s.status is StepStatus.DONE
         ]
         if actual != list(names):
             raise AssertionError(f"compensated {actual}, expected {list(names)}")
