@@ -463,7 +463,8 @@ def _request(
 @dataclass(frozen=True)
 class ModelTurn(LoopKind):
     """The model's next turn, ``model:n`` (:func:`runtime.pipeline.modelcall.call`): its answer
-    recorded by the advance (billed even when the fence refuses it)."""
+    recorded by the advance (billed even when the fence refuses it), a fork's answer replayed
+    from the original too."""
 
     agent: Agent
     conversation: Conversation
@@ -519,8 +520,8 @@ class ModelTurn(LoopKind):
         ends = response.stop_reason in FINISHING_STOPS and not any(
             isinstance(b, dict) and b.get("type") == "tool_use" for b in response.content or ()
         )
-        if isinstance(outcome, modelcall.Recorded):  # a fork's replayed answer, recorded
-            return StepResult(Outcome.CONTINUE, dispatch=outcome.dispatch, ends_next=ends)
+        # without record, every answer (a fork's replayed one too) is recorded by the advance
+        assert isinstance(outcome, modelcall.Made)
         return Record([outcome.row], write=outcome.write, ends_next=ends, then=outcome.logged)
 
 

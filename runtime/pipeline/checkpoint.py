@@ -646,7 +646,8 @@ class Record:
     rows: list[NewStep]
     write: Callable[[], Dispatch | None] | None = None
     """How ``rows`` are recorded when not by :meth:`Task.checkpoint`: a billed model call's
-    record (:func:`runtime.pipeline.modelcall.record_billed`: counted even when refused)."""
+    record (:func:`runtime.pipeline.modelcall.record_billed`: counted even when refused), or
+    a fork's replayed answer's (:meth:`Task.record_replayed`)."""
     ends_next: bool = False
     """The step ended the conversation (:attr:`StepResult.ends_next`)."""
     then: Callable[[], None] | None = None

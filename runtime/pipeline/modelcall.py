@@ -641,13 +641,15 @@ class Recorded:
 
 @dataclass(frozen=True)
 class Made:
-    """The call was made and is not recorded yet (``record=False``): the caller's advance
-    records it with ``write`` (:func:`record_billed`: counted even when the fence refuses
-    it), then says so (``logged``)."""
+    """The call was made (or, in a fork, answered from the original) and is not recorded yet
+    (``record=False``): the caller's advance records it with ``write`` (a made call's
+    :func:`record_billed`: counted even when the fence refuses it; a replayed answer's
+    :meth:`runtime.pipeline.checkpoint.Task.record_replayed`), then says so (``logged``)."""
 
     response: LlmResponse
     row: NewStep
-    answer: Answer
+    answer: Answer | None
+    """What was paid for (``None``: answered from the original run, nothing billed)."""
     write: Callable[[], Dispatch | None]
     logged: Callable[[], None]
 
@@ -717,7 +719,8 @@ def call(
     call, its classification, its price and its record (retried across a database blip;
     billed even when the fence refuses it). Without ``record``, an answer is given back
     :class:`Made`, its record for the caller's advance to write (the agent loop's model
-    turn: :class:`runtime.pipeline.checkpoint.Record`). An exception other than the call's
+    turn: :class:`runtime.pipeline.checkpoint.Record`), a fork's replayed answer as a made
+    one. An exception other than the call's
     own (:class:`Failed`) is the engine's: the database, the lease."""
     policy = kinds.KINDS[kind]
     assert policy.bills, f"a {kind} step does not call the model"
@@ -725,8 +728,6 @@ def call(
     original = recorded_answer(task, key, body, diverged=diverged) if make is None else None
     if original is not None:  # a fork replaying the model, and the request is unchanged
         row = replayed_row(seq, key, body, original, attempt=attempt if policy.child else 0)
-        dispatch = task.record_replayed(row, original, hand_over=not policy.child)
-        log.info("run=%s seq=%d MODEL %s replayed (request unchanged)", task.rid, seq, key)
         response = LlmResponse(
             original.response or [],
             original.stop_reason,
@@ -734,6 +735,12 @@ def call(
             original.model or request.model,
             original.request_id,
         )
+        write = functools.partial(task.record_replayed, row, original, hand_over=not policy.child)
+        logged = functools.partial(_logged_replayed, task, key, seq)
+        if not record:
+            return Made(response, row, None, write, logged)
+        dispatch = write()
+        logged()
         return Recorded(response, row, dispatch, None)
     stop = task.guard(steps_taken=0, next_is_model=True) if guard else None
     if stop is not None:
@@ -846,6 +853,10 @@ def _admit_and_call(
 def _handed_on(task: Task, child: bool) -> Dispatch | None:
     """What an earlier, committed try of a model call's record handed the lease on with."""
     return None if child else Dispatch(task.run_id, task.store.get_run(task.run_id).dispatch_token)
+
+
+def _logged_replayed(task: Task, key: str, seq: int) -> None:
+    log.info("run=%s seq=%d MODEL %s replayed (request unchanged)", task.rid, seq, key)
 
 
 def _logged(task: Task, kind: kinds.StepKind, key: str, seq: int, answer: Answer) -> None:
