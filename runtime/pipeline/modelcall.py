@@ -39,8 +39,8 @@ from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.billing import Meter, metering
 from runtime.llm.live_call import ModelCallCancelled, ModelCallInterrupted, live_call
 from runtime.llm.retry import RetryLater, prior_attempts, reset_prior_attempts
-from runtime.pipeline import checkpoint, kinds
-from runtime.pipeline.checkpoint import Earlier, StepResult, Task, plus
+from runtime.pipeline import kinds
+from runtime.pipeline.checkpoint import Earlier, Task, plus
 from runtime.pipeline.faults import crash_point
 from runtime.pipeline.prompthash import prompt_hash as prompt_hash
 
@@ -599,29 +599,30 @@ def record_failed(
     *,
     request_id: str | None = None,
     estimated: bool = False,
-) -> StepResult:
+) -> Dispatch | None:
     """Record ``row``, the error of a call the provider billed all the same (a response that
-    ended ``incomplete``), and hand the lease on. Its tokens and cost are the row's, counted
-    on the run as any answer's (against the run even when the fence refuses the row, see
-    :func:`record_billed`); with ``estimated`` (the usage could not be read: an upper bound)
-    they are the run's estimated unrecorded tokens instead, beside a row without usage."""
+    ended ``incomplete``), and hand the lease on: the write of the kind's
+    :class:`~runtime.pipeline.checkpoint.Record`, which the advance commits. Its tokens and
+    cost are the row's, counted on the run as any answer's (against the run even when the
+    fence refuses the row, see :func:`record_billed`); with ``estimated`` (the usage could not
+    be read: an upper bound) they are the run's estimated unrecorded tokens instead, beside a
+    row without usage."""
     cost = task.services.pricing.cost(model, usage)
     if task.services.metrics is not None:
         task.services.metrics.model_call(model, usage, cost)
     if estimated:
         task.store.record_unrecorded_usage(task.run_id, usage, cost, estimated_tokens=usage.total)
-        return task.checkpoint([row])
+        return task.checkpoint([row]).dispatch
     row = replace(row, usage=usage, cost_usd=cost, model=model, request_id=request_id)
     response = LlmResponse([], row.stop_reason, usage, model, request_id)
     answer = Answer(request, body, response, cost, row.latency_ms or 0)
-    dispatch = record_billed(
+    return record_billed(
         task,
         answer,
         lambda: task.store.record_steps(task.claim, [row]),
         row=row,
         committed=lambda: Dispatch(task.run_id, task.store.get_run(task.run_id).dispatch_token),
     )
-    return StepResult(checkpoint.Outcome.CONTINUE, dispatch=dispatch)
 
 
 # -- the whole sequence, for every kind of step that calls the model --------------------------
