@@ -63,7 +63,7 @@ class BilledCall(SimpleKind):
         started = time.monotonic()
         with at.ex.engine_call():
             outcome = modelcall.call(
-                task, request, kind=self.kind, key=key, seq=seq, body=body, make=make, record=False
+                task, request, kind=self.kind, key=key, seq=seq, body=body, make=make
             )
         if isinstance(outcome, modelcall.Made):  # a fork's replayed answer too
             return Record([outcome.row], write=outcome.write, then=outcome.logged)

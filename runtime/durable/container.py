@@ -414,7 +414,6 @@ class LlmCall(SimpleKind):
                 attempt=ex.stack[-1].attempt,
                 diverged=ex.model_diverged,
                 guard=True,
-                record=False,
             )
         if isinstance(outcome, modelcall.Failed):
             ex.model_diverged = True
