@@ -671,8 +671,8 @@ MUTANTS = (
     Mutant(
         "framework-billed-failure-unrecorded",
         "runtime/durable/billed.py",
-        "        if billed is not None:\n            with at.ex.engine_call():",
-        "        if False:\n            with at.ex.engine_call():",
+        "        if billed is not None:\n            return Record([row], write=_billed_failure(",
+        "        if False:\n            return Record([row], write=_billed_failure(",
         (
             "tests/frameworks/test_openai_agents.py::test_a_response_that_ends_incomplete_is"
             "_counted_with_what_it_billed",

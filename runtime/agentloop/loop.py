@@ -479,9 +479,7 @@ class ModelTurn(LoopKind):
         task, key, seq = at.task, at.key, at.seq
         set_step(seq)
         request = _request(task, self.agent, self.conversation, self.toolset)
-        outcome = modelcall.call(
-            task, request, kind=kinds.StepKind.MODEL, key=key, seq=seq, record=False
-        )
+        outcome = modelcall.call(task, request, kind=kinds.StepKind.MODEL, key=key, seq=seq)
         if isinstance(outcome, modelcall.Failed):
             if not isinstance(outcome.error, LlmError):
                 raise outcome.error  # not an answer of the API: the task fails, the run goes on
@@ -520,7 +518,7 @@ class ModelTurn(LoopKind):
         ends = response.stop_reason in FINISHING_STOPS and not any(
             isinstance(b, dict) and b.get("type") == "tool_use" for b in response.content or ()
         )
-        # without record, every answer (a fork's replayed one too) is recorded by the advance
+        # every answer (a fork's replayed one too) is recorded by the advance
         assert isinstance(outcome, modelcall.Made)
         return Record([outcome.row], write=outcome.write, ends_next=ends, then=outcome.logged)
 

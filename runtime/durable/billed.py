@@ -6,13 +6,14 @@ usage whatever its outcome."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from db.records import StepStatus, Usage
+from db.records import Dispatch, NewStep, StepStatus, Usage
 from runtime.durable.api import Billed, BilledFailure
 from runtime.durable.container import type_name
 from runtime.durable.simple import At, SimpleKind
@@ -20,7 +21,7 @@ from runtime.llm.base import LlmRequest, LlmResponse
 from runtime.llm.live_call import LiveCall, current_live_call
 from runtime.observe.logctx import error_text, set_step
 from runtime.pipeline import modelcall
-from runtime.pipeline.checkpoint import Outcome, Record, StepResult
+from runtime.pipeline.checkpoint import Record
 from runtime.pipeline.codec import encode
 from runtime.pipeline.kinds import StepKind
 
@@ -64,8 +65,8 @@ class BilledCall(SimpleKind):
             outcome = modelcall.call(
                 task, request, kind=self.kind, key=key, seq=seq, body=body, make=make
             )
-        if isinstance(outcome, modelcall.Recorded):
-            at.end(StepResult(Outcome.CONTINUE, dispatch=outcome.dispatch))
+        if isinstance(outcome, modelcall.Made):  # a fork's replayed answer too
+            return Record([outcome.row], write=outcome.write, then=outcome.logged)
         if isinstance(outcome, modelcall.Later):
             with at.ex.engine_call():
                 at.end(
@@ -80,8 +81,7 @@ class BilledCall(SimpleKind):
         if isinstance(outcome, modelcall.Stopped):
             with at.ex.engine_call():
                 at.ex.stop(outcome.status, outcome.reason)
-        assert not isinstance(outcome, modelcall.Interrupted)  # its kind is not interruptible
-        assert not isinstance(outcome, modelcall.Made)  # recorded by the call
+        assert isinstance(outcome, modelcall.Failed)  # (its kind is not interruptible)
         billed = outcome.error if isinstance(outcome.error, BilledFailure) else None
         error = billed.error if billed is not None else outcome.error  # billed all the same
         text = f"{type_name(error)}: {error}"
@@ -93,24 +93,25 @@ class BilledCall(SimpleKind):
         )
         log.info("run=%s seq=%d MODEL %s failed: %s", task.rid, seq, key, error_text(text))
         if billed is not None:
-            with at.ex.engine_call():
-                at.end(_record_billed_failure(at, request, body, row, billed))
+            return Record([row], write=_billed_failure(at, request, body, row, billed))
         return Record([row])
 
 
-def _record_billed_failure(
-    at: At, request: LlmRequest, body: dict[str, Any], row: Any, failure: BilledFailure
-) -> StepResult:
-    """The error row of a framework's call the provider billed, with its usage; an
-    estimate (its input from the request, its output at ``max_tokens`` unless the
-    framework said) when the framework raised before its usage could be read."""
+def _billed_failure(
+    at: At, request: LlmRequest, body: dict[str, Any], row: NewStep, failure: BilledFailure
+) -> Callable[[], Dispatch | None]:
+    """The write of the error row of a framework's call the provider billed, with its usage
+    (:func:`runtime.pipeline.modelcall.record_failed`); an estimate (its input from the
+    request, its output at ``max_tokens`` unless the framework said) when the framework
+    raised before its usage could be read."""
     usage, model = failure.billed.usage, failure.billed.model or request.model
     if failure.estimated:
         usage = Usage(
             input_tokens=usage.input_tokens or modelcall.estimate_tokens(body),
             output_tokens=usage.output_tokens or request.max_tokens,
         )
-    return modelcall.record_failed(
+    return functools.partial(
+        modelcall.record_failed,
         at.task,
         request,
         body,

@@ -369,8 +369,9 @@ class McpTool(SimpleKind):
 
 @dataclass(frozen=True)
 class LlmCall(SimpleKind):
-    """One model call inside ``steps.llm``: a child step ``…/llm:n`` recorded the moment it
-    returns (:func:`runtime.pipeline.modelcall.call`); replayed for the same attempt of its
+    """One model call inside ``steps.llm``: a child step ``…/llm:n`` recorded by the advance
+    the moment it returns (:func:`runtime.pipeline.modelcall.call`; billed even when the fence
+    refuses it), the task going on with its answer; replayed for the same attempt of its
     step, made afresh by a failed attempt's retry."""
 
     request: LlmRequest
@@ -401,7 +402,7 @@ class LlmCall(SimpleKind):
             rec.request_id,
         )
 
-    def run(self, at: At) -> LlmResponse:
+    def run(self, at: At) -> Record:
         ex, rec = at.ex, at.row
         with ex.engine_call():
             outcome = modelcall.call(
@@ -427,9 +428,16 @@ class LlmCall(SimpleKind):
                 wakeable=outcome.wakeable,
             )
         assert not isinstance(outcome, modelcall.Interrupted)  # its kind is not interruptible
-        if outcome.answer is not None:
+        assert isinstance(outcome, modelcall.Made)  # a fork's replayed answer too
+        if outcome.answer is not None:  # the model was called: a fork replays no more
             ex.model_diverged = True
-        return outcome.response
+        return Record(
+            [outcome.row],
+            write=outcome.write,
+            then=outcome.logged,
+            goes_on=True,
+            value=outcome.response,
+        )
 
 
 def declared_server(ex_agent: Any, server: McpServer | str) -> McpServer:

@@ -641,17 +641,27 @@ class Task:
 @dataclass(frozen=True)
 class Record:
     """What a kind's run gives the advance to record: ``rows`` through the checkpoint, in the
-    transaction that hands the lease on (the task ends)."""
+    transaction that hands the lease on (the task ends); or, with ``goes_on``, a record inside
+    the running step, after which the task goes on with ``value``."""
 
     rows: list[NewStep]
     write: Callable[[], Dispatch | None] | None = None
     """How ``rows`` are recorded when not by :meth:`Task.checkpoint`: a billed model call's
-    record (:func:`runtime.pipeline.modelcall.record_billed`: counted even when refused), or
+    record (:func:`runtime.pipeline.modelcall.record_billed`: counted even when refused; a
+    failed call the provider billed, :func:`runtime.pipeline.modelcall.record_failed`), or
     a fork's replayed answer's (:meth:`Task.record_replayed`)."""
     ends_next: bool = False
     """The step ended the conversation (:attr:`StepResult.ends_next`)."""
     then: Callable[[], None] | None = None
     """What the kind says once its record is committed (its log line, its metric)."""
+    goes_on: bool = False
+    """``write`` records ``rows`` inside the running step (a model call inside ``steps.llm``):
+    the advance commits it, says so (``then``) and gives back ``value``; the task goes on."""
+    value: Any = None
+    """What the advance gives back after a record that ``goes_on``."""
+
+    def __post_init__(self) -> None:
+        assert not self.goes_on or self.write is not None, "a record inside a step writes"
 
 
 class Place(Protocol):
@@ -713,7 +723,8 @@ class Program(Generic[P]):
         """Advance a step of any kind: placed and looked up; a recorded answer given back (or
         its error raised again); else guarded, and the kind runs: what it gives to record is
         committed here, ending the task; or it gives its value (a nested step), or ends the
-        task of its own."""
+        task of its own. A record inside the running step (:attr:`Record.goes_on`) is
+        committed here too, and its value given back."""
         at = self.locate(step)
         if at is None:
             return step.predates()
@@ -732,4 +743,6 @@ class Program(Generic[P]):
                 ended = StepResult(Outcome.CONTINUE, dispatch=done.write())
         if done.then is not None:
             done.then()
+        if done.goes_on:
+            return done.value
         return self.end(replace(ended, ends_next=True) if done.ends_next else ended)

@@ -5,10 +5,12 @@ The sequence is written once, :func:`call`: a fork's recorded answer, the strict
 refusal, admission (flow control), the call (the attempts already made persisted on the run
 across durable timers, so the total stays capped; crash points; the live stream), its
 classification (a retry later, a cancel, a deadline), the price and the metrics, and the
-record, with the rule that a billed call is counted against the run even when its checkpoint
-is refused (:func:`record_billed`). Whether the record is the task's step or a child of the
-running step is the kind's (``runtime.pipeline.kinds.KINDS``); what the outcome means for the run
-is the caller's.
+record's write, with the rule that a billed call is counted against the run even when its
+checkpoint is refused (:func:`record_billed`). The write is given back (:class:`Made`), never
+made here: the caller's advance commits it, as every step's record
+(:meth:`runtime.pipeline.checkpoint.Program.advance`). Whether the record is the task's step
+or a child of the running step is the kind's (``runtime.pipeline.kinds.KINDS``); what the
+outcome means for the run is the caller's.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from runtime.llm.base import LlmError, LlmRequest, LlmResponse
 from runtime.llm.billing import Meter, metering
 from runtime.llm.live_call import ModelCallCancelled, ModelCallInterrupted, live_call
 from runtime.llm.retry import RetryLater, prior_attempts, reset_prior_attempts
-from runtime.pipeline import checkpoint, kinds
-from runtime.pipeline.checkpoint import Earlier, StepResult, Task, plus
+from runtime.pipeline import kinds
+from runtime.pipeline.checkpoint import Earlier, Task, plus
 from runtime.pipeline.faults import crash_point
 from runtime.pipeline.prompthash import prompt_hash as prompt_hash
 
@@ -599,50 +601,39 @@ def record_failed(
     *,
     request_id: str | None = None,
     estimated: bool = False,
-) -> StepResult:
+) -> Dispatch | None:
     """Record ``row``, the error of a call the provider billed all the same (a response that
-    ended ``incomplete``), and hand the lease on. Its tokens and cost are the row's, counted
-    on the run as any answer's (against the run even when the fence refuses the row, see
-    :func:`record_billed`); with ``estimated`` (the usage could not be read: an upper bound)
-    they are the run's estimated unrecorded tokens instead, beside a row without usage."""
+    ended ``incomplete``), and hand the lease on: the write of the kind's
+    :class:`~runtime.pipeline.checkpoint.Record`, which the advance commits. Its tokens and
+    cost are the row's, counted on the run as any answer's (against the run even when the
+    fence refuses the row, see :func:`record_billed`); with ``estimated`` (the usage could not
+    be read: an upper bound) they are the run's estimated unrecorded tokens instead, beside a
+    row without usage."""
     cost = task.services.pricing.cost(model, usage)
     if task.services.metrics is not None:
         task.services.metrics.model_call(model, usage, cost)
     if estimated:
         task.store.record_unrecorded_usage(task.run_id, usage, cost, estimated_tokens=usage.total)
-        return task.checkpoint([row])
+        return task.checkpoint([row]).dispatch
     row = replace(row, usage=usage, cost_usd=cost, model=model, request_id=request_id)
     response = LlmResponse([], row.stop_reason, usage, model, request_id)
     answer = Answer(request, body, response, cost, row.latency_ms or 0)
-    dispatch = record_billed(
+    return record_billed(
         task,
         answer,
         lambda: task.store.record_steps(task.claim, [row]),
         row=row,
         committed=lambda: Dispatch(task.run_id, task.store.get_run(task.run_id).dispatch_token),
     )
-    return StepResult(checkpoint.Outcome.CONTINUE, dispatch=dispatch)
 
 
 # -- the whole sequence, for every kind of step that calls the model --------------------------
 
 
 @dataclass(frozen=True)
-class Recorded:
-    """The call was made (or, in a fork, answered from the original) and recorded."""
-
-    response: LlmResponse
-    row: NewStep
-    dispatch: Dispatch | None
-    """The hand-over's message, when the call was the task's step."""
-    answer: Answer | None
-    """What was paid for (``None``: answered from the original run, nothing billed)."""
-
-
-@dataclass(frozen=True)
 class Made:
-    """The call was made (or, in a fork, answered from the original) and is not recorded yet
-    (``record=False``): the caller's advance records it with ``write`` (a made call's
+    """The call was made (or, in a fork, answered from the original) and is not recorded yet:
+    the caller's advance records it with ``write`` (a made call's
     :func:`record_billed`: counted even when the fence refuses it; a replayed answer's
     :meth:`runtime.pipeline.checkpoint.Task.record_replayed`), then says so (``logged``)."""
 
@@ -697,7 +688,7 @@ class Interrupted:
     usage: Usage
 
 
-Outcome = Recorded | Made | Later | Stopped | Failed | Interrupted
+Outcome = Made | Later | Stopped | Failed | Interrupted
 
 
 def call(
@@ -712,16 +703,15 @@ def call(
     make: Callable[[], LlmResponse] | None = None,
     diverged: bool | None = None,
     guard: bool = False,
-    record: bool = True,
 ) -> Outcome:
-    """One model call of a step of ``kind``, start to record: a fork's recorded answer,
+    """One model call of a step of ``kind``, up to its record: a fork's recorded answer,
     the guard (with ``guard``: cancel, deadline, budget), the strict budget, admission, the
-    call, its classification, its price and its record (retried across a database blip;
-    billed even when the fence refuses it). Without ``record``, an answer is given back
-    :class:`Made`, its record for the caller's advance to write (the agent loop's model
-    turn: :class:`runtime.pipeline.checkpoint.Record`), a fork's replayed answer as a made
-    one. An exception other than the call's
-    own (:class:`Failed`) is the engine's: the database, the lease."""
+    call, its classification and its price. An answer (a fork's replayed one too) is given
+    back :class:`Made`, its record (retried across a database blip; billed even when the
+    fence refuses it) for the caller's advance to write
+    (:class:`runtime.pipeline.checkpoint.Record`): this function writes no record of the call
+    itself. An exception other than the call's own (:class:`Failed`) is the engine's: the
+    database, the lease."""
     policy = kinds.KINDS[kind]
     assert policy.bills, f"a {kind} step does not call the model"
     body = body if body is not None else request.to_json()
@@ -737,11 +727,7 @@ def call(
         )
         write = functools.partial(task.record_replayed, row, original, hand_over=not policy.child)
         logged = functools.partial(_logged_replayed, task, key, seq)
-        if not record:
-            return Made(response, row, None, write, logged)
-        dispatch = write()
-        logged()
-        return Recorded(response, row, dispatch, None)
+        return Made(response, row, None, write, logged)
     stop = task.guard(steps_taken=0, next_is_model=True) if guard else None
     if stop is not None:
         return Stopped(stop.status, stop.reason)
@@ -755,10 +741,10 @@ def call(
         return Later(shared.delay_seconds, shared.reason, task.claim.run.model_attempts, True, True)
     if not shared:
         return _admit_and_call(task, request, kind=kind, key=key, seq=seq, attempt=attempt,
-                               body=body, make=make, record=record)  # fmt: skip
+                               body=body, make=make)  # fmt: skip
     try:
         outcome = _admit_and_call(task, request, kind=kind, key=key, seq=seq, attempt=attempt,
-                                  body=body, make=make, record=record)  # fmt: skip
+                                  body=body, make=make)  # fmt: skip
     except (LeaseLost, DatabaseUnavailable):
         # the call may be billed and not counted yet (owed, or the run taken over): the
         # hold stays until the run's next call or its end
@@ -775,7 +761,7 @@ def call(
 
 def _released_after(task: Task, write: Callable[[], T]) -> T:
     """``write``, the record of a call held against its tree's budget, then the hold's
-    release (as :func:`call` releases it after a call it records itself)."""
+    release (as :func:`call` releases it at once after a call with no record to write)."""
     try:
         written = write()
     except (LeaseLost, DatabaseUnavailable):
@@ -797,7 +783,6 @@ def _admit_and_call(
     attempt: int,
     body: dict[str, Any],
     make: Callable[[], LlmResponse] | None,
-    record: bool = True,
 ) -> Outcome:
     """:func:`call` from flow control's admission on."""
     policy = kinds.KINDS[kind]
@@ -843,11 +828,7 @@ def _admit_and_call(
         committed=functools.partial(_handed_on, task, policy.child),
     )
     logged = functools.partial(_logged, task, kind, key, seq, answer)
-    if not record:
-        return Made(response, row, answer, write, logged)
-    dispatch = write()
-    logged()
-    return Recorded(response, row, dispatch, answer)
+    return Made(response, row, answer, write, logged)
 
 
 def _handed_on(task: Task, child: bool) -> Dispatch | None:

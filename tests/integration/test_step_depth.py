@@ -8,7 +8,8 @@ engine and PostgreSQL from the function the Celery task calls
 a model turn's ``checkpoint_model``); the stack between them is read at that write. Counted:
 the engine's frames from the entry (itself included) to the one calling the store (included),
 and their modules; the user's own function (the test's module) is not the engine's, and the
-store's frames are the commit itself."""
+store's frames are the commit itself. A durable function's model calls (in ``steps.llm``,
+``steps.model_call``) are read at their record too: the advance writes it."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from db.records import Claim, NewStep
-from runtime.durable import Steps, durable_agent
+from db.records import Claim, NewStep, Usage
+from runtime.durable import Billed, Steps, durable_agent
 from runtime.engine.bootstrap import Runtime
 from runtime.engine.driver import Driver
 from runtime.llm.scripted import ScriptedLlm
@@ -130,6 +131,58 @@ def test_an_agent_loop_step_reaches_its_commit_in_few_frames_and_modules(
     assert ("runtime.pipeline.checkpoint", "Program.advance") in frames, path
     assert len(frames) <= max_frames, f"{len(frames)} frames: {path}"
     assert len(modules) <= max_modules, f"{len(modules)} modules: {sorted(modules)}"
+
+
+def _model_records_at_commit(
+    runtime: Runtime, llm: ScriptedLlm, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, list[tuple[str, str]]]:
+    """The engine's frames at the record of a durable function's model calls: one inside
+    ``steps.llm`` (``record_child``) and a framework's ``steps.model_call``
+    (``checkpoint_model``), by step key."""
+    seen: dict[str, list[tuple[str, str]]] = {}
+    for name in ("record_child", "checkpoint_model"):
+        write = getattr(runtime.store, name)
+
+        def spy(claim: Claim, row: NewStep, write: Callable[..., Any] = write) -> Any:
+            seen[row.step_key] = _engine_frames(sys._getframe(1), Driver.drive)
+            return write(claim, row)
+
+        monkeypatch.setattr(runtime.store, name, spy)
+    llm.then_text("hi")
+
+    @durable_agent("depth-model")
+    def depth(_: dict[str, int], steps: Steps) -> Any:
+        said = steps.llm("ask", lambda model: model.complete("hello"))
+        billed = Billed(value=said, model="framework-model", usage=Usage(3, 2))
+        return steps.model_call("framework", lambda _live: billed, prompt="p", model="m")
+
+    assert DurableTester(runtime, None).run(depth, {}).result == "hi"
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("key", "store_write"), [("ask:0/llm:0", "record_child"), ("framework:0", "checkpoint_model")]
+)
+def test_a_durable_functions_model_call_is_recorded_by_the_advance(
+    runtime: Runtime,
+    llm: ScriptedLlm,
+    monkeypatch: pytest.MonkeyPatch,
+    key: str,
+    store_write: str,
+) -> None:
+    """A model call inside ``steps.llm`` and a framework's ``steps.model_call`` are recorded
+    by the advance, as the agent loop's model turn: the record is written from
+    :meth:`Program.advance` through the billed record and the checkpoint's retry (``-> advance
+    -> record_billed -> durably``), not from inside the model call (it was ``-> advance ->
+    LlmCall.run / BilledCall.run -> modelcall.call -> _admit_and_call -> record_billed ->
+    durably``: three frames more)."""
+    frames = _model_records_at_commit(runtime, llm, monkeypatch)[key]
+    path = " -> ".join(f"{m.rsplit('.', 1)[-1]}.{f}" for m, f in frames)
+    assert frames[-3:] == [
+        ("runtime.pipeline.checkpoint", "Program.advance"),
+        ("runtime.pipeline.modelcall", "record_billed"),
+        ("runtime.pipeline.checkpoint", "Task.durably"),
+    ], f"{store_write}: {path}"
 
 
 def test_the_count_sees_a_deeper_path(runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:

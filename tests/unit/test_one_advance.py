@@ -13,6 +13,8 @@ A use that must stay is allow-listed below with its reason."""
 from __future__ import annotations
 
 import ast
+import inspect
+import typing
 from pathlib import Path
 
 from db.records import StepKind as RowKind
@@ -232,4 +234,83 @@ def test_the_loop_rule_names_a_step_run_around_the_advance(tmp_path: Path) -> No
         "runtime/agentloop/loop.py:2 modelcall.call",
         "runtime/agentloop/loop.py:7 effects.run_effect",
         "runtime/agentloop/loop.py:9 task.deliver_message",
+    ]
+
+
+# -- every model call's record is committed by the advance ------------------------------------
+
+OUTSIDE_THE_PIPELINE = ("runtime", "tasks", "api", "cli")
+MODEL_RECORD_WRITES = frozenset({"record_billed", "record_failed", "record_replayed"})
+"""The writes of a model call's record (``modelcall.record_billed``, ``record_failed``,
+``Task.record_replayed``): a kind hands one to the advance uncalled, as a ``Record``'s
+``write`` (``modelcall.Made.write`` is one of them, bound)."""
+
+
+def model_records_written_around_the_advance(root: Path = ROOT) -> list[str]:
+    """Each place outside ``runtime/pipeline`` that writes a model call's record itself instead
+    of giving it to the advance: a call of one of :data:`MODEL_RECORD_WRITES`, a call of a
+    ``Made``'s ``write`` (``.write()`` with no argument: a file's takes one), or
+    ``modelcall.call`` asked to record (a ``record`` keyword, the option that was removed)."""
+    pipeline = root / "runtime" / "pipeline"
+    out = []
+    for folder in OUTSIDE_THE_PIPELINE:
+        for path in sorted((root / folder).rglob("*.py")):
+            if pipeline in path.parents:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                named = name in MODEL_RECORD_WRITES
+                made_write = name == "write" and not node.args and not node.keywords
+                recording = ast.unparse(func).endswith("modelcall.call") and any(
+                    k.arg == "record" for k in node.keywords
+                )
+                if named or made_write or recording:
+                    where = path.relative_to(root).as_posix()
+                    out.append(f"{where}:{node.lineno} {ast.unparse(func)}")
+    return out
+
+
+def test_every_model_calls_record_is_committed_by_the_advance() -> None:
+    """``modelcall.call`` writes no record (no ``record`` option; an answer, a fork's replayed
+    one too, comes back only as ``Made``, its write for the advance), and no code outside the
+    pipeline writes one itself (the store's writes: ``test_one_pipeline``)."""
+    from runtime.pipeline import modelcall
+
+    assert "record" not in inspect.signature(modelcall.call).parameters
+    assert set(typing.get_args(modelcall.Outcome)) == {
+        modelcall.Made,
+        modelcall.Later,
+        modelcall.Stopped,
+        modelcall.Failed,
+        modelcall.Interrupted,
+    }
+    assert model_records_written_around_the_advance() == []
+
+
+def test_the_record_rule_names_a_model_call_recorded_around_the_advance(tmp_path: Path) -> None:
+    """Mutants: a kind recording its model call itself (asking ``modelcall.call`` to, calling
+    a ``Made``'s write, a billed failure's or a replayed answer's write) is named; handing the
+    same writes to the advance, a file's write, and the pipeline's own calls are not."""
+    kind = (
+        "def run(self, at, made, f):\n"
+        "    outcome = modelcall.call(at.task, self.request, record=True)\n"
+        "    made.write()\n"
+        "    modelcall.record_failed(at.task, request, body, row, usage, model)\n"
+        "    at.task.record_replayed(row, original, hand_over=True)\n"
+        "    f.write('text')\n"
+        "    Record([made.row], write=made.write, then=made.logged)\n"
+        "    return Record([row], write=functools.partial(modelcall.record_failed, at.task))\n"
+    )
+    for folder in ("runtime/durable", "runtime/pipeline", "tasks", "api", "cli"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "runtime/durable/billed.py").write_text(kind)
+    (tmp_path / "runtime/pipeline/checkpoint.py").write_text(kind)
+    assert model_records_written_around_the_advance(tmp_path) == [
+        "runtime/durable/billed.py:2 modelcall.call",
+        "runtime/durable/billed.py:3 made.write",
+        "runtime/durable/billed.py:4 modelcall.record_failed",
+        "runtime/durable/billed.py:5 at.task.record_replayed",
     ]
