@@ -190,7 +190,6 @@ LONGEST_FILES = (
     "tests/integration/test_api_fuzz.py",
     "tests/e2e/test_kill_worker_frameworks_sdk.py",
     "tests/e2e/test_readme_commands.py",
-    "tests/unit/test_tiers.py",
     "tests/integration/test_stats_rollup.py",
     "tests/chaos/test_chaos.py",
     "tests/e2e/test_rate_limits.py",

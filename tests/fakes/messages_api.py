@@ -28,9 +28,10 @@ With ``rate_limits={"claude-*": RateLimit(...)}`` the fake enforces real token b
 model (requests, input tokens and output tokens per minute, refilled continuously): a request
 that does not fit is answered 429 ``rate_limit_error`` with ``retry-after`` and the
 ``anthropic-ratelimit-*`` headers, and does not consume the script; every answer carries those
-headers. Input tokens are the fake's count of the request (:func:`count_input_tokens`, also
-reported in the response's usage); output tokens are taken at ``max_tokens`` up front and the
-unused part given back, as the real API estimates them.
+headers. The buckets start full, or with a share ``spent`` already. Input tokens are the
+fake's count of the request (:func:`count_input_tokens`, also reported in the response's
+usage); output tokens are taken at ``max_tokens`` up front and the unused part given back, as
+the real API estimates them.
 
 Billing follows the real API (:attr:`FakeMessagesApi.billed`, one :class:`Billed` per billed
 call): an answer the fake generated is billed in full whether or not the client is still
@@ -318,11 +319,14 @@ def count_input_tokens(body: JsonObj) -> int:
 
 @dataclass(frozen=True)
 class RateLimit:
-    """Per-minute limits of one model (``0``: none)."""
+    """Per-minute limits of one model (``0``: none). ``spent``: the share of each bucket
+    already used at the model's first request (another client of the same key was just
+    there); ``0`` starts them full."""
 
     requests_per_minute: int = 0
     input_tokens_per_minute: int = 0
     output_tokens_per_minute: int = 0
+    spent: float = 0.0
 
 
 class _Buckets:
@@ -336,7 +340,7 @@ class _Buckets:
             limit.input_tokens_per_minute,
             limit.output_tokens_per_minute,
         )
-        self.levels = [float(c) for c in self.caps]
+        self.levels = [c * (1.0 - limit.spent) for c in self.caps]
         self.at = time.monotonic()
 
     def _refill(self) -> None:
