@@ -108,7 +108,7 @@ def upgrade(deployment: str) -> tuple[Response, int]:
         raise invalid("dryRun", "must be true or false")
     raw_ids = body.get("runIds")
     run_ids: list[uuid.UUID] | None = None
-    if raw_ids is not None:
+    if "runIds" in body:  # absent means every run; null is not a list (nor "every run")
         if not isinstance(raw_ids, list) or len(raw_ids) > MAX_UPGRADE:
             raise invalid("runIds", f"must be a list of at most {MAX_UPGRADE} run ids")
         try:

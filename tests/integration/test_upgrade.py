@@ -199,6 +199,10 @@ def test_an_upgrade_moves_the_runs_that_replay_and_leaves_the_others_with_their_
         assert again.status_code == 409
         bad = client.post("/api/versions/v1/upgrade", json={"runIds": ["x"]})
         assert bad.status_code == 400
+        # null is not a list, nor "every run" (that is the field left out): the fuzzer's find
+        null = client.post("/api/versions/v1/upgrade", json={"runIds": None, "dryRun": True})
+        assert null.status_code == 400, null.get_json()
+        assert "runIds" in null.get_json()["error"]["message"]
     finally:
         v2.close()
 
