@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import time
 import urllib.error
 import uuid
@@ -131,17 +130,13 @@ def settle(stack: DevStack, timeout: float = 120) -> None:
 
 
 def retire(stack: DevStack, name: str) -> None:
-    """Stop a process a test added to a shared stack (SIGTERM, then SIGKILL) and forget it:
+    """Kill a process a test added to a shared stack (its part is over) and forget it:
     :func:`settle` does not bring it back."""
     stack.supervised.pop(name, None)
     proc = stack.processes.pop(name, None)
     if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 @contextlib.contextmanager
