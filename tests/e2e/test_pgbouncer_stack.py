@@ -48,6 +48,9 @@ def stack(
                 "DAR_LEASE_SECONDS": "3",
                 "DAR_HEARTBEAT_SECONDS": "1",
                 "DAR_REAPER_INTERVAL_SECONDS": "0.5",
+                # a run's next message the killed worker had taken and not started is sent
+                # again after this, not the shipped 30 s
+                "DAR_REDISPATCH_AFTER_SECONDS": "3",
                 "DAR_DEMO_LATENCY_MS": "1500",
                 "ANTHROPIC_API_KEY": "",
             },
