@@ -42,30 +42,42 @@ def running_stack(
     *,
     pool: str | None = None,
     workers: int = 2,
-    concurrency: int = 4,
+    concurrency: int | None = 4,
     start_timeout: float = 90.0,
     log_tail: int = 20_000,
     restart: RestartPolicy | None = None,
+    leases: dict[str, str] = FAST_LEASES,
+    own_settings_only: bool = False,
     **env: str,
 ) -> Iterator[DevStack]:
-    """API, ``workers`` Celery workers and a beat on the given services; ``env`` adds to (or
-    overrides) the children's environment. ``pool`` unset: the shipped default."""
+    """API, ``workers`` Celery workers and a beat on the given services (the queue of
+    ``settings``), ``leases`` short (:data:`FAST_LEASES`; ``{}``: the shipped ones); ``env``
+    adds to (or overrides) the children's environment. ``pool`` or ``concurrency`` unset: the
+    shipped default. ``own_settings_only``: no DAR_* or ANTHROPIC_* setting of this process
+    leaks into the children. The processes' output goes to ``<tmp_path>/stack.log``, whose
+    last ``log_tail`` characters are printed when the stack stops."""
     log_path = tmp_path / "stack.log"
     extra: dict[str, Any] = {} if pool is None else {"pool": pool}
+    if concurrency is not None:
+        extra["concurrency"] = concurrency
     if restart is not None:
         extra["restart"] = restart
+    inherited = {
+        k: v
+        for k, v in os.environ.items()
+        if not (own_settings_only and k.startswith(("DAR_", "ANTHROPIC_")))
+    }
     with log_path.open("wb") as log:
         stack = DevStack(
             data_dir=tmp_path,
             port=free_port(),
             workers=workers,
-            concurrency=concurrency,
             env={
-                **os.environ,
+                **inherited,
                 "DATABASE_URL": database_url,
                 "REDIS_URL": redis_url,
                 "DAR_QUEUE": settings.queue,
-                **FAST_LEASES,
+                **leases,
                 "ANTHROPIC_API_KEY": "",
                 **env,
             },
