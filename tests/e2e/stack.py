@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 import urllib.error
 import uuid
@@ -142,12 +143,14 @@ def settle(stack: DevStack, timeout: float = 120) -> None:
 
 
 def retire(stack: DevStack, name: str) -> None:
-    """Kill a process a test added to a shared stack (its part is over) and forget it:
+    """Kill a process a test added to a shared stack (its part is over), its children too
+    (its own process group: a gunicorn's worker, a prefork pool), and forget it:
     :func:`settle` does not bring it back."""
     stack.supervised.pop(name, None)
     proc = stack.processes.pop(name, None)
     if proc is not None and proc.poll() is None:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # DevStack starts each child in its own session
         proc.wait(timeout=10)
 
 
