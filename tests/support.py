@@ -247,30 +247,23 @@ def stack_against(
     env: dict[str, str] | None = None,
     tail: int = 8000,
 ) -> Iterator[Any]:
-    """``dar dev``'s supervisor (web, ``workers`` workers, beat) as the Procfile ships it, on
-    the test's database and Redis, its model client pointed at the fake at ``api_url``; no
-    DAR_* or ANTHROPIC_* setting of this process leaks in (``env`` adds some). Its log's last
-    ``tail`` characters are printed when it stops."""
-    import os
+    """``dar dev``'s supervisor (web, ``workers`` workers, beat) as the Procfile ships it (its
+    pool, concurrency and leases), on the test's database and Redis, its model client pointed
+    at the fake at ``api_url``; no DAR_* or ANTHROPIC_* setting of this process leaks in
+    (``env`` adds some). Its log's last ``tail`` characters are printed when it stops. (The
+    e2e tests' :func:`tests.e2e.stack.running_stack`, with the shipped settings.)"""
+    from tests.e2e.stack import running_stack
 
-    from cli.devstack import DevStack
-    from cli.embedded import free_port
-
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("DAR_", "ANTHROPIC_"))}
-    full.update(
-        DATABASE_URL=database_url,
-        REDIS_URL=redis_url,
-        DAR_QUEUE=settings.queue,  # isolation from other tests only
-        ANTHROPIC_API_KEY="test-key",
-        ANTHROPIC_BASE_URL=api_url,
-        **(env or {}),
-    )
-    log_path = tmp_path / "stack.log"
-    with log_path.open("wb") as log:
-        s = DevStack(data_dir=tmp_path, port=free_port(), workers=workers, env=full, output=log)
-        try:
-            s.start(timeout=90)
-            yield s
-        finally:
-            s.stop()
-            print(log_path.read_text(errors="replace")[-tail:])
+    with running_stack(
+        tmp_path,
+        database_url,
+        redis_url,
+        settings,
+        workers=workers,
+        concurrency=None,
+        log_tail=tail,
+        leases={},
+        own_settings_only=True,
+        **{"ANTHROPIC_API_KEY": "test-key", "ANTHROPIC_BASE_URL": api_url, **(env or {})},
+    ) as s:
+        yield s

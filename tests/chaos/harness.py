@@ -341,12 +341,15 @@ class ChaosStack(DevStack):
     """Every child (web, workers, beats) connects through a PgBouncer in transaction mode
     (:attr:`bouncer`) in front of the private PostgreSQL; migrations and the harness's own
     reads go directly (:attr:`database_url`)."""
+    direct: frozenset[str] = frozenset()
+    """Children (``worker-A``, ``beat-2``...) that connect to PostgreSQL directly even when the
+    others go through the :attr:`pooler`: one stack then tries both ways at once."""
     bouncer: PgBouncer | None = None
     _logs: dict[str, IO[bytes]] = field(default_factory=dict)
 
     def _child_env(self, **extra: str) -> dict[str, str]:
         env = super()._child_env(**extra)
-        if self.bouncer is not None:
+        if self.bouncer is not None and "DATABASE_URL" not in extra:
             env["DATABASE_URL"] = self.bouncer.url_for(self.database_url)
         return env
 
@@ -371,6 +374,8 @@ class ChaosStack(DevStack):
         return self.log_dir / f"{name}.log"
 
     def _spawn(self, name: str, args: list[str], **extra_env: str) -> None:
+        if name in self.direct:
+            extra_env = {**extra_env, "DATABASE_URL": self.database_url}
         log = self._logs.get(name)
         if log is None:
             log = self._logs[name] = self.log_path(name).open("ab")

@@ -14,8 +14,12 @@ what this test is about). Every run must succeed with no repeated model call (ca
 fake answered for the run minus model steps recorded) and with every billed token on its
 step rows.
 
-One stack serves both rounds (the second on the restarted server), to keep the wall time
-near 60 s on a loaded 2-core machine.
+One stack serves both rounds (the second on the restarted server), and both ways to the
+server at once: worker-A and a beat connect directly, worker-B, the web and the other beat
+through a PgBouncer in transaction mode (which holds a client's transaction while the server
+is away). Each worker holds runs whose calls are in flight at the stop (asserted: 30 runs,
+16 slots each). Two stacks (direct, pooled) of four rounds took ~110 s to start and stop on a
+loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +55,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.chaos, pytest.mark.timeout(240)]
 
 RUNS = 30
 WORKERS = {"A": 16, "B": 16}
-"""Thread-pool workers and their concurrency: together more slots than runs (prefetch 1)."""
+"""Thread-pool workers and their concurrency: together more slots than runs (prefetch 1), each
+fewer, so both hold runs."""
+DIRECT = frozenset({"worker-A", "beat"})
+"""What connects to PostgreSQL directly; the rest go through the PgBouncer."""
 LATENCY_SECONDS = 2.0
 """Every call is answered this long after it arrived (the first turn's also waits for
 :attr:`Responder.release`)."""
@@ -115,10 +123,10 @@ class Pg:
     round: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
 
-@pytest.fixture(scope="module", params=["direct", "pgbouncer"])
-def pg(request: pytest.FixtureRequest) -> Iterator[Pg]:
-    """The stack, its processes connecting to PostgreSQL directly or through a PgBouncer in
-    transaction mode (which holds a client's transaction while the server is away)."""
+@pytest.fixture(scope="module")
+def pg() -> Iterator[Pg]:
+    """The stack, some of its processes connecting to PostgreSQL directly (:data:`DIRECT`),
+    the others through a PgBouncer in transaction mode."""
     tmp = Path(tempfile.mkdtemp(prefix="dar-pg-restart-"))
     responder = Responder()
     with FakeMessagesApi(default_responder=responder) as fake:
@@ -141,9 +149,10 @@ def pg(request: pytest.FixtureRequest) -> Iterator[Pg]:
             port=free_port(),
             env=env,
             specs={letter: WorkerSpec(concurrency=c) for letter, c in WORKERS.items()},
-            beats=1,
+            beats=2,
             log_dir=tmp / "logs",
-            pooler=request.param == "pgbouncer",
+            pooler=True,
+            direct=DIRECT,
         )
         engine: Engine | None = None
         try:
@@ -229,6 +238,7 @@ def test_an_answer_that_arrived_during_a_postgres_restart_is_not_thrown_away(
     try:
         _wait(lambda: in_flight() >= RUNS, 60, f"{RUNS} first-turn calls were not in flight")
         flying = in_flight()
+        holders = Counter(pg.store.get_run(run_id).locked_by for run_id in runs.values())
         pg.stack.pg.stop_server(mode)
         down_at = time.monotonic()
         time.sleep(ANSWER_AFTER_SECONDS)
@@ -276,7 +286,8 @@ def test_an_answer_that_arrived_during_a_postgres_restart_is_not_thrown_away(
     repeated = {tag: n for tag, n in repeats.items() if n}
     print(
         f"\npg-restart -m {mode}: {flying} model calls in flight at the stop, "
-        f"{answered_in_outage} answered during the outage, down {up_at - down_at:.1f}s "
+        f"(held by {dict(holders)}), {answered_in_outage} answered during the outage, "
+        f"down {up_at - down_at:.1f}s "
         f"(lease {LEASE_SECONDS:.0f}s), repeats {sum(repeats.values())} "
         f"in {len(repeated)} run(s), all {len(runs)} runs ended {settle:.1f}s after the restart",
         flush=True,
@@ -286,6 +297,7 @@ def test_an_answer_that_arrived_during_a_postgres_restart_is_not_thrown_away(
     if problems:
         print(_tails(pg.stack))
     assert flying >= RUNS
+    assert all(holders[f"worker-{w}"] for w in WORKERS), f"both ways in flight: {holders}"
     assert not problems, "\n".join(problems)
 
 

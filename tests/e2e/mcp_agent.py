@@ -23,7 +23,12 @@ def register(registry: AgentRegistry) -> None:
         Agent(
             name="mcp-e2e",
             system_prompt="",
-            mcp_servers=(McpServer.stdio("notes", [sys.executable, COUNTING, "--ledger", ledger]),),
+            # (a tool made again after its worker was killed answers at once)
+            mcp_servers=(
+                McpServer.stdio(
+                    "notes", [sys.executable, COUNTING, "--ledger", ledger, "--delay-once"]
+                ),
+            ),
         )
     )
 

@@ -4,41 +4,82 @@ its last checkpoint, and every step appears exactly once."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import pytest
+from sqlalchemy import Engine
 
 from cli.devstack import DevStack
 from db.engine import make_engine
 from db.records import RunStatus, StepKind, StepOrigin, StepStatus
 from db.store import RunStore
-from runtime.config import Settings
-from tests.e2e.stack import running_stack
+from tests.e2e.stack import (
+    QUICK_RESTARTS,
+    emptied,
+    output_during,
+    running_stack,
+    settle,
+    shared_settings,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 
+@pytest.fixture(scope="module")
+def stacks(
+    test_db: str, _truncator: Engine, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[str], DevStack]]:
+    """The stack of a worker pool, started when a test first asks for that pool and shared by
+    the tests that follow on it (a start and stop took 10-30 s under CI's load): two stacks
+    for the file's three tests, not three. One runs at a time."""
+    emptied(_truncator)
+    settings = shared_settings(test_db, redis_url)
+    running: dict[str, tuple[DevStack, contextlib.ExitStack]] = {}
+
+    def stack_of(pool: str) -> DevStack:
+        if pool not in running:
+            for _, other in running.values():
+                other.close()
+            running.clear()
+            tmp = tmp_path_factory.mktemp(f"kill-{pool}")
+            exits = contextlib.ExitStack()
+            s = exits.enter_context(
+                running_stack(
+                    tmp,
+                    test_db,
+                    redis_url,
+                    settings,
+                    pool=pool,
+                    start_timeout=60,
+                    restart=QUICK_RESTARTS,
+                    DAR_DEMO_LATENCY_MS="2500",
+                )
+            )
+            running[pool] = (s, exits)
+        return running[pool][0]
+
+    try:
+        yield stack_of
+    finally:
+        for _, exits in running.values():
+            exits.close()
+
+
 @pytest.fixture
 def pool() -> str:
-    return "threads"
+    return "gevent"
 
 
 @pytest.fixture
-def stack(
-    database_url: str, redis_url: str, settings: Settings, tmp_path: Path, pool: str
-) -> Iterator[DevStack]:
-    with running_stack(
-        tmp_path,
-        database_url,
-        redis_url,
-        settings,
-        pool=pool,
-        start_timeout=60,
-        DAR_DEMO_LATENCY_MS="2500",
-    ) as s:
+def stack(stacks: Callable[[str], DevStack], pool: str) -> Iterator[DevStack]:
+    """The pool's stack, every process up and ready (a worker an earlier test killed is back);
+    its output during the test printed after it."""
+    s = stacks(pool)
+    settle(s)
+    with output_during(s.data_dir / "stack.log"):
         yield s
 
 
@@ -115,7 +156,8 @@ def test_sigkill_during_a_forked_run_resumes_it_without_repeating_copied_steps(
     stack: DevStack,
 ) -> None:
     """A fork's copied steps are history: the worker killed mid-step is replaced, the step in
-    flight is redone under a new lease, and nothing before the fork point runs."""
+    flight is redone under a new lease, and nothing before the fork point runs. On the
+    shipped pool (gevent), the stack the test before left (its killed worker back)."""
     engine = make_engine(stack.database_url, pool_size=2)
     store = RunStore(engine)
     try:

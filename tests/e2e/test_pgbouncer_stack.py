@@ -6,7 +6,6 @@ finishes with each step once, and nothing fails on session state the pooler does
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -16,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from cli.devstack import DevStack
-from cli.embedded import free_port
 from db.engine import make_engine
 from db.records import RunStatus, StepStatus
 from db.store import RunStore
 from runtime.config import Settings
+from tests.e2e.stack import running_stack
 from tests.pgbouncer import PgBouncer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -32,36 +31,23 @@ RUNS = 12
 def stack(
     pooled_database_url: str, redis_url: str, settings: Settings, tmp_path: Path
 ) -> Iterator[DevStack]:
-    log_path = tmp_path / "stack.log"
-    with log_path.open("wb") as log:
-        s = DevStack(
-            data_dir=tmp_path,
-            port=free_port(),
-            workers=2,
-            concurrency=20,
-            pool="gevent",
-            env={
-                **os.environ,
-                "DATABASE_URL": pooled_database_url,
-                "REDIS_URL": redis_url,
-                "DAR_QUEUE": settings.queue,
-                "DAR_LEASE_SECONDS": "3",
-                "DAR_HEARTBEAT_SECONDS": "1",
-                "DAR_REAPER_INTERVAL_SECONDS": "0.5",
-                "DAR_DEMO_LATENCY_MS": "1500",
-                "ANTHROPIC_API_KEY": "",
-            },
-            output=log,
-        )
-        try:
-            s.start(timeout=60)
-            yield s
-        finally:
-            s.stop()
-            text = log_path.read_text(errors="replace")
-            print(text[-20000:])
-            for bad in ("InvalidSqlStatementName", "DuplicatePreparedStatement"):
-                assert bad not in text, f"{bad} in a process log"
+    with running_stack(
+        tmp_path,
+        pooled_database_url,
+        redis_url,
+        settings,
+        pool="gevent",
+        concurrency=20,
+        start_timeout=60,
+        # a run's next message the killed worker had taken and not started is sent again
+        # after this, not the shipped 30 s
+        DAR_REDISPATCH_AFTER_SECONDS="3",
+        DAR_DEMO_LATENCY_MS="1500",
+    ) as s:
+        yield s
+    text = (tmp_path / "stack.log").read_text(errors="replace")
+    for bad in ("InvalidSqlStatementName", "DuplicatePreparedStatement"):
+        assert bad not in text, f"{bad} in a process log"
 
 
 class PoolWatch:

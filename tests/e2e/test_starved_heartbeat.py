@@ -68,6 +68,10 @@ def stack(
         DAR_LLM_FACTORY="tests.e2e.starving_model:build",
         DAR_LEASE_SECONDS=str(LEASE_SECONDS),
         DAR_HEARTBEAT_SECONDS=str(LEASE_SECONDS / 3),  # the shipped ratio
+        # worker-B, stopped while blocked reading the queue, still takes the first message
+        # Redis hands it: that run reaches A only when it is sent again, after this (the
+        # shipped 30 s was most of the test's time)
+        DAR_REDISPATCH_AFTER_SECONDS="3",
     ) as s:
         yield s
 

@@ -11,11 +11,11 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
+from sqlalchemy import Engine
 
 from cli.devstack import DevStack
 from cli.embedded import free_port
@@ -25,7 +25,15 @@ from db.store import RunStore
 from runtime.config import Settings
 from tasks.celery_app import make_celery
 from tasks.dispatch import send_drive
-from tests.e2e.stack import running_stack
+from tests.e2e.stack import (
+    QUICK_RESTARTS,
+    emptied,
+    output_during,
+    retire,
+    running_stack,
+    settle,
+    shared_settings,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -34,21 +42,42 @@ V2_WORKER = "worker-V2"
 QUESTION = "Which acme tickets are overdue?"
 
 
-@pytest.fixture
-def stack(
-    database_url: str, redis_url: str, settings: Settings, tmp_path: Path
-) -> Iterator[DevStack]:
+@dataclass(frozen=True)
+class Shared:
+    stack: DevStack
+    settings: Settings
+    processes: frozenset[str]
+    """The processes every test starts with (what a test adds is stopped after it)."""
+
+
+@pytest.fixture(scope="module")
+def shared(
+    test_db: str, _truncator: Engine, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Shared]:
     """web, beat and two workers of v1; one worker of v2 beside them, whose demo agent has
-    the upgrade policy ``replay`` (tests.e2e.policy_agents)."""
+    the upgrade policy ``replay`` (tests.e2e.policy_agents). One stack for the file's tests
+    (a start and stop took 10-30 s each under CI's load): each test kills or stops workers,
+    and the ``stack`` fixture brings them back before the next. In the file's order, only
+    the last test waits for that (the one before killed a worker of each version).
+
+    (The first test's policy move waits for a sweep on the v2 worker, the reaper's beat
+    message taken by whichever worker reads it first: that came within a second in most
+    runs here, after 20 to 60 s in some, in either order of the tests; not explained yet.)"""
+    emptied(_truncator)
+    settings = shared_settings(test_db, redis_url)
     with running_stack(
-        tmp_path,
-        database_url,
+        tmp_path_factory.mktemp("versions"),
+        test_db,
         redis_url,
         settings,
         pool="threads",
         start_timeout=90,
+        restart=QUICK_RESTARTS,
         DAR_DEMO_LATENCY_MS="1500",
         DAR_DEPLOYMENT="v1",
+        # A message a killed worker had taken and not started is sent again after this, not
+        # the shipped 30 s: the v1 run it carried waited that long after the kill.
+        DAR_REDISPATCH_AFTER_SECONDS="3",
     ) as s:
         s._spawn(
             V2_WORKER,
@@ -68,7 +97,127 @@ def stack(
             assert time.monotonic() < deadline, "the v2 worker never became ready"
             assert s.processes[V2_WORKER].poll() is None, "the v2 worker exited"
             time.sleep(0.1)
-        yield s
+        yield Shared(s, settings, frozenset(s.supervised))
+
+
+@pytest.fixture
+def settings(shared: Shared) -> Settings:
+    """The stack's settings (its queue), not a test's own: those come with a ``database_url``
+    that empties the database under the shared stack."""
+    return shared.settings
+
+
+@pytest.fixture
+def stack(shared: Shared) -> Iterator[DevStack]:
+    """The file's stack, every process of it up and ready (what an earlier test killed or
+    stopped is back); what the test added to it is stopped after it."""
+    s = shared.stack
+    settle(s)
+    try:
+        with output_during(s.data_dir / "stack.log"):
+            yield s
+    finally:
+        for name in set(s.supervised) - shared.processes:
+            retire(s, name)
+
+
+V3_WORKER = "worker-V3"
+
+
+def test_a_worker_stopped_cleanly_serves_its_version_no_more_at_once(
+    stack: DevStack, settings: Settings, redis_url: str
+) -> None:
+    """SIGTERM (a warm shutdown) to the only worker of a version while it holds a long model
+    step: the version shows unserved at once, while the worker still finishes that step (its
+    row goes when the shutdown begins, not when the process exits nor when its last heartbeat
+    ages out a minute later), and the heartbeat that renews the step's lease meanwhile does
+    not bring the row back. The shipped pool (gevent).
+
+    Then the upgrade policy, in real processes: v2, the newest live version, declares its
+    demo agent ``upgrade="replay"``, so the beat's sweep on v2's worker moves the run left on
+    v3 (once v3's worker let go of it) through the replay check, and it finishes on v2."""
+    stack._spawn(
+        V3_WORKER,
+        [
+            "celery", "--quiet", "-A", "tasks.app", "worker",
+            "--pool", "gevent", "--concurrency", "20",
+            "--hostname", f"{V3_WORKER}@%h",
+            "--without-gossip", "--without-mingle", "--loglevel", "INFO",
+        ],
+        DAR_WORKER_NAME=V3_WORKER,
+        DAR_DEPLOYMENT="v3",
+        DAR_METRICS_PORT="0",
+        DAR_DEMO_LATENCY_MS="8000",  # a model call the shutdown waits for
+    )  # fmt: skip
+    worker = stack.processes[V3_WORKER]
+    deadline = time.monotonic() + 60
+    while not stack.is_ready(V3_WORKER):
+        assert time.monotonic() < deadline, "the v3 worker never became ready"
+        assert worker.poll() is None, "the v3 worker exited"
+        time.sleep(0.1)
+    engine = make_engine(stack.database_url, pool_size=2)
+    v3_store = RunStore(engine, deployment="v3")
+    app = make_celery(replace(settings, redis_url=redis_url), register=False)
+
+    def v3() -> dict[str, Any]:
+        status, versions = stack.request("GET", "/api/versions")
+        assert status == 200, versions
+        found = [v for v in versions["versions"] if v["deployment"] == "v3"]
+        return found[0] if found else {"served": False, "liveWorkers": 0, "workers": []}
+
+    try:
+        deadline = time.monotonic() + 30
+        while not v3()["served"]:
+            assert time.monotonic() < deadline, "the v3 worker never said it serves v3"
+            time.sleep(0.2)
+        run, _ = v3_store.create_run(
+            NewRun(
+                agent="acme-tickets",
+                input=QUESTION,
+                model="claude-sonnet-4-5",
+                max_steps=20,
+                token_budget=50_000,
+                timeout_seconds=600,
+            )
+        )
+        assert send_drive(app, v3_store, Dispatch(run.id, run.dispatch_token))
+        deadline = time.monotonic() + 30
+        while v3_store.get_run(run.id).locked_by != V3_WORKER:  # inside its first model call
+            assert time.monotonic() < deadline, "the v3 worker never took the run"
+            time.sleep(0.05)
+
+        worker.terminate()
+        stopped_at = time.monotonic()
+        while v3()["served"]:
+            # well under the 60 s a row takes to age out, and under the step's 8 s
+            assert time.monotonic() - stopped_at < 5, "the stopping worker still serves v3"
+            time.sleep(0.1)
+        assert worker.poll() is None, "unserved at once: the worker still finishes its step"
+        _, versions = stack.request("GET", "/api/versions")
+        assert versions["unservedRuns"] >= 1, versions
+        worker.wait(timeout=90)
+        assert v3_store.steps(run.id), "the step in flight was finished, not lost"
+        time.sleep(2.5)  # past two of the stack's heartbeats (DAR_HEARTBEAT_SECONDS=1)
+        after = v3()
+        assert not after["served"], after
+        assert after["workers"] == [], after
+        log = (stack.data_dir / "stack.log").read_text(errors="replace")
+        assert "BlockingSwitchOutError" not in log  # nothing blocked gevent's signal handler
+
+        deadline = time.monotonic() + 90
+        while not (done := v3_store.get_run(run.id)).status.terminal:
+            assert time.monotonic() < deadline, f"the policy never moved it: {done}"
+            time.sleep(0.2)
+        assert done.status is RunStatus.SUCCEEDED, done.error
+        assert done.deployment == "v2"
+        workers = [s.worker for s in v3_store.steps(run.id)]
+        assert workers[0] == V3_WORKER
+        assert set(workers[1:]) == {V2_WORKER}, workers
+        (audit,) = [e for e in v3_store.audit_events(run.id) if e.action == "upgrade"]
+        assert (audit.actor, audit.detail["from"], audit.detail["to"]) == ("policy", "v3", "v2")
+    finally:
+        app.close()
+        engine.dispose()
 
 
 def _wait_for_holder(store: RunStore, run_ids: list[uuid.UUID], workers: set[str]) -> str:
@@ -269,103 +418,4 @@ def test_a_rolling_deploy_drains_the_old_version_and_starts_new_runs_on_the_new(
             assert store.get_run(run_id).status is RunStatus.SUCCEEDED
             assert {s.worker for s in store.steps(run_id)} == {V2_WORKER}
     finally:
-        engine.dispose()
-
-
-V3_WORKER = "worker-V3"
-
-
-def test_a_worker_stopped_cleanly_serves_its_version_no_more_at_once(
-    stack: DevStack, settings: Settings, redis_url: str, tmp_path: Path
-) -> None:
-    """SIGTERM (a warm shutdown) to the only worker of a version while it holds a long model
-    step: the version shows unserved at once, while the worker still finishes that step (its
-    row goes when the shutdown begins, not when the process exits nor when its last heartbeat
-    ages out a minute later), and the heartbeat that renews the step's lease meanwhile does
-    not bring the row back. The shipped pool (gevent).
-
-    Then the upgrade policy, in real processes: v2, the newest live version, declares its
-    demo agent ``upgrade="replay"``, so the beat's sweep on v2's worker moves the run left on
-    v3 (once v3's worker let go of it) through the replay check, and it finishes on v2."""
-    stack._spawn(
-        V3_WORKER,
-        [
-            "celery", "--quiet", "-A", "tasks.app", "worker",
-            "--pool", "gevent", "--concurrency", "20",
-            "--hostname", f"{V3_WORKER}@%h",
-            "--without-gossip", "--without-mingle", "--loglevel", "INFO",
-        ],
-        DAR_WORKER_NAME=V3_WORKER,
-        DAR_DEPLOYMENT="v3",
-        DAR_METRICS_PORT="0",
-        DAR_DEMO_LATENCY_MS="12000",  # a model call the shutdown waits for
-    )  # fmt: skip
-    worker = stack.processes[V3_WORKER]
-    deadline = time.monotonic() + 60
-    while not stack.is_ready(V3_WORKER):
-        assert time.monotonic() < deadline, "the v3 worker never became ready"
-        assert worker.poll() is None, "the v3 worker exited"
-        time.sleep(0.1)
-    engine = make_engine(stack.database_url, pool_size=2)
-    v3_store = RunStore(engine, deployment="v3")
-    app = make_celery(replace(settings, redis_url=redis_url), register=False)
-
-    def v3() -> dict[str, Any]:
-        status, versions = stack.request("GET", "/api/versions")
-        assert status == 200, versions
-        found = [v for v in versions["versions"] if v["deployment"] == "v3"]
-        return found[0] if found else {"served": False, "liveWorkers": 0, "workers": []}
-
-    try:
-        deadline = time.monotonic() + 30
-        while not v3()["served"]:
-            assert time.monotonic() < deadline, "the v3 worker never said it serves v3"
-            time.sleep(0.2)
-        run, _ = v3_store.create_run(
-            NewRun(
-                agent="acme-tickets",
-                input=QUESTION,
-                model="claude-sonnet-4-5",
-                max_steps=20,
-                token_budget=50_000,
-                timeout_seconds=600,
-            )
-        )
-        assert send_drive(app, v3_store, Dispatch(run.id, run.dispatch_token))
-        deadline = time.monotonic() + 30
-        while v3_store.get_run(run.id).locked_by != V3_WORKER:  # inside its first model call
-            assert time.monotonic() < deadline, "the v3 worker never took the run"
-            time.sleep(0.05)
-
-        worker.terminate()
-        stopped_at = time.monotonic()
-        while v3()["served"]:
-            # well under the 60 s a row takes to age out, and under the step's 12 s
-            assert time.monotonic() - stopped_at < 5, "the stopping worker still serves v3"
-            time.sleep(0.1)
-        assert worker.poll() is None, "unserved at once: the worker still finishes its step"
-        _, versions = stack.request("GET", "/api/versions")
-        assert versions["unservedRuns"] >= 1, versions
-        worker.wait(timeout=90)
-        assert v3_store.steps(run.id), "the step in flight was finished, not lost"
-        time.sleep(2.5)  # past two of the stack's heartbeats (DAR_HEARTBEAT_SECONDS=1)
-        after = v3()
-        assert not after["served"], after
-        assert after["workers"] == [], after
-        log = (tmp_path / "stack.log").read_text(errors="replace")
-        assert "BlockingSwitchOutError" not in log  # nothing blocked gevent's signal handler
-
-        deadline = time.monotonic() + 90
-        while not (done := v3_store.get_run(run.id)).status.terminal:
-            assert time.monotonic() < deadline, f"the policy never moved it: {done}"
-            time.sleep(0.2)
-        assert done.status is RunStatus.SUCCEEDED, done.error
-        assert done.deployment == "v2"
-        workers = [s.worker for s in v3_store.steps(run.id)]
-        assert workers[0] == V3_WORKER
-        assert set(workers[1:]) == {V2_WORKER}, workers
-        (audit,) = [e for e in v3_store.audit_events(run.id) if e.action == "upgrade"]
-        assert (audit.actor, audit.detail["from"], audit.detail["to"]) == ("policy", "v3", "v2")
-    finally:
-        app.close()
         engine.dispose()

@@ -4,7 +4,9 @@ Every call appends one JSON line to the ledger file (``--ledger``): the tool, th
 idempotency key the client sent in ``_meta`` and the arguments. Tests read the ledger to
 see how many times a tool really ran. Run it over stdio (the default) or streamable HTTP
 (``--http PORT``); ``--token`` makes the HTTP server demand ``Authorization: Bearer
-<token>`` (401 otherwise), ``--fail-calls`` makes it answer every ``tools/call`` with HTTP 500.
+<token>`` (401 otherwise), ``--fail-calls`` makes it answer every ``tools/call`` with HTTP 500,
+``--delay-once`` makes a slow tool slow on the first call with a key only (a call made again
+after a crash, its key already in the ledger, answers at once).
 """
 
 from __future__ import annotations
@@ -27,8 +29,22 @@ IDEMPOTENT = ToolAnnotations(read_only_hint=False, destructive_hint=False, idemp
 DESTRUCTIVE = ToolAnnotations(read_only_hint=False, destructive_hint=True)
 
 
-def build(ledger: Path, extra_tool: bool = False) -> MCPServer:
+def build(ledger: Path, extra_tool: bool = False, delay_once: bool = False) -> MCPServer:
     server = MCPServer("counting")
+
+    def slow_for(tool: str, ctx: Context, delay: float) -> float:
+        """How long this call takes after its effect: ``delay``, or under ``delay_once``
+        nothing when the ledger has this tool's key already (call it before ``record``)."""
+        if not delay or not delay_once:
+            return delay
+        meta = ctx.request_context.meta or {}
+        key = meta.get("dar/idempotency_key") if isinstance(meta, dict) else None
+        lines = ledger.read_text(encoding="utf-8").splitlines() if ledger.exists() else []
+        for line in lines:
+            entry = json.loads(line)
+            if entry["tool"] == tool and entry["key"] == key:
+                return 0.0
+        return delay
 
     def record(tool: str, ctx: Context, **arguments: Any) -> int:
         meta = ctx.request_context.meta or {}
@@ -44,6 +60,7 @@ def build(ledger: Path, extra_tool: bool = False) -> MCPServer:
     @server.tool(annotations=DESTRUCTIVE)
     def add_note(text: str, ctx: Context, delay: float = 0.0) -> str:
         """Append a note (a side effect that must not happen twice)."""
+        delay = slow_for("add_note", ctx, delay)
         n = record("add_note", ctx, text=text)
         if delay:  # the effect happened; the answer takes a while
             marker = ledger.with_suffix(".calling")
@@ -54,6 +71,7 @@ def build(ledger: Path, extra_tool: bool = False) -> MCPServer:
     @server.tool(annotations=READ_ONLY)
     def count_notes(ctx: Context, delay: float = 0.0) -> str:
         """How many notes there are (read only)."""
+        delay = slow_for("count_notes", ctx, delay)
         record("count_notes", ctx)
         if delay:
             marker = ledger.with_suffix(".calling")
@@ -129,12 +147,13 @@ def main() -> None:
     parser.add_argument("--fail-calls", action="store_true")
     parser.add_argument("--extra-tool", action="store_true")
     parser.add_argument("--crash-at-start", action="store_true")
+    parser.add_argument("--delay-once", action="store_true")
     args = parser.parse_args()
     print(f"counting server starting pid={os.getpid()}", file=sys.stderr, flush=True)
     if args.crash_at_start:
         print("counting server: cannot open the ledger, exiting", file=sys.stderr, flush=True)
         sys.exit(2)
-    server = build(Path(args.ledger), args.extra_tool)
+    server = build(Path(args.ledger), args.extra_tool, args.delay_once)
     if not args.http:
         server.run()
         return
