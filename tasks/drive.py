@@ -1,5 +1,6 @@
-"""The Celery tasks: ``dar.drive_run`` (one step of one run), ``dar.reap`` and
-``dar.retention`` (the sweeps). Glue only: what each does is the engine's
+"""The Celery tasks: ``dar.drive_run`` (one step of one run), ``dar.reap``,
+``dar.retention`` and ``dar.stats_rollup`` (the sweeps), ``dar.upgrade_unserved`` (the
+upgrade policies, handed to the newest version's workers). Glue only: what each does is the engine's
 (:class:`~runtime.engine.driver.Driver`, :mod:`runtime.engine.sweeps`); a task builds the
 process's state once, calls it, and sends the messages it returns."""
 
@@ -21,13 +22,13 @@ from db.records import Dispatch
 from runtime.config import Settings
 from runtime.engine import sweeps
 from runtime.engine.bootstrap import Runtime
-from runtime.engine.deployment import agent_definition
+from runtime.engine.deployment import agent_definition, queue_name
 from runtime.engine.driver import Driver, Outcome
 from runtime.engine.upgrade import PolicyMemo, upgrade_by_policy
 from runtime.observe.metrics import Metrics
 from runtime.pipeline.heartbeat import Heartbeat
 from tasks.dispatch import LOOKUP, send_drive
-from tasks.names import DRIVE_RUN, REAP, RETENTION, STATS_ROLLUP
+from tasks.names import DRIVE_RUN, REAP, RETENTION, STATS_ROLLUP, UPGRADE_UNSERVED
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +222,18 @@ def upgrade_unserved(app: Celery, state: WorkerState) -> int:
     if here is None or (state.registration is not None and state.registration.left):
         return 0  # (a worker that is leaving takes no run over)
     try:
+        newest = runtime.deployments.newest_live()
+        if newest is not None and newest != here:
+            # The beat's sweep went to a worker of an older version: the newest version's
+            # workers apply the policies (they know the agents' declared policies), so the
+            # sweep is handed to their queue rather than waiting for one of them to draw it.
+            if runtime.deployments.count_unserved_runs():
+                app.send_task(
+                    UPGRADE_UNSERVED,
+                    queue=queue_name(runtime.settings.queue, newest),
+                    expires=max(5.0, 5 * runtime.settings.reaper_interval_seconds),
+                )
+            return 0
         reports = upgrade_by_policy(
             runtime.store,
             runtime.deployments,
@@ -304,6 +317,12 @@ def register_tasks(app: Celery) -> None:
         sent = sweeps.reap(store, state.runtime.settings, served_sender(app, state.runtime))
         upgrade_unserved(app, state)
         return sent
+
+    @app.task(name=UPGRADE_UNSERVED, ignore_result=True, shared=False)
+    def upgrade_unserved_runs() -> int:
+        """The upgrade policies, on a worker of the newest live version (handed over by a
+        sweep that an older version's worker drew: :func:`upgrade_unserved`)."""
+        return upgrade_unserved(app, worker_state(app))
 
     @app.task(name=RETENTION, ignore_result=True, shared=False)
     def retention() -> int:

@@ -4,5 +4,6 @@
 
 DRIVE_RUN = "dar.drive_run"
 REAP = "dar.reap"
+UPGRADE_UNSERVED = "dar.upgrade_unserved"
 RETENTION = "dar.retention"
 STATS_ROLLUP = "dar.stats_rollup"

@@ -1,17 +1,20 @@
 """An agent's upgrade policy (``upgrade="replay"``): the runs of a version no live worker
 serves move by themselves to the newest live version, through the same replay check and the
 same audit as an operator's upgrade (actor ``policy``), on the beat's sweep run by a worker of
-that version. A divergent run stays, its divergence logged; a version still served drains
-first; an agent left ``pinned`` (the default) waits for an operator."""
+that version (a sweep an older version's worker draws is handed to the newest's queue). A
+divergent run stays, its divergence logged; a version still served drains first; an agent
+left ``pinned`` (the default) waits for an operator."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
+import redis
 from celery import Celery
 from werkzeug.serving import make_server
 
@@ -22,11 +25,12 @@ from runtime.agents import Agent, AgentRegistry
 from runtime.config import ConfigError, Settings
 from runtime.durable.api import durable_agent
 from runtime.engine.bootstrap import Runtime
-from runtime.engine.deployment import agent_definition
+from runtime.engine.deployment import agent_definition, queue_name
 from runtime.engine.upgrade import POLICY_ACTOR
 from runtime.llm.scripted import ScriptedLlm
 from tasks.celery_app import REAP, make_celery
 from tasks.drive import stop_worker_state
+from tasks.names import UPGRADE_UNSERVED
 from tests.integration.replay_agents import agents
 
 
@@ -156,7 +160,7 @@ def test_the_policy_moves_a_clean_run_of_a_version_nobody_serves_and_leaves_a_di
 
 
 def test_nothing_moves_while_its_version_is_served_nor_to_an_older_live_version(
-    v1: Runtime, settings: Settings, llm: ScriptedLlm, worker: list[Celery]
+    v1: Runtime, settings: Settings, llm: ScriptedLlm, worker: list[Celery], redis_url: str
 ) -> None:
     support, flow = _in_flight(v1, llm)
     v2 = _runtime(settings, llm, "v2", "refactor", "replay")
@@ -170,11 +174,19 @@ def test_nothing_moves_while_its_version_is_served_nor_to_an_older_live_version(
         v1.deployments.worker_gone("worker-v1", "v1")
         v1.deployments.worker_seen("worker-v3", "v3")
         v1.deployments.record_definitions("v3", {"support": {}})
+        v3_queue = queue_name(settings.queue, "v3")
+        broker = redis.Redis.from_url(redis_url)
+        broker.delete(v3_queue)
         reaper.tasks[REAP].run()
         assert {v1.store.get_run(r.id).deployment for r in (support, flow)} == {"v1"}
+        # ... and the sweep v2's worker drew is handed to v3's workers' queue, so the move
+        # does not wait for a v3 worker to draw the beat's next sweep by chance.
+        handed = [json.loads(m)["headers"]["task"] for m in broker.lrange(v3_queue, 0, -1)]
+        assert handed == [UPGRADE_UNSERVED]
+        broker.delete(v3_queue)
 
         v1.deployments.worker_gone("worker-v3", "v3")  # v3 rolled back: v2 is the newest
-        reaper.tasks[REAP].run()
+        reaper.tasks[UPGRADE_UNSERVED].run()  # as the handed-over sweep runs on the newest
         assert {v1.store.get_run(r.id).deployment for r in (support, flow)} == {"v2"}
     finally:
         v2.close()
