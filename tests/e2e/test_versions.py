@@ -60,9 +60,9 @@ def shared(
     and the ``stack`` fixture brings them back before the next. In the file's order, only
     the last test waits for that (the one before killed a worker of each version).
 
-    (The first test's policy move waits for a sweep on the v2 worker, the reaper's beat
-    message taken by whichever worker reads it first: that came within a second in most
-    runs here, after 20 to 60 s in some, in either order of the tests; not explained yet.)"""
+    (The first test's policy move once waited for the v2 worker to draw the beat's sweep,
+    which whichever worker reads it first takes: within a second in most runs, after 20 to
+    60 s in some. A v1 worker that draws it now hands it to v2's queue.)"""
     emptied(_truncator)
     settings = shared_settings(test_db, redis_url)
     with running_stack(
