@@ -112,3 +112,13 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert test_command == "pytest --all"
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(rf"^{re.escape(test_command)}$", ci, re.MULTILINE), "CI runs it verbatim"
+
+
+def test_the_longest_files_named_for_the_suite_order_exist() -> None:
+    """A renamed or deleted file left in LONGEST_FILES silently stops being handed out first."""
+    from tests.conftest import LONGEST_FILES
+
+    root = Path(__file__).resolve().parents[2]
+    missing = [name for name in LONGEST_FILES if not (root / name).is_file()]
+    assert missing == [], missing
+    assert len(set(LONGEST_FILES)) == len(LONGEST_FILES), "a file named twice"
