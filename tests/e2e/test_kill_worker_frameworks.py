@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import urllib.error
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from db.schema import metadata
 from db.store import RunStore
 from runtime.config import WORKER_POOL
 from runtime.observe.live_channel import LiveChannel
+from tests.e2e.stack import settle
 from tests.fakes.messages_api import Billed, FakeMessagesApi, Reply, slow, text, tool_uses
 from tests.fakes.openai_api import FakeOpenAiApi, Turn
 from tests.mcp.support import Ledger
@@ -222,28 +222,6 @@ def shared_stack(
             yield SharedStack(s, tmp / "tool.jsonl", tmp / "mcp.jsonl", log_path)
         finally:
             s.stop()
-
-
-def settle(stack: DevStack, timeout: float = 120) -> None:
-    """Supervise until every process of the stack runs and is ready (a worker an earlier
-    test killed restarted, after its backoff) and the web answers."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stack.poll()
-        down = [
-            name
-            for name in stack.supervised
-            if (proc := stack.processes.get(name)) is None
-            or proc.poll() is not None
-            or not stack.is_ready(name)
-        ]
-        if not down:
-            with contextlib.suppress(OSError, urllib.error.URLError, ValueError):
-                if stack.request("GET", "/healthz")[0] == 200:
-                    return
-            down = ["web (/healthz)"]
-        assert time.monotonic() < deadline, f"the stack is not back within {timeout:g}s: {down}"
-        time.sleep(0.1)
 
 
 @pytest.fixture

@@ -79,24 +79,14 @@ def shared(
         # the shipped 30 s: the v1 run it carried waited that long after the kill.
         DAR_REDISPATCH_AFTER_SECONDS="3",
     ) as s:
-        s._spawn(
+        _spawn_worker(
+            s,
             V2_WORKER,
-            [
-                "celery", "--quiet", "-A", "tasks.app", "worker",
-                "--pool", "threads", "--concurrency", "4",
-                "--hostname", f"{V2_WORKER}@%h",
-                "--without-gossip", "--without-mingle", "--loglevel", "INFO",
-            ],
-            DAR_WORKER_NAME=V2_WORKER,
-            DAR_DEPLOYMENT="v2",
-            DAR_METRICS_PORT="0",
+            "v2",
+            pool="threads",
+            concurrency=4,
             DAR_AGENT_MODULES="tests.e2e.policy_agents",
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while not s.is_ready(V2_WORKER):
-            assert time.monotonic() < deadline, "the v2 worker never became ready"
-            assert s.processes[V2_WORKER].poll() is None, "the v2 worker exited"
-            time.sleep(0.1)
+        )
         yield Shared(s, settings, frozenset(s.supervised))
 
 
@@ -136,25 +126,15 @@ def test_a_worker_stopped_cleanly_serves_its_version_no_more_at_once(
     Then the upgrade policy, in real processes: v2, the newest live version, declares its
     demo agent ``upgrade="replay"``, so the beat's sweep on v2's worker moves the run left on
     v3 (once v3's worker let go of it) through the replay check, and it finishes on v2."""
-    stack._spawn(
+    _spawn_worker(
+        stack,
         V3_WORKER,
-        [
-            "celery", "--quiet", "-A", "tasks.app", "worker",
-            "--pool", "gevent", "--concurrency", "20",
-            "--hostname", f"{V3_WORKER}@%h",
-            "--without-gossip", "--without-mingle", "--loglevel", "INFO",
-        ],
-        DAR_WORKER_NAME=V3_WORKER,
-        DAR_DEPLOYMENT="v3",
-        DAR_METRICS_PORT="0",
+        "v3",
+        pool="gevent",
+        concurrency=20,
         DAR_DEMO_LATENCY_MS="8000",  # a model call the shutdown waits for
-    )  # fmt: skip
+    )
     worker = stack.processes[V3_WORKER]
-    deadline = time.monotonic() + 60
-    while not stack.is_ready(V3_WORKER):
-        assert time.monotonic() < deadline, "the v3 worker never became ready"
-        assert worker.poll() is None, "the v3 worker exited"
-        time.sleep(0.1)
     engine = make_engine(stack.database_url, pool_size=2)
     v3_store = RunStore(engine, deployment="v3")
     app = make_celery(replace(settings, redis_url=redis_url), register=False)
@@ -345,6 +325,30 @@ def _request(url: str, method: str, path: str, body: object = None) -> tuple[int
         return e.code, json.loads(e.read() or b"null")
     except OSError as e:
         return 0, str(e)
+
+
+def _spawn_worker(
+    stack: DevStack, name: str, deployment: str, *, pool: str, concurrency: int, **env: str
+) -> None:
+    """A worker of version ``deployment`` beside the stack's, once it is ready."""
+    stack._spawn(
+        name,
+        [
+            "celery", "--quiet", "-A", "tasks.app", "worker",
+            "--pool", pool, "--concurrency", str(concurrency),
+            "--hostname", f"{name}@%h",
+            "--without-gossip", "--without-mingle", "--loglevel", "INFO",
+        ],
+        DAR_WORKER_NAME=name,
+        DAR_DEPLOYMENT=deployment,
+        DAR_METRICS_PORT="0",
+        **env,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not stack.is_ready(name):
+        assert time.monotonic() < deadline, f"the {deployment} worker never became ready"
+        assert stack.processes[name].poll() is None, f"the {deployment} worker exited"
+        time.sleep(0.1)
 
 
 def _spawn_web(stack: DevStack, name: str, deployment: str) -> str:
