@@ -10,6 +10,7 @@ and fast.
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -117,6 +118,34 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = 1  # over its share: the run fails, its summary says why
 
 
+_CPU_AT_START = pytest.StashKey[float]()
+
+
+def _cpu_seconds() -> float:
+    """CPU this process and the children it has waited for used: a test's stacks, `dar`
+    commands and servers are counted once the test has stopped them."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_CPU_AT_START] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[Any]:
+    """The teardown's report carries the CPU seconds of the test (its processes' too): on two
+    cores the suite is bound by CPU, not by waiting, so CI's log names what costs it."""
+    outcome: Any = yield
+    if call.when == "teardown" and _CPU_AT_START in item.stash:
+        used = _cpu_seconds() - item.stash[_CPU_AT_START]
+        outcome.get_result().user_properties.append(("cpu_seconds", round(used, 2)))
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     """Under CI, ``pytest --all`` over its budget share fails the run, saying where the time
     went (each file's seconds, summed over its tests' phases)."""
@@ -135,6 +164,18 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
                 by_file[where] = by_file.get(where, 0.0) + getattr(report, "duration", 0.0)
     slowest = ", ".join(
         f"{name} {secs:.0f}s" for name, secs in sorted(by_file.items(), key=lambda kv: -kv[1])[:15]
+    )
+    cpu: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for key, value in getattr(report, "user_properties", ()):
+                if key == "cpu_seconds":
+                    where = report.nodeid.split("::")[0]
+                    cpu[where] = cpu.get(where, 0.0) + float(value)
+    terminalreporter.write_line(
+        f"suite budget: CPU seconds of the suite's tests and their processes, "
+        f"{sum(cpu.values()):.0f} in all; the most: "
+        + ", ".join(f"{n} {c:.0f}" for n, c in sorted(cpu.items(), key=lambda kv: -kv[1])[:15])
     )
     if took <= SUITE_BUDGET_SECONDS:
         # (what LONGEST_FILES should follow: the longest files are handed out first)
