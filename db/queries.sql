@@ -105,15 +105,25 @@ RETURNING r.*, now() AS db_now;
 
 -- renew_leases --
 -- The heartbeat: extend every lease this worker still holds, one statement for all of them.
+-- A row another transaction holds locked is skipped, not waited for: on a saturated gevent
+-- worker one greenlet's write may hold its run's row for seconds, and waiting for it let every
+-- other lease lapse and be taken over (skipped, it is renewed at the next beat; while locked,
+-- no claim can take it).
 -- Returns each run asked about with its current epoch and whether it was renewed: one not
 -- renewed with a higher epoch was taken over; with the same epoch this worker released it
 -- (a step committed meanwhile).
-WITH renewed AS (
+WITH lockable AS (
+    SELECT r.id
+    FROM run r
+    JOIN unnest(CAST(:ids AS uuid[]), CAST(:epochs AS bigint[])) AS held(id, epoch)
+      ON r.id = held.id AND r.lease_epoch = held.epoch
+    WHERE r.locked_by = :worker AND r.status = 'RUNNING'
+    FOR UPDATE OF r SKIP LOCKED
+), renewed AS (
     UPDATE run r
     SET locked_until = now() + make_interval(secs => :lease_seconds)
-    FROM unnest(CAST(:ids AS uuid[]), CAST(:epochs AS bigint[])) AS held(id, epoch)
-    WHERE r.id = held.id AND r.lease_epoch = held.epoch
-      AND r.locked_by = :worker AND r.status = 'RUNNING'
+    FROM lockable
+    WHERE r.id = lockable.id
     RETURNING r.id
 )
 SELECT r.id, r.lease_epoch, EXISTS (SELECT 1 FROM renewed WHERE renewed.id = r.id) AS renewed

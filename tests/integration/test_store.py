@@ -7,6 +7,7 @@ import uuid
 from decimal import Decimal
 
 import pytest
+from sqlalchemy import text
 
 from db.errors import LeaseLost
 from db.records import NewStep, RunStatus, StepKind, StepStatus, Usage
@@ -138,6 +139,44 @@ def test_heartbeat_renews_held_leases_and_reports_only_takeovers(runtime: Runtim
     assert (renewed.locked_until - c1.db_now).total_seconds() > 50
     assert runtime.store.get_run(run3.id).locked_until is None, "a released lease stays released"
     assert runtime.store.get_run(run2.id).locked_by == "other", "never extends another's lease"
+
+
+def test_a_row_locked_by_a_slow_transaction_does_not_hold_back_the_other_renewals(
+    runtime: Runtime,
+) -> None:
+    """On a saturated gevent worker a greenlet may keep a run's row locked for seconds (a
+    write waiting for its turn of the hub). The heartbeat renews every lease in one statement:
+    it must renew the others at once, not wait for that lock while every lease lapses and
+    another worker takes the runs over (issue 36's saturated-worker test, 6 of 40 calls paid
+    twice at a 3 s lease before this)."""
+    run1, d1 = submit(runtime.store)
+    run2, d2 = submit(runtime.store)
+    c1 = runtime.store.claim(run1.id, d1.token, "w", 2)
+    c2 = runtime.store.claim(run2.id, d2.token, "w", 2)
+    assert c1 is not None
+    assert c2 is not None
+    held = [(c1.run_id, c1.epoch), (c2.run_id, c2.epoch)]
+    answer: dict[str, set[uuid.UUID]] = {}
+    with runtime.engine.connect() as slow:
+        slow.execute(text("SELECT 1 FROM run WHERE id = :id FOR UPDATE"), {"id": run1.id})
+        renewal = threading.Thread(
+            target=lambda: answer.update(taken=runtime.store.renew_leases("w", held, 60)),
+            daemon=True,
+        )
+        renewal.start()
+        renewal.join(5)
+        blocked = renewal.is_alive()
+        slow.rollback()  # (lets a blocked renewal finish)
+    renewal.join(10)
+    assert not blocked, "the renewal waited for the row a slow transaction held"
+    assert answer["taken"] == set(), "a lease skipped because its row is busy is not taken"
+    renewed = runtime.store.get_run(run2.id)
+    assert renewed.locked_until is not None
+    assert (renewed.locked_until - c2.db_now).total_seconds() > 50, "the other is renewed"
+    assert runtime.store.renew_leases("w", [(c1.run_id, c1.epoch)], 60) == set()
+    later = runtime.store.get_run(run1.id)
+    assert later.locked_until is not None
+    assert (later.locked_until - c1.db_now).total_seconds() > 50, "renewed once the row is free"
 
 
 def test_cancel_queued_ends_it_at_once(runtime: Runtime) -> None:
