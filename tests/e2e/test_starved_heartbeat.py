@@ -53,8 +53,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 RUNS = 40
 BURN_SECONDS = 8
-LEASE_SECONDS = 3.0
-SLICE_MS = 60
+LEASE_SECONDS = 2.0
+SLICE_MS = 40
 
 
 @pytest.fixture
