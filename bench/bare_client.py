@@ -29,19 +29,11 @@ def _anthropic(args: argparse.Namespace) -> Callable[[], dict[str, Any]]:
     from gevent import monkey
 
     monkey.patch_all()
-    import anthropic
     import gevent
-    import httpx2
 
-    client = anthropic.Anthropic(
-        api_key="bench",
-        base_url=args.url,
-        max_retries=0,
-        http_client=anthropic.DefaultHttpxClient(
-            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=1000)
-        ),
-        timeout=anthropic.Timeout(args.latency_ms / 1000 * 3 + 60, connect=30),
-    )
+    from bench.sdk import bare_sdk_client
+
+    client = bare_sdk_client(args.url, args.latency_ms)
     calls = errors = 0
 
     def one_run(i: int) -> None:

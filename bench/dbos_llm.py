@@ -32,19 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-ms", type=int, default=10_000)
     args = ap.parse_args(argv)
 
-    import anthropic
-    import httpx2
     from dbos import DBOS
 
-    client = anthropic.Anthropic(
-        api_key="bench",
-        base_url=args.url,
-        max_retries=0,
-        http_client=anthropic.DefaultHttpxClient(
-            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=1000)
-        ),
-        timeout=anthropic.Timeout(args.latency_ms / 1000 * 3 + 60, connect=30),
-    )
+    from bench.sdk import bare_sdk_client
+
+    client = bare_sdk_client(args.url, args.latency_ms)
     lock = threading.Lock()
     counts = {"calls": 0}
 

@@ -51,18 +51,9 @@ def _rss_kib() -> int:
 
 
 def _bare(args: argparse.Namespace) -> Callable[[int], None]:
-    import anthropic
-    import httpx2
+    from bench.sdk import bare_sdk_client
 
-    client = anthropic.Anthropic(
-        api_key="bench",
-        base_url=args.url,
-        max_retries=0,
-        http_client=anthropic.DefaultHttpxClient(
-            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=1000)
-        ),
-        timeout=anthropic.Timeout(args.latency_ms / 1000 * 3 + 60, connect=30),
-    )
+    client = bare_sdk_client(args.url, args.latency_ms)
 
     def one(i: int) -> None:
         text = []

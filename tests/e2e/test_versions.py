@@ -150,16 +150,7 @@ def test_a_worker_stopped_cleanly_serves_its_version_no_more_at_once(
         while not v3()["served"]:
             assert time.monotonic() < deadline, "the v3 worker never said it serves v3"
             time.sleep(0.2)
-        run, _ = v3_store.create_run(
-            NewRun(
-                agent="acme-tickets",
-                input=QUESTION,
-                model="claude-sonnet-4-5",
-                max_steps=20,
-                token_budget=50_000,
-                timeout_seconds=600,
-            )
-        )
+        run, _ = v3_store.create_run(_question())
         assert send_drive(app, v3_store, Dispatch(run.id, run.dispatch_token))
         deadline = time.monotonic() + 30
         while v3_store.get_run(run.id).locked_by != V3_WORKER:  # inside its first model call
@@ -238,16 +229,7 @@ def test_each_version_drives_only_its_runs_and_an_upgrade_moves_a_dead_version_s
             v1_runs.append(uuid.UUID(accepted["id"]))
         v2_runs = []
         for _ in range(3):
-            run, _ = v2_store.create_run(
-                NewRun(
-                    agent="acme-tickets",
-                    input=QUESTION,
-                    model="claude-sonnet-4-5",
-                    max_steps=20,
-                    token_budget=50_000,
-                    timeout_seconds=600,
-                )
-            )
+            run, _ = v2_store.create_run(_question())
             assert run.deployment == "v2"
             assert send_drive(app, v2_store, Dispatch(run.id, run.dispatch_token))
             v2_runs.append(run.id)
@@ -325,6 +307,18 @@ def _request(url: str, method: str, path: str, body: object = None) -> tuple[int
         return e.code, json.loads(e.read() or b"null")
     except OSError as e:
         return 0, str(e)
+
+
+def _question() -> NewRun:
+    """A run of the demo agent on the file's question, as the API would create it."""
+    return NewRun(
+        agent="acme-tickets",
+        input=QUESTION,
+        model="claude-sonnet-4-5",
+        max_steps=20,
+        token_budget=50_000,
+        timeout_seconds=600,
+    )
 
 
 def _spawn_worker(
