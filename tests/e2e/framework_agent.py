@@ -12,30 +12,21 @@ server over stdio, ledger ``DAR_TEST_MCP_LEDGER``.
 - ``oa-approve`` (OpenAI Agents SDK): ``refund``, which needs approval.
 - ``fw-delegate`` (Pydantic AI) and ``oa-delegate`` (OpenAI Agents SDK): an idempotent tool
   ``draft`` that has a writer agent draft (a model call inside the tool), then is slow.
+
+``DAR_TEST_FRAMEWORKS`` (``pydantic_ai``, ``agents_sdk`` or both, comma-separated; unset:
+both) says which agents a process registers: each file's stack imports only the framework
+its tests run (every process of a stack imports its agents; importing both frameworks cost
+~3.7 s of CPU a process, one of them ~1.5-2.8 s).
 """
 
-from __future__ import annotations
 
 import json
 import os
 import sys
 import time
 
-from agents import Agent as SdkAgent
-from agents import OpenAIResponsesModel, Runner, function_tool
-from agents.mcp import MCPServerStdio
-from fastmcp.client.transports import StdioTransport
-from openai import AsyncOpenAI
-from pydantic_ai import Agent, RunContext
-from pydantic_ai.mcp import MCPToolset
-from pydantic_ai.models.anthropic import AnthropicModel
-from pydantic_ai.providers.anthropic import AnthropicProvider
-
 from runtime import AgentRegistry
 from runtime.frameworks import idempotency_key
-from runtime.frameworks.openai_agents import idempotent
-from runtime.frameworks.pydantic_ai import DarDurability
-from tests.mcp.support import COUNTING
 
 DELAY = 4.0
 
@@ -57,6 +48,23 @@ def _pack(order: str) -> str:
 
 
 def register(registry: AgentRegistry) -> None:
+    wanted = os.environ.get("DAR_TEST_FRAMEWORKS") or "pydantic_ai,agents_sdk"
+    for name in wanted.split(","):
+        {"pydantic_ai": _register_pydantic_ai, "agents_sdk": _register_agents_sdk}[name.strip()](
+            registry
+        )
+
+
+def _register_pydantic_ai(registry: AgentRegistry) -> None:
+    from fastmcp.client.transports import StdioTransport
+    from pydantic_ai import Agent, RunContext
+    from pydantic_ai.mcp import MCPToolset
+    from pydantic_ai.models.anthropic import AnthropicModel
+    from pydantic_ai.providers.anthropic import AnthropicProvider
+
+    from runtime.frameworks.pydantic_ai import DarDurability
+    from tests.mcp.support import COUNTING
+
     provider = AnthropicProvider(base_url=os.environ["DAR_TEST_FAKE_URL"], api_key="test")
     model = AnthropicModel("claude-test-model", provider=provider)
     mcp_ledger = os.environ.get("DAR_TEST_MCP_LEDGER", os.devnull)
@@ -93,6 +101,29 @@ def register(registry: AgentRegistry) -> None:
 
     registry.register(approving)
 
+    writer = Agent(model, name="fw-writer", capabilities=[DarDurability()])
+    delegating = Agent(model, name="fw-delegate")
+
+    @delegating.tool(metadata={"dar": {"idempotent": True}})
+    async def draft(ctx: RunContext[None], topic: str) -> str:
+        """Have the writer draft a paragraph (then slowly file it; safe to repeat)."""
+        result = await writer.run(f"Draft a paragraph on {topic}.", usage=ctx.usage)
+        _note("draft", slow=True)
+        return result.output
+
+    registry.register(delegating)
+
+
+def _register_agents_sdk(registry: AgentRegistry) -> None:
+    from agents import Agent as SdkAgent
+    from agents import OpenAIResponsesModel, Runner, function_tool
+    from agents.mcp import MCPServerStdio
+    from openai import AsyncOpenAI
+
+    from runtime.frameworks.openai_agents import idempotent
+    from tests.mcp.support import COUNTING
+
+    mcp_ledger = os.environ.get("DAR_TEST_MCP_LEDGER", os.devnull)
     sdk_client = AsyncOpenAI(
         base_url=os.environ["DAR_TEST_OPENAI_URL"], api_key="test", max_retries=0
     )
@@ -126,18 +157,6 @@ def register(registry: AgentRegistry) -> None:
             mcp_servers=[sdk_notes],
         )
     )
-
-    writer = Agent(model, name="fw-writer", capabilities=[DarDurability()])
-    delegating = Agent(model, name="fw-delegate")
-
-    @delegating.tool(metadata={"dar": {"idempotent": True}})
-    async def draft(ctx: RunContext[None], topic: str) -> str:
-        """Have the writer draft a paragraph (then slowly file it; safe to repeat)."""
-        result = await writer.run(f"Draft a paragraph on {topic}.", usage=ctx.usage)
-        _note("draft", slow=True)
-        return result.output
-
-    registry.register(delegating)
 
     sdk_writer = SdkAgent(
         name="oa-writer",

@@ -166,8 +166,14 @@ class SharedStack:
         return self.mcp_ledger.with_suffix(".calling")
 
 
+# The agents this file's stack registers (tests/e2e/framework_agent.py): Pydantic AI's only,
+# so its processes do not import the Agents SDK too. The SDK's file sets its own.
+FRAMEWORKS = "pydantic_ai"
+
+
 @pytest.fixture(scope="module")
 def shared_stack(
+    request: pytest.FixtureRequest,
     test_db: str,
     _truncator: Engine,
     redis_url: str,
@@ -186,6 +192,7 @@ def shared_stack(
         "DAR_TEST_OPENAI_URL": openai_api.url,
         "DAR_TEST_TOOL_LEDGER": str(tmp / "tool.jsonl"),
         "DAR_TEST_MCP_LEDGER": str(tmp / "mcp.jsonl"),
+        "DAR_TEST_FRAMEWORKS": request.module.FRAMEWORKS,
     }
     log_path = tmp / "stack.log"
     with pytest.MonkeyPatch.context() as mp, log_path.open("wb") as log:
@@ -538,5 +545,50 @@ def test_sigkill_while_a_pydantic_ai_run_waits_for_approval(
         assert ledgers.tool.count("refund") == 1
         assert fake.calls == 2, "the recorded request was not made again"
         assert run.tokens_used == fake.billed_tokens
+    finally:
+        watch.close()
+
+
+def test_sigkill_in_a_tool_after_its_nested_agent_answered(
+    stack: DevStack, fake: Tally[Billed], ledgers: Ledgers
+) -> None:
+    """Pydantic AI's case of :func:`kill_in_a_tool_after_its_nested_agent_answered` (the
+    Agents SDK's runs in the other file, on its stack)."""
+    kill_in_a_tool_after_its_nested_agent_answered(stack, fake, ledgers, "fw-delegate")
+
+
+def kill_in_a_tool_after_its_nested_agent_answered(
+    stack: DevStack, billing: Tally[Billed] | Tally[Turn], ledgers: Ledgers, agent: str
+) -> None:
+    """The tool has a writer agent draft (a model call the tool makes itself), then the
+    worker is killed inside the tool. The writer's call was billed and is counted (with the
+    tool's step); the idempotent tool runs again on the other worker and its writer's call is
+    counted too; the recorded model calls are not made again. Tokens counted = billed."""
+    watch = Watch(stack, agent, "Draft about tides")
+    model_key = "model.request" if agent.startswith("fw") else "model"
+    tool_key = "tool.draft:0"
+    try:
+        _wait_marker(watch, ledgers.tool_marker, "draft")
+        watch.kill_holder()
+
+        run = watch.end()
+        assert run.status is RunStatus.SUCCEEDED, run.error
+        assert run.result == "filed"
+        steps = watch.steps()
+        assert [s.step_key for s in steps] == [
+            "agent:0",
+            f"{model_key}:0",
+            tool_key,
+            f"{tool_key}/usage:0",
+            f"{tool_key}/usage:1",
+            f"{model_key}:1",
+        ]
+        drafts = ledgers.tool.entries("draft")
+        assert [d["key"] for d in drafts] == [f"{run.id}/{tool_key}"] * 2, "re-run, same key"
+        assert billing.calls == 4, "two model calls of the run, the writer's twice"
+        assert run.unrecorded_tokens == 0
+        assert run.tokens_used == billing.billed_tokens, "every billed token, once"
+        nested = [s for s in steps if "/usage:" in s.step_key]
+        assert all(s.model for s in nested), "priced as the writer's model"
     finally:
         watch.close()

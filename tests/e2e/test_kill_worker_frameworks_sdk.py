@@ -1,5 +1,5 @@
 """End to end, real processes: the OpenAI Agents SDK half of the framework kill tests, and
-the nested-agent kills of both frameworks (the fixtures, fakes and watch live in
+its nested-agent kill (the fixtures, fakes and watch live in
 ``test_kill_worker_frameworks``; imported here, they make this file's own stack, fakes and
 ledgers, shared by its tests). A file of its own so that ``pytest --all`` (which gives a
 file's tests to one process) runs the two halves side by side: together they held one test
@@ -19,7 +19,7 @@ from tests.e2e.test_kill_worker_frameworks import (  # noqa: F401 (fixtures: thi
     Watch,
     _wait_marker,
     assert_retracted_then_shown,
-    fake,
+    kill_in_a_tool_after_its_nested_agent_answered,
     ledgers,
     messages_api,
     openai_api,
@@ -27,8 +27,10 @@ from tests.e2e.test_kill_worker_frameworks import (  # noqa: F401 (fixtures: thi
     shared_stack,
     stack,
 )
-from tests.fakes.messages_api import Billed
 from tests.fakes.openai_api import Turn
+
+# This file's stack registers the Agents SDK's agents only (tests/e2e/framework_agent.py).
+FRAMEWORKS = "agents_sdk"
 
 # The first test's time includes the file's stack start (~30 s under load).
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
@@ -108,48 +110,9 @@ def test_sigkill_at_each_step_kind_of_an_agents_sdk_run(
         watch.close()
 
 
-@pytest.mark.parametrize(
-    ("agent", "model_key", "tool_key"),
-    [("fw-delegate", "model.request", "tool.draft:0"), ("oa-delegate", "model", "tool.draft:0")],
-    ids=["pydantic-ai", "agents-sdk"],
-)
 def test_sigkill_in_a_tool_after_its_nested_agent_answered(
-    stack: DevStack,
-    fake: Tally[Billed],
-    openai_fake: Tally[Turn],
-    ledgers: Ledgers,
-    agent: str,
-    model_key: str,
-    tool_key: str,
+    stack: DevStack, openai_fake: Tally[Turn], ledgers: Ledgers
 ) -> None:
-    """The tool has a writer agent draft (a model call the tool makes itself), then the
-    worker is killed inside the tool. The writer's call was billed and is counted (with the
-    tool's step); the idempotent tool runs again on the other worker and its writer's call is
-    counted too; the recorded model calls are not made again. Tokens counted = billed."""
-    watch = Watch(stack, agent, "Draft about tides")
-    billing: Tally[Billed] | Tally[Turn] = fake if agent.startswith("fw") else openai_fake
-    try:
-        _wait_marker(watch, ledgers.tool_marker, "draft")
-        watch.kill_holder()
-
-        run = watch.end()
-        assert run.status is RunStatus.SUCCEEDED, run.error
-        assert run.result == "filed"
-        steps = watch.steps()
-        assert [s.step_key for s in steps] == [
-            "agent:0",
-            f"{model_key}:0",
-            tool_key,
-            f"{tool_key}/usage:0",
-            f"{tool_key}/usage:1",
-            f"{model_key}:1",
-        ]
-        drafts = ledgers.tool.entries("draft")
-        assert [d["key"] for d in drafts] == [f"{run.id}/{tool_key}"] * 2, "re-run, same key"
-        assert billing.calls == 4, "two model calls of the run, the writer's twice"
-        assert run.unrecorded_tokens == 0
-        assert run.tokens_used == billing.billed_tokens, "every billed token, once"
-        nested = [s for s in steps if "/usage:" in s.step_key]
-        assert all(s.model for s in nested), "priced as the writer's model"
-    finally:
-        watch.close()
+    """The Agents SDK's case of :func:`kill_in_a_tool_after_its_nested_agent_answered` (the
+    Pydantic AI case runs in the other file, on its stack)."""
+    kill_in_a_tool_after_its_nested_agent_answered(stack, openai_fake, ledgers, "oa-delegate")
