@@ -19,7 +19,6 @@ its tests run (every process of a stack imports its agents; importing both frame
 ~3.7 s of CPU a process, one of them ~1.5-2.8 s).
 """
 
-
 import json
 import os
 import sys

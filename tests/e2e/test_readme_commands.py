@@ -1,8 +1,9 @@
 """The documentation's own command lines, run as printed from a fresh clone (``git clone`` of
 this checkout's commit into a temporary folder), with nothing on ``PYTHONPATH``: every
 ``dar demo`` the README or a page of the docs site prints, an example agent's or the bare one,
-and ``dar token new``. The package comes from the environment, as the README's setup line
-installs it.
+and ``dar token new``. The bare demo's output (a line per step, the summary) and the rejected
+refund's (FAILED, its reservation compensated) are checked as ``dar demo``'s own tests. The
+package comes from the environment, as the README's setup line installs it.
 
 The only variables set are documented ones that point the commands at this machine's
 services and keep them apart from other stacks: ``DATABASE_URL`` and ``REDIS_URL`` (the test
@@ -101,3 +102,24 @@ def test_a_docs_command_line_works_as_printed(
     assert done.returncode == expected, out
     if agent:
         assert "dar: submitted run" in out, out
+    if line == "dar demo":
+        _shows_each_step_and_a_summary(done.stdout, clone)
+    if agent and agent.group(1) == "order-refund":  # rejected: it fails, its saga undone
+        assert "status=FAILED" in done.stdout, out
+        assert "compensated: reserve" in done.stdout, out
+
+
+def _shows_each_step_and_a_summary(out: str, clone: Path) -> None:
+    """The bare ``dar demo``: a line per step as it finishes, the summary table, the run's
+    status, and the processes' logs in their folder, not on the terminal."""
+    progress = [ln.strip() for ln in out.splitlines() if ln.startswith("  seq=")]
+    assert [ln.split()[:4] for ln in progress] == [
+        ["seq=1", "MODEL", "tool_use", "DONE"],
+        ["seq=2", "TOOL", "list_tickets", "DONE"],
+        ["seq=3", "MODEL", "end_turn", "DONE"],
+    ], out
+    assert "SEQ  KIND   STATUS" in out, "the summary table"
+    assert "status=SUCCEEDED" in out
+    assert "INFO" not in out, "process logs go to the log folder, not the terminal"
+    logs = clone / ".dar" / "logs"
+    assert any(p.stat().st_size for p in logs.iterdir()), f"no process log in {logs}"

@@ -146,41 +146,6 @@ def test_dar_demo_names_an_unknown_agent_and_how_to_register_one(
     )
 
 
-def test_dar_demo_prints_a_line_per_step_and_a_summary_and_exits_by_the_run(
-    database_url: str, redis_url: str, settings: Settings, tmp_path: Path
-) -> None:
-    env = _env(database_url, redis_url, settings, DAR_DEMO_LATENCY_MS="200")
-    result = _dar(["demo", "--port", str(free_port()), "--metrics-port", "0"], env, tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
-    progress = [ln.strip() for ln in out.splitlines() if ln.startswith("  seq=")]
-    assert [ln.split()[:4] for ln in progress] == [
-        ["seq=1", "MODEL", "tool_use", "DONE"],
-        ["seq=2", "TOOL", "list_tickets", "DONE"],
-        ["seq=3", "MODEL", "end_turn", "DONE"],
-    ], out
-    assert "SEQ  KIND   STATUS" in out, "the summary table"
-    assert "status=SUCCEEDED" in out
-    assert "INFO" not in out, "process logs go to the log folder, not the terminal"
-    logs = tmp_path / ".dar" / "logs"
-    assert any(p.stat().st_size for p in logs.iterdir()), f"no process log in {logs}"
-
-
-def test_dar_demo_exits_1_when_the_run_does_not_succeed(
-    database_url: str, redis_url: str, settings: Settings, tmp_path: Path
-) -> None:
-    env = _env(
-        database_url, redis_url, settings, DAR_DEMO_LATENCY_MS="0",
-        DAR_AGENT_MODULES="examples.order_refund", PYTHONPATH=str(ROOT),
-    )  # fmt: skip
-    args = ["demo", "--port", str(free_port()), "--metrics-port", "0", "--agent", "order-refund"]
-    args += ["--input", '{"order_id": 105, "amount": 4.5, "reason": "x"}', "--reject"]
-    result = _dar(args, env, tmp_path)
-    assert result.returncode == 1, result.stdout + result.stderr  # by design: rejected
-    assert "status=FAILED" in result.stdout
-    assert "compensated: reserve" in result.stdout
-
-
 def _worker_line() -> str:
     for line in (ROOT / "Procfile").read_text().splitlines():
         if line.startswith("worker:"):
