@@ -53,6 +53,8 @@ class EventHub:
         # lock) when none is: an idle web process has no hub threads.
         self._pg_running = False
         self._redis_running = False
+        self.draining = False
+        """The process is stopping: every stream ends (:meth:`drain`)."""
 
     def subscribe(self, waiter: Waiter) -> None:
         with self._lock:
@@ -75,6 +77,17 @@ class EventHub:
                 waiters.discard(waiter)
                 if not waiters:
                     del self._waiters[waiter.run_id]
+
+    def drain(self) -> None:
+        """The process is stopping: every open stream ends now, and one opened from now on
+        ends after its first batch. Its client reconnects (``Last-Event-ID``) to a process
+        that is not stopping; a stream never ends by itself, so gunicorn, which lets the
+        requests in flight finish, would otherwise wait its whole graceful timeout."""
+        self.draining = True
+        with self._lock:
+            waiters = [w for ws in self._waiters.values() for w in ws]
+        for w in waiters:
+            w.wake.set()
 
     @property
     def streams(self) -> int:

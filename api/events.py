@@ -268,6 +268,8 @@ class EventStream:
                 waiter.durable, waiter.live_after = self.durable, self.live_after
                 if read_durable and self.finished:
                     return  # this batch read everything PostgreSQL holds after the end
+                if self.hub.draining:
+                    return  # the process is stopping: the client resumes elsewhere
                 now = time.monotonic()
                 if now - started >= s.events_max_seconds:
                     return

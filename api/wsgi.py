@@ -1,8 +1,11 @@
 """The WSGI entry point for gunicorn: ``gunicorn --worker-class gevent api.wsgi:app``."""
 
 import os
+import signal
 import socket
 import sys
+import threading
+from types import FrameType
 
 from api import create_app
 from api.serving import BodyDeadline
@@ -25,3 +28,36 @@ except (DarError, ValueError) as e:
 app.wsgi_app = BodyDeadline(  # type: ignore[method-assign]
     app.wsgi_app, float(os.environ.get("DAR_HTTP_BODY_TIMEOUT_SECONDS", "30"))
 )
+
+
+def _end_event_streams_on_sigterm() -> None:
+    """On SIGTERM gunicorn stops accepting and lets the requests in flight finish, for up to
+    its graceful timeout (30 s). An event stream never finishes by itself, so every stop of
+    the web process (a deploy, ``dar dev``'s Ctrl-C) waited that out, its clients held. The
+    process's event streams end at once instead; gunicorn's own handler then runs as before.
+    The ending runs off the signal handler (it takes a lock): in a greenlet under gevent, as
+    gunicorn does its own work on a signal, else in a thread."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        hub = app.extensions.get("dar_event_hub")
+        if hub is not None:
+            if "gevent" in sys.modules and _gevent_patched():
+                import gevent
+
+                gevent.spawn(hub.drain)
+            else:
+                threading.Thread(target=hub.drain, name="dar-drain", daemon=True).start()
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _gevent_patched() -> bool:
+    from gevent import monkey
+
+    return bool(monkey.is_module_patched("threading"))
+
+
+_end_event_streams_on_sigterm()

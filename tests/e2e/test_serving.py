@@ -353,6 +353,47 @@ def test_one_tokens_event_streams_leave_healthz_and_submit_answering(
                 s.close()
 
 
+def test_a_stopping_web_process_ends_its_event_streams_and_exits_at_once(
+    database_url: str, redis_url: str, settings: Settings, tmp_path: Path
+) -> None:
+    """SIGTERM (a deploy, ``dar dev``'s Ctrl-C): gunicorn lets the requests in flight finish,
+    for up to its graceful timeout (30 s), and an event stream never finishes by itself. The
+    stream of a run that is still queued ends at once, cleanly (its client reconnects
+    elsewhere with ``Last-Event-ID``), and the process exits within seconds."""
+    with _web(database_url, redis_url, settings, tmp_path) as (port, proc):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request(
+            "POST",
+            "/api/runs",
+            body=json.dumps({"input": "q"}),
+            headers={"Content-Type": "application/json"},
+        )
+        run_id = json.loads(conn.getresponse().read())["id"]
+        conn.close()
+        stream = socket.create_connection(("127.0.0.1", port), timeout=10)
+        try:
+            stream.sendall(f"GET /api/runs/{run_id}/events HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            head = b""
+            while b"retry:" not in head:  # the stream is open: the run waits for a worker
+                head += stream.recv(4096)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            stopped = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            body = b""
+            while not body.endswith(b"0\r\n\r\n"):  # the chunked body's end
+                chunk = stream.recv(4096)
+                assert chunk, f"closed without ending the stream: {body!r}"
+                body += chunk
+            ended = time.monotonic() - stopped
+        finally:
+            stream.close()
+        proc.wait(timeout=30)
+        exited = time.monotonic() - stopped
+    print(f"stream ended {ended:.1f}s after SIGTERM, the process exited after {exited:.1f}s")
+    assert ended < 5, "the stream ended at once, not at a heartbeat or the graceful timeout"
+    assert exited < 10, "the process exited without waiting out gunicorn's graceful timeout"
+
+
 # -- the worker's own log holds no data (issue 28.6) -----------------------------------------
 
 DATA = "SECRET-WORKER-DATA-5e0a"
