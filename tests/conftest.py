@@ -300,6 +300,30 @@ def redis_url() -> Iterator[str]:
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def _flow_state(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_learned_flow_limits(request: pytest.FixtureRequest) -> None:
+    """Flow control learns each model's limits into Redis (``dar:flow:*``) and keeps them, so
+    the limits one test's fake API answered with paced the next test's model calls on the same
+    Redis database, in this suite or the next run of it (seen: the 300-calls test paced at 2
+    calls a second, 90 s instead of 5, by limits another run's rate-limit test had taught on
+    that database). Every test that uses Redis starts with none learned."""
+    if "redis_url" not in request.fixturenames:
+        return
+    client = request.getfixturevalue("_flow_state")
+    stale = list(client.scan_iter(match="dar:flow:*", count=1000))
+    if stale:
+        client.delete(*stale)
+
+
 def _own_redis_db(url: str) -> str:
     """Under pytest-xdist (``-n``), each worker process takes its own Redis database, as it
     takes its own PostgreSQL one: flow control's learned limits and the concurrency keys live
