@@ -354,13 +354,17 @@ def stream_slots() -> StreamSlots:
     return cast(StreamSlots, slots)
 
 
+EVENT_HUB = "dar_event_hub"
+"""The app's extension that holds this process's hub, once a stream made it."""
+
+
 def event_hub() -> EventHub:
     """This process's hub (made on first use)."""
-    hub = current_app.extensions.get("dar_event_hub")
+    hub = current_app.extensions.get(EVENT_HUB)
     if hub is None:
         rt = state().runtime
         hub = EventHub(rt.store, rt.live, rt.settings.events_poll_seconds)
-        current_app.extensions["dar_event_hub"] = hub
+        current_app.extensions[EVENT_HUB] = hub
     return cast(EventHub, hub)
 
 

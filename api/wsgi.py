@@ -8,8 +8,10 @@ import threading
 from types import FrameType
 
 from api import create_app
+from api.events import EVENT_HUB
 from api.serving import BodyDeadline
 from db.errors import DarError
+from runtime.native import gevent_patched
 from runtime.observe.logctx import configure_logging, set_process_worker
 from runtime.observe.tracing import configure_from_env
 
@@ -40,9 +42,9 @@ def _end_event_streams_on_sigterm() -> None:
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
-        hub = app.extensions.get("dar_event_hub")
+        hub = app.extensions.get(EVENT_HUB)
         if hub is not None:
-            if "gevent" in sys.modules and _gevent_patched():
+            if gevent_patched():
                 import gevent
 
                 gevent.spawn(hub.drain)
@@ -52,12 +54,6 @@ def _end_event_streams_on_sigterm() -> None:
             previous(signum, frame)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-
-
-def _gevent_patched() -> bool:
-    from gevent import monkey
-
-    return bool(monkey.is_module_patched("threading"))
 
 
 _end_event_streams_on_sigterm()
