@@ -28,6 +28,10 @@ from runtime import AgentRegistry
 from runtime.frameworks import idempotency_key
 
 DELAY = 4.0
+MCP_START_SECONDS = 30.0
+"""How long the frameworks wait for the counting MCP server's session (theirs: 5 s). A Python
+process importing the MCP SDK took longer than 5 s to answer on CI's loaded two cores, and
+the run failed at its first step: a test of kills, not of a server's start-up time."""
 
 
 def _note(tool: str, slow: bool) -> None:
@@ -78,7 +82,9 @@ def _register_pydantic_ai(registry: AgentRegistry) -> None:
     registry.register(agent)
 
     notes = MCPToolset(
-        StdioTransport(sys.executable, [COUNTING, "--ledger", mcp_ledger]), id="notes"
+        StdioTransport(sys.executable, [COUNTING, "--ledger", mcp_ledger]),
+        id="notes",
+        init_timeout=MCP_START_SECONDS,
     )
     with_mcp = Agent(model, name="fw-mcp", toolsets=[notes])
 
@@ -146,6 +152,7 @@ def _register_agents_sdk(registry: AgentRegistry) -> None:
     sdk_notes = MCPServerStdio(
         params={"command": sys.executable, "args": [COUNTING, "--ledger", mcp_ledger]},
         name="notes",
+        client_session_timeout_seconds=MCP_START_SECONDS,
     )
     registry.register(
         SdkAgent(
