@@ -224,6 +224,17 @@ return next_waiter(now, tonumber(ARGV[2]), ARGV[3])
 """
 )
 
+# KEYS: as _RELEASE; ARGV: 1 the waiter's run id
+# 1: it is in the key's queue, not woken; 0: woken, or dropped from the queue meanwhile.
+_WAITING = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local due = redis.call('ZSCORE', KEYS[3], ARGV[1])
+if due == false or redis.call('ZSCORE', KEYS[2], ARGV[1]) == false then return 0 end
+if tonumber(due) <= now + 0.5 then return 0 end
+return 1
+"""
+
 # KEYS: held zsets; ARGV: 1 ttl s, then one holder per key
 _RENEW = """
 local t = redis.call('TIME')
@@ -258,6 +269,7 @@ class KeyGate:
         self._release = client.register_script(_RELEASE)
         self._skip = client.register_script(_SKIP)
         self._renew = client.register_script(_RENEW)
+        self._waiting = client.register_script(_WAITING)
         self._held: dict[str, Slot] = {}
         self._fail_open = FailOpenAlarm(
             metrics,
@@ -355,6 +367,17 @@ class KeyGate:
             self._fail_open("key", e)
             return None
         return _waiter(got)
+
+    def still_waiting(self, key: str, run_id: uuid.UUID) -> bool:
+        """Whether ``run_id``, refused a slot of ``key``, is still in the key's queue and
+        not woken. ``False`` when a slot freed after its refusal and its release could not
+        wake it, because it was not parked yet (it still held its lease): the run must then
+        wake itself once parked. Redis away: ``True`` (the fallback timer stands)."""
+        try:
+            return bool(int(self._waiting(keys=self._keys(key), args=[str(run_id)])))
+        except _redis_error() as e:
+            self._fail_open("key", e)
+            return True
 
     def renew(self) -> None:
         """Extend every slot this process holds by one lease (from the heartbeat)."""

@@ -254,13 +254,14 @@ class Driver:
             if got is None:  # no limit for this key, or Redis is away (fail open)
                 return self._run_program(task, token)
             if isinstance(got, KeyWait):  # woken when a slot frees; the timer is the fallback
-                return task.schedule(
+                parked = task.schedule(
                     got.delay_seconds,
                     got.reason,
                     model_attempts=run.model_attempts,
                     admission=True,
                     wakeable=True,
                 )
+                return self._wake_if_missed(task, got, parked)
             try:
                 result = self._run_program(task, token)
             except BaseException:
@@ -286,6 +287,18 @@ class Driver:
                 return (dispatch,) if send else ()
             woken = self.keys.skip(slot, woken, continuing=continuing)
         return ()  # the rest are woken by their fallback timers
+
+    def _wake_if_missed(self, task: Task, wait: KeyWait, parked: StepResult) -> StepResult:
+        """A slot freed between this run's refusal and its park could not wake it: the run
+        still held its lease, so the release dropped it from the key's queue (or woke the
+        next one) and it would sit out its whole fallback timer. Asked once the park has
+        committed, so a release either comes after it and finds the run parked, or came
+        before and is seen here: then the run wakes itself and asks for a slot again."""
+        assert self.keys is not None
+        if parked.outcome is not Outcome.WAITING or self.keys.still_waiting(wait.key, task.run_id):
+            return parked
+        woken = task.wake(task.run_id)
+        return replace(parked, wakes=(*parked.wakes, woken)) if woken is not None else parked
 
     def _run_program(self, task: Task, token: uuid.UUID | None) -> StepResult:
         """The run's program (its agent loop or durable function), to its next step or end,

@@ -17,7 +17,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -469,6 +469,62 @@ def test_a_waiter_cancelled_while_parked_does_not_swallow_the_wake(
         assert driver.keys is not None
         queued = rclient.zrange(driver.keys._keys("acme")[1], 0, -1)
         assert str(cancelled.id).encode() not in queued
+    finally:
+        rt.close()
+
+
+def test_a_slot_freed_while_the_refused_run_parks_still_wakes_it(
+    settings: Settings, rclient: redis.Redis
+) -> None:
+    """The holder's last step releases the key's only slot between a waiter's refusal and
+    its park: the release cannot wake it (it still holds its lease), so the waiter wakes
+    itself once parked instead of sitting out its fallback timer (300 s here)."""
+    s = replace(settings, key_concurrency=1, key_recheck_seconds=300)
+    model = SlowModel(0.0)
+    rt = Runtime.build(s, llm=model, pool_size=4)
+    register_agent(rt.agents)
+    try:
+        driver = rt.driver()
+        keys = driver.keys
+        assert keys is not None
+        _, held = _keyed(rt, "hold on", "acme")
+        waiter, d = _keyed(rt, "acme later", "acme")
+        holder_results: list[Any] = []
+
+        def holder() -> None:
+            result = driver.drive(held.run_id, held.token)
+            while result.outcome is Outcome.CONTINUE:
+                assert result.dispatch is not None
+                result = driver.drive(result.dispatch.run_id, result.dispatch.token)
+            holder_results.append(result)
+
+        thread = threading.Thread(target=holder)
+        thread.start()
+        assert model.hold_entered.wait(30)
+        real_acquire = keys.acquire
+
+        def refused_then_released(key: str, run_id: uuid.UUID, *args: Any, **kwargs: Any) -> Any:
+            got = real_acquire(key, run_id, *args, **kwargs)
+            if run_id != waiter.id:  # the holder's own next steps
+                return got
+            assert isinstance(got, KeyWait)
+            model.hold_go.set()  # the holder ends and frees the slot before this run parks
+            thread.join(30)
+            return got
+
+        keys.acquire = refused_then_released  # type: ignore[method-assign]
+        try:
+            result = driver.drive(d.run_id, d.token)
+        finally:
+            keys.acquire = real_acquire  # type: ignore[method-assign]
+        (ended,) = holder_results
+        assert ended.outcome is Outcome.FINISHED
+        assert not ended.wakes, "the waiter still held its lease: the release could not wake it"
+        assert result.outcome is Outcome.WAITING
+        assert [w.run_id for w in result.wakes] == [waiter.id], "the missed wake was not made up"
+        assert rt.store.get_run(waiter.id).run_at <= datetime.now(UTC)
+        assert drive_to_end(driver, result.wakes[0])[-1] is Outcome.FINISHED
+        assert rt.store.get_run(waiter.id).status is RunStatus.SUCCEEDED
     finally:
         rt.close()
 
