@@ -504,11 +504,24 @@ def test_a_tree_past_the_cap_says_what_it_leaves_out(
     sign_in(tab, OPS, f"/runs/{last}")  # the youngest child: past the cap, shown all the same
     page.locator(f"#run-tree li.current[data-run-id='{last}']").wait_for()
     assert page.locator("#run-tree li[data-run-id]").count() == 201
-    panel = page.locator("#run-tree").bounding_box()
-    here = page.locator("#run-tree li.current > .node").bounding_box()
-    assert panel["y"] <= here["y"] <= panel["y"] + panel["height"] - here["height"], (
-        "the tall tree scrolls in its panel with this run in view"
-    )
+    # Asked in the page, as one check of one layout: the tree is rebuilt on each reload, and
+    # two bounding boxes read from here could straddle a rebuild (CI once read none).
+    in_view = """() => {
+        const panel = document.querySelector('#run-tree');
+        const here = document.querySelector('#run-tree li.current > .node');
+        if (!panel || !here || panel.offsetParent === null) return false;
+        const p = panel.getBoundingClientRect(), h = here.getBoundingClientRect();
+        return p.height > 0 && p.top <= h.top && h.bottom <= p.bottom;
+    }"""
+    try:
+        page.wait_for_function(in_view, timeout=10_000)
+    except playwright_api.TimeoutError:
+        state = page.evaluate(
+            "() => ({main: !document.querySelector('#main').hidden,"
+            " login: document.querySelector('#login-error').textContent,"
+            " top: document.querySelector('#run-tree').scrollTop})"
+        )
+        raise AssertionError(f"the tall tree does not scroll this run into view: {state}") from None
     more = page.locator(f"#run-tree li[data-run-id='{root}'] li.more")
     assert "More child runs not shown (more than 200 in all)" in more.inner_text()
     assert more.locator("a").get_attribute("href") == f"/runs/{root}"
