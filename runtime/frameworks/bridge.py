@@ -370,6 +370,20 @@ class UnitPolicy:
     docs/durable/after-a-crash.md)."""
 
     idempotent: bool = False
+    attempts: int = 1
+    """How many times the unit is tried when it fails, on a durable timer between attempts
+    (``steps.retry``): more than one only for what is safe and worth trying again, an MCP
+    server's listing (read-only, and failing mostly while its server starts)."""
+    backoff: float = 1.0
+    """Seconds before the second attempt, doubling after each."""
+
+
+MCP_LISTING = UnitPolicy(idempotent=True, attempts=5, backoff=2.0)
+"""An MCP server's listing (its tools, its instructions): read-only, and the unit in which a
+framework connects to the server, so it is where a server still starting, restarting or
+briefly away fails. It is tried again 4 times, 2, 4, 8 and 16 s apart, on a durable timer
+(a native agent's listing waits DAR_MCP_RETRY_SECONDS between tries); then the framework
+sees the error."""
 
 
 @dataclass(frozen=True)
@@ -487,11 +501,17 @@ class Bridge:
             return item.on_driver(self.steps)
         billing = item.billing
         if billing is None:
-            return self.steps.run(
+            policy = item.policy
+            steps = (
+                self.steps.retry(policy.attempts, policy.backoff)
+                if policy.attempts > 1
+                else self.steps
+            )
+            return steps.run(
                 item.name,
                 lambda: on_loop(_keyed(item.body, self.steps.key, usage.current())),
                 type=Any,
-                idempotent=item.policy.idempotent,
+                idempotent=policy.idempotent,
             )
 
         def estimate() -> int:  # as the engine estimates the request (its model and prompt)

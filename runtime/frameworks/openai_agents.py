@@ -73,6 +73,7 @@ from runtime.durable.api import Billed, BilledFailure, DurableAgent, Steps
 from runtime.frameworks.bridge import (
     APPROVAL_ROLE,
     APPROVAL_TIMEOUT_SECONDS,
+    MCP_LISTING,
     Billing,
     Bridge,
     LiveText,
@@ -415,7 +416,7 @@ class DurableMcpServer(MCPServer):
             listed = await self._session(lambda: self.inner.list_tools(run_context, agent))
             return [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in listed]
 
-        value = await bridge.unit(f"mcp.{self.name}.tools", body, UnitPolicy(idempotent=True))
+        value = await bridge.unit(f"mcp.{self.name}.tools", body, MCP_LISTING)
         tools = [MCPTool.model_validate(t) for t in value]
         self._safe = {
             t.name

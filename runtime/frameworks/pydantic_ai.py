@@ -81,6 +81,7 @@ from runtime.durable.errors import DurableConfigError
 from runtime.frameworks.bridge import (
     APPROVAL_ROLE,
     APPROVAL_TIMEOUT_SECONDS,
+    MCP_LISTING,
     Billing,
     Bridge,
     UnitPolicy,
@@ -235,7 +236,11 @@ class StepBackend(CallableOperationBackend[Config]):
         billing = None
         if isinstance(operation_id, ModelRequestId):
             billing = Billing(self.capability.model_name(operation_id), prompt(cache_key), billed)
-        value = await bridge.unit(name, body, UnitPolicy(idempotent=idempotent), billing)
+        policy = UnitPolicy(idempotent=idempotent)
+        match operation_id:  # read-only, and where the framework connects to the server
+            case ToolsetGetToolsId(toolset_kind="mcp") | ToolsetGetInstructionsId():
+                policy = MCP_LISTING
+        value = await bridge.unit(name, body, policy, billing)
         if isinstance(operation_id, ToolsetGetToolsId) and operation_id.toolset_kind == "mcp":
             self._learn_annotations(operation_id.toolset_id, value)
         return value

@@ -23,11 +23,12 @@ from pydantic import BaseModel
 
 from db.records import ApprovalStatus, Dispatch, RunStatus, StepStatus, Usage
 from runtime.engine.bootstrap import Runtime
+from runtime.engine.driver import Outcome
 from runtime.frameworks import idempotency_key
 from runtime.frameworks.bridge import on_loop
 from runtime.frameworks.openai_agents import idempotent
 from tests.fakes.openai_api import FakeOpenAiApi, Turn
-from tests.mcp.support import COUNTING, Ledger
+from tests.mcp.support import COUNTING, FIRST_START_FAILS, Ledger
 from tests.support import drive_to_end, events_over_http
 
 MODEL = "gpt-test"
@@ -98,6 +99,43 @@ def script(fake: FakeOpenAiApi) -> None:
     fake.then_text(
         json.dumps({"order": "A-7", "status": "shipped"}), input_tokens=20, cached_tokens=8
     )
+
+
+def test_an_mcp_server_that_fails_to_start_once_is_tried_again_not_the_run_failed(
+    rt: Runtime, fake: FakeOpenAiApi, client: AsyncOpenAI, tmp_path: Path
+) -> None:
+    """As for Pydantic AI: the server dies at its first start, its listing (read-only, where
+    the SDK connects) is tried again on a durable timer, and the run goes on."""
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    marker = str(tmp_path / "started")
+    notes = MCPServerStdio(
+        params={
+            "command": sys.executable,
+            "args": [FIRST_START_FAILS, marker, COUNTING, "--ledger", str(ledger.path)],
+        },
+        name="notes",
+    )
+    model = OpenAIResponsesModel(MODEL, openai_client=client)
+    rt.agents.register(Agent(name="noter", instructions="Note.", model=model, mcp_servers=[notes]))
+    fake.then_calls(("call_a", "add_note", {"text": "hello"}))
+    fake.then_text("Noted.")
+    run, dispatch = rt.submit("noter", "Note hello.")
+    driver = rt.driver()
+    result = driver.drive(dispatch.run_id, dispatch.token)  # agent:0
+    assert result.dispatch is not None
+    result = driver.drive(result.dispatch.run_id, result.dispatch.token)  # the listing
+    assert result.outcome is Outcome.WAITING, rt.store.get_run(run.id).error
+    assert rt.store.get_run(run.id).wait_reason == "mcp.notes.tools:0 attempt 1 failed; retrying"
+    assert result.dispatch is not None
+    time.sleep(result.dispatch.delay_seconds)  # the retry's durable timer
+    drive_to_end(driver, result.dispatch)
+
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.result == "Noted."
+    assert ledger.count("add_note") == 1
+    first = next(s for s in rt.store.steps(run.id) if s.step_key == "mcp.notes.tools:0")
+    assert (first.status, first.attempt) == (StepStatus.DONE, 2), "its second try"
 
 
 @pytest.mark.parametrize("api", ["responses", "chat"])

@@ -39,7 +39,7 @@ from runtime.observe.metrics import Metrics
 from runtime.testing.testkit import SimulatedCrash
 from tasks.celery_app import make_celery
 from tests.fakes.messages_api import FakeMessagesApi, RateLimit, cut, slow, text, wait_until
-from tests.mcp.support import COUNTING, Ledger
+from tests.mcp.support import COUNTING, FIRST_START_FAILS, Ledger
 from tests.support import drive_to_end, events_over_http, expire_lease
 
 MODEL = "claude-test-model"
@@ -221,6 +221,47 @@ def test_two_tools_an_mcp_server_structured_output_and_deps(
     lookup = next(s for s in steps if s.step_key == "tool.lookup:0")
     assert "order A-7 shipped" in json.dumps(lookup.response), "deps reached the tool"
     assert done.tokens_used == 4 * 15
+
+
+def test_an_mcp_server_that_fails_to_start_once_is_tried_again_not_the_run_failed(
+    rt: Runtime, fake: FakeMessagesApi, model: AnthropicModel, tmp_path: Path
+) -> None:
+    """The MCP server dies at its first start (as one still starting, or restarting, would
+    look): its listing is read-only, so the step is tried again on a durable timer and the
+    run goes on, as a native agent's MCP listing does, instead of failing at its first step."""
+    MCPToolset, StdioTransport = needs_mcp_extra()
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    notes = MCPToolset(
+        StdioTransport(
+            sys.executable,
+            [FIRST_START_FAILS, str(tmp_path / "started"), COUNTING, "--ledger", str(ledger.path)],
+        ),
+        id="notes",
+    )
+    rt.agents.register(PydanticAgent(model, name="noter", toolsets=[notes]))
+    fake.then_tool_use("toolu_1", "add_note", {"text": "hello"}).then_text("Noted.")
+    run, dispatch = rt.submit("noter", "Note hello.")
+    driver = rt.driver()
+    result = driver.drive(dispatch.run_id, dispatch.token)  # agent:0
+    assert result.dispatch is not None
+    result = driver.drive(result.dispatch.run_id, result.dispatch.token)  # the listing
+    assert result.outcome is Outcome.WAITING
+    waiting = rt.store.get_run(run.id)
+    assert waiting.status is RunStatus.RUNNING, waiting.error
+    assert waiting.wait_reason == "mcp.notes.tools:0 attempt 1 failed; retrying"
+    assert result.dispatch is not None
+    assert result.dispatch.delay_seconds == 2.0
+    time.sleep(result.dispatch.delay_seconds)  # the retry's durable timer
+    drive_to_end(driver, result.dispatch)
+
+    done = rt.store.get_run(run.id)
+    assert done.status is RunStatus.SUCCEEDED, done.error
+    assert done.result == "Noted."
+    assert (tmp_path / "started").exists(), "the first start failed"
+    assert ledger.count("add_note") == 1
+    listing = [s for s in rt.store.steps(run.id) if s.step_key == "mcp.notes.tools:0"]
+    assert [(s.status, s.attempt) for s in listing] == [(StepStatus.DONE, 2)], "its second try"
+    assert fake.calls == 2
 
 
 def test_a_renamed_tool_fails_a_run_in_flight_with_what_changed(

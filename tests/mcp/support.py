@@ -17,6 +17,8 @@ from runtime.mcp.servers import McpServer, ToolPolicy
 from runtime.testing.testkit import SimulatedCrash
 
 COUNTING = str(Path(__file__).with_name("counting_server.py"))
+FIRST_START_FAILS = str(Path(__file__).with_name("first_start_fails.py"))
+"""``FIRST_START_FAILS MARKER COUNTING ...``: the counting server, which dies at its first start."""
 
 
 class Ledger:
