@@ -27,6 +27,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -376,6 +377,10 @@ class ChaosStack(DevStack):
     def _spawn(self, name: str, args: list[str], **extra_env: str) -> None:
         if name in self.direct:
             extra_env = {**extra_env, "DATABASE_URL": self.database_url}
+        ready_file = self.ready_file(name)
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
+            extra_env = {**extra_env, "DAR_READY_FILE": str(ready_file)}
         log = self._logs.get(name)
         if log is None:
             log = self._logs[name] = self.log_path(name).open("ab")
@@ -431,9 +436,16 @@ class ChaosStack(DevStack):
             ],
         )  # fmt: skip
 
-    def start(self, timeout: float = 60.0) -> None:
+    def prepare(self) -> None:
+        """Its folders, and the one each worker writes its ready file in (``DAR_READY_FILE``):
+        without it :meth:`wait_ready` waits for the web alone, and a worker still starting
+        (seen: 14 s through a proxy on a loaded host) misses the runs a test submits next."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._run_dir = Path(tempfile.mkdtemp(prefix="dar-chaos-run-"))
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.prepare()
         self.start_services()
         self.start_web()
         for letter in self.specs:

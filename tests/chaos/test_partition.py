@@ -145,8 +145,7 @@ def partition_stack() -> Iterator[Partition]:
         )
         engine: Engine | None = None
         try:
-            stack.data_dir.mkdir(parents=True, exist_ok=True)
-            stack.log_dir.mkdir(parents=True, exist_ok=True)
+            stack.prepare()
             stack.start_services()
             socket_dir = parse_qs(urlparse(stack.database_url).query)["host"][0]
             proxy = TcpProxy(socket_dir, 5432)
@@ -249,7 +248,20 @@ def test_a_partitioned_worker_is_fenced_loses_no_token_and_recovers(
             )
             return {r[0]: int(r[1]) for r in rows}
 
-    _wait(lambda: len(held_by_p()) >= 2, 60, "worker-P never held two runs")
+    # worker-A may take a whole wave before worker-P consumes (it may still be connecting,
+    # through its proxies, on a loaded host): a wave that ended without worker-P holding two
+    # of its runs is followed by another, up to four.
+    deadline = time.monotonic() + 90
+    waves = 1
+    while len(held_by_p()) < 2:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"worker-P never held two runs of {waves} waves within 90s")
+        if waves < 4 and all(p.store.get_run(r).status.terminal for r in runs.values()):
+            runs.update(
+                {f"{prefix}w{waves}{i}": _submit(p, f"{prefix}w{waves}{i}") for i in range(RUNS)}
+            )
+            waves += 1
+        time.sleep(0.1)
     moved = held_by_p()
     held_at_cut = len(moved)
     cut = p.broker_proxy if mode == "redis" else p.proxy
