@@ -20,6 +20,7 @@ from db.store import RunStore
 from runtime.config import Settings
 from runtime.engine.bootstrap import Runtime
 from tasks.celery_app import STATS_ROLLUP, make_celery
+from tasks.drive import stop_worker_state
 
 TENANTS = ("", "acme", "globex")
 MODELS = ("claude-sonnet-4-5", "claude-haiku-4-5")
@@ -280,12 +281,15 @@ def test_the_beat_task_rolls_up_and_prunes(settings: Settings, runtime: Runtime)
                 " (date_trunc('hour', now() - interval '9 days', 'UTC'))"
             )
         )
-    rolled = app.tasks[STATS_ROLLUP].run()
-    # The default grace: the last hour is not closed yet, nor perhaps the one before.
-    assert 7 * 24 - 1 <= rolled <= 7 * 24 + 2
-    with store.engine.connect() as conn:
-        oldest = conn.execute(text("SELECT min(bucket) FROM stats_hour")).scalar_one()
-        now = conn.execute(text("SELECT now()")).scalar_one()
-    assert oldest > now - timedelta(days=7, hours=3)
-    assert app.tasks[STATS_ROLLUP].run() == 0
+    try:
+        rolled = app.tasks[STATS_ROLLUP].run()
+        # The default grace: the last hour is not closed yet, nor perhaps the one before.
+        assert 7 * 24 - 1 <= rolled <= 7 * 24 + 2
+        with store.engine.connect() as conn:
+            oldest = conn.execute(text("SELECT min(bucket) FROM stats_hour")).scalar_one()
+            now = conn.execute(text("SELECT now()")).scalar_one()
+        assert oldest > now - timedelta(days=7, hours=3)
+        assert app.tasks[STATS_ROLLUP].run() == 0
+    finally:  # the task built this process's worker state: its heartbeat stops with the test
+        stop_worker_state(app)
     _same(store, "the beat's roll-up")
