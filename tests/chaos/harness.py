@@ -24,6 +24,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -484,6 +485,9 @@ class ChaosStack(DevStack):
             self.bouncer.stop()
         if self.pg is not None:
             self.pg.stop()
+        if self._run_dir is not None:
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            self._run_dir = None
 
 
 class CrashPlan:
