@@ -268,6 +268,19 @@ def keyed(settings: Settings, rclient: redis.Redis) -> Iterator[Runtime]:
         rt.close()
 
 
+@pytest.fixture
+def one_slot(settings: Settings, rclient: redis.Redis) -> Iterator[Runtime]:
+    """A runtime whose keys have one slot each, a waiter's fallback timer 300 s away (a wake
+    that came early is the only way it goes sooner), and a model that answers at once."""
+    s = replace(settings, key_concurrency=1, key_recheck_seconds=300)
+    rt = Runtime.build(s, llm=SlowModel(0.0), pool_size=4)
+    register_agent(rt.agents)
+    try:
+        yield rt
+    finally:
+        rt.close()
+
+
 class Fleet:
     """Worker threads taking messages from one FIFO queue, as Celery workers take them from
     the broker: a countdown message waits in a timer heap, and a reaper thread re-sends the
@@ -388,145 +401,129 @@ def test_a_busy_key_cannot_starve_a_quiet_one(keyed: Runtime) -> None:
 
 
 def test_a_step_dying_with_a_base_exception_gives_its_slot_to_the_next_run(
-    settings: Settings, rclient: redis.Redis
+    one_slot: Runtime,
 ) -> None:
     """A BaseException (the engine catches none) unwinds a step holding the key's only slot
     while another run waits for it: the slot is given back and the waiter made due for the
     reaper (the dying worker sends nothing)."""
-    s = replace(settings, key_concurrency=1)
-    model = SlowModel(0.0)
-    rt = Runtime.build(s, llm=model, pool_size=4)
-    register_agent(rt.agents)
-    try:
-        driver = rt.driver()
-        _, d1 = _keyed(rt, "crash now", "acme")
-        waiter, d2 = _keyed(rt, "acme later", "acme")
-        died: list[BaseException] = []
+    rt = one_slot
+    model = rt.llm
+    assert isinstance(model, SlowModel)
+    driver = rt.driver()
+    _, d1 = _keyed(rt, "crash now", "acme")
+    waiter, d2 = _keyed(rt, "acme later", "acme")
+    died: list[BaseException] = []
 
-        def doomed() -> None:
-            try:
-                driver.drive(d1.run_id, d1.token)
-            except BaseException as e:
-                died.append(e)
+    def doomed() -> None:
+        try:
+            driver.drive(d1.run_id, d1.token)
+        except BaseException as e:
+            died.append(e)
 
-        holder = threading.Thread(target=doomed)
-        holder.start()
-        assert model.crash_entered.wait(10)
-        assert driver.keys is not None
-        assert driver.keys.in_steps("acme") == 1
-        result = driver.drive(d2.run_id, d2.token)
-        assert result.outcome is Outcome.WAITING
-        assert rt.store.get_run(waiter.id).wait_reason == "concurrency key acme: 1 of 1 in steps"
-        assert rt.store.redispatch_due(redispatch_after=3600) == []
-        model.crash_go.set()
-        holder.join(10)
-        assert len(died) == 1
-        assert isinstance(died[0], SimulatedCrash)
-        assert driver.keys.in_steps("acme") == 0
-        due = rt.store.redispatch_due(redispatch_after=3600)
-        assert [d.run_id for d in due] == [waiter.id]
-        assert drive_to_end(driver, due[0])[-1] is Outcome.FINISHED
-        assert rt.store.get_run(waiter.id).status is RunStatus.SUCCEEDED
-    finally:
-        rt.close()
+    holder = threading.Thread(target=doomed)
+    holder.start()
+    assert model.crash_entered.wait(10)
+    assert driver.keys is not None
+    assert driver.keys.in_steps("acme") == 1
+    result = driver.drive(d2.run_id, d2.token)
+    assert result.outcome is Outcome.WAITING
+    assert rt.store.get_run(waiter.id).wait_reason == "concurrency key acme: 1 of 1 in steps"
+    assert rt.store.redispatch_due(redispatch_after=3600) == []
+    model.crash_go.set()
+    holder.join(10)
+    assert len(died) == 1
+    assert isinstance(died[0], SimulatedCrash)
+    assert driver.keys.in_steps("acme") == 0
+    due = rt.store.redispatch_due(redispatch_after=3600)
+    assert [d.run_id for d in due] == [waiter.id]
+    assert drive_to_end(driver, due[0])[-1] is Outcome.FINISHED
+    assert rt.store.get_run(waiter.id).status is RunStatus.SUCCEEDED
 
 
 def test_a_waiter_cancelled_while_parked_does_not_swallow_the_wake(
-    settings: Settings, rclient: redis.Redis
+    one_slot: Runtime, rclient: redis.Redis
 ) -> None:
     """Issue 23 defect 7: the key's only slot is held; two runs park for it and the first is
     cancelled. The freed slot wakes the live waiter at once (not at its fallback timer), and
     the cancelled one is gone from the key's queue."""
-    s = replace(settings, key_concurrency=1, key_recheck_seconds=300)
-    model = SlowModel(0.0)
-    rt = Runtime.build(s, llm=model, pool_size=4)
-    register_agent(rt.agents)
-    try:
-        driver = rt.driver()
-        _, held = _keyed(rt, "hold on", "acme")
-        cancelled, d1 = _keyed(rt, "acme 1", "acme")
-        live, d2 = _keyed(rt, "acme 2", "acme")
-        results: list[Any] = []
-        holder = threading.Thread(
-            target=lambda: results.append(driver.drive(held.run_id, held.token))
-        )
-        holder.start()
-        assert model.hold_entered.wait(30)
-        assert driver.drive(d1.run_id, d1.token).outcome is Outcome.WAITING
-        assert driver.drive(d2.run_id, d2.token).outcome is Outcome.WAITING
-        assert rt.store.cancel(cancelled.id) is RunStatus.CANCELLED
-        model.hold_go.set()
-        holder.join(30)
-        (result,) = results
-        while result.outcome is Outcome.CONTINUE:  # the holder's steps, to its end
-            assert result.dispatch is not None
-            assert not result.wakes
-            result = driver.drive(result.dispatch.run_id, result.dispatch.token)
-        assert result.outcome is Outcome.FINISHED
-        assert [w.run_id for w in result.wakes] == [live.id], "the live waiter was not woken"
-        assert drive_to_end(driver, result.wakes[0])[-1] is Outcome.FINISHED
-        assert rt.store.get_run(live.id).status is RunStatus.SUCCEEDED
-        assert driver.keys is not None
-        queued = rclient.zrange(driver.keys._keys("acme")[1], 0, -1)
-        assert str(cancelled.id).encode() not in queued
-    finally:
-        rt.close()
+    rt = one_slot
+    model = rt.llm
+    assert isinstance(model, SlowModel)
+    driver = rt.driver()
+    _, held = _keyed(rt, "hold on", "acme")
+    cancelled, d1 = _keyed(rt, "acme 1", "acme")
+    live, d2 = _keyed(rt, "acme 2", "acme")
+    results: list[Any] = []
+    holder = threading.Thread(target=lambda: results.append(driver.drive(held.run_id, held.token)))
+    holder.start()
+    assert model.hold_entered.wait(30)
+    assert driver.drive(d1.run_id, d1.token).outcome is Outcome.WAITING
+    assert driver.drive(d2.run_id, d2.token).outcome is Outcome.WAITING
+    assert rt.store.cancel(cancelled.id) is RunStatus.CANCELLED
+    model.hold_go.set()
+    holder.join(30)
+    (result,) = results
+    while result.outcome is Outcome.CONTINUE:  # the holder's steps, to its end
+        assert result.dispatch is not None
+        assert not result.wakes
+        result = driver.drive(result.dispatch.run_id, result.dispatch.token)
+    assert result.outcome is Outcome.FINISHED
+    assert [w.run_id for w in result.wakes] == [live.id], "the live waiter was not woken"
+    assert drive_to_end(driver, result.wakes[0])[-1] is Outcome.FINISHED
+    assert rt.store.get_run(live.id).status is RunStatus.SUCCEEDED
+    assert driver.keys is not None
+    queued = rclient.zrange(driver.keys._keys("acme")[1], 0, -1)
+    assert str(cancelled.id).encode() not in queued
 
 
-def test_a_slot_freed_while_the_refused_run_parks_still_wakes_it(
-    settings: Settings, rclient: redis.Redis
-) -> None:
+def test_a_slot_freed_while_the_refused_run_parks_still_wakes_it(one_slot: Runtime) -> None:
     """The holder's last step releases the key's only slot between a waiter's refusal and
     its park: the release cannot wake it (it still holds its lease), so the waiter wakes
     itself once parked instead of sitting out its fallback timer (300 s here)."""
-    s = replace(settings, key_concurrency=1, key_recheck_seconds=300)
-    model = SlowModel(0.0)
-    rt = Runtime.build(s, llm=model, pool_size=4)
-    register_agent(rt.agents)
-    try:
-        driver = rt.driver()
-        keys = driver.keys
-        assert keys is not None
-        _, held = _keyed(rt, "hold on", "acme")
-        waiter, d = _keyed(rt, "acme later", "acme")
-        holder_results: list[Any] = []
+    rt = one_slot
+    model = rt.llm
+    assert isinstance(model, SlowModel)
+    driver = rt.driver()
+    keys = driver.keys
+    assert keys is not None
+    _, held = _keyed(rt, "hold on", "acme")
+    waiter, d = _keyed(rt, "acme later", "acme")
+    holder_results: list[Any] = []
 
-        def holder() -> None:
-            result = driver.drive(held.run_id, held.token)
-            while result.outcome is Outcome.CONTINUE:
-                assert result.dispatch is not None
-                result = driver.drive(result.dispatch.run_id, result.dispatch.token)
-            holder_results.append(result)
+    def holder() -> None:
+        result = driver.drive(held.run_id, held.token)
+        while result.outcome is Outcome.CONTINUE:
+            assert result.dispatch is not None
+            result = driver.drive(result.dispatch.run_id, result.dispatch.token)
+        holder_results.append(result)
 
-        thread = threading.Thread(target=holder)
-        thread.start()
-        assert model.hold_entered.wait(30)
-        real_acquire = keys.acquire
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert model.hold_entered.wait(30)
+    real_acquire = keys.acquire
 
-        def refused_then_released(key: str, run_id: uuid.UUID, *args: Any, **kwargs: Any) -> Any:
-            got = real_acquire(key, run_id, *args, **kwargs)
-            if run_id != waiter.id:  # the holder's own next steps
-                return got
-            assert isinstance(got, KeyWait)
-            model.hold_go.set()  # the holder ends and frees the slot before this run parks
-            thread.join(30)
+    def refused_then_released(key: str, run_id: uuid.UUID, *args: Any, **kwargs: Any) -> Any:
+        got = real_acquire(key, run_id, *args, **kwargs)
+        if run_id != waiter.id:  # the holder's own next steps
             return got
+        assert isinstance(got, KeyWait)
+        model.hold_go.set()  # the holder ends and frees the slot before this run parks
+        thread.join(30)
+        return got
 
-        keys.acquire = refused_then_released  # type: ignore[method-assign]
-        try:
-            result = driver.drive(d.run_id, d.token)
-        finally:
-            keys.acquire = real_acquire  # type: ignore[method-assign]
-        (ended,) = holder_results
-        assert ended.outcome is Outcome.FINISHED
-        assert not ended.wakes, "the waiter still held its lease: the release could not wake it"
-        assert result.outcome is Outcome.WAITING
-        assert [w.run_id for w in result.wakes] == [waiter.id], "the missed wake was not made up"
-        assert rt.store.get_run(waiter.id).run_at <= datetime.now(UTC)
-        assert drive_to_end(driver, result.wakes[0])[-1] is Outcome.FINISHED
-        assert rt.store.get_run(waiter.id).status is RunStatus.SUCCEEDED
+    keys.acquire = refused_then_released  # type: ignore[method-assign]
+    try:
+        result = driver.drive(d.run_id, d.token)
     finally:
-        rt.close()
+        keys.acquire = real_acquire  # type: ignore[method-assign]
+    (ended,) = holder_results
+    assert ended.outcome is Outcome.FINISHED
+    assert not ended.wakes, "the waiter still held its lease: the release could not wake it"
+    assert result.outcome is Outcome.WAITING
+    assert [w.run_id for w in result.wakes] == [waiter.id], "the missed wake was not made up"
+    assert rt.store.get_run(waiter.id).run_at <= datetime.now(UTC)
+    assert drive_to_end(driver, result.wakes[0])[-1] is Outcome.FINISHED
+    assert rt.store.get_run(waiter.id).status is RunStatus.SUCCEEDED
 
 
 def test_the_gauge_counts_waiting_runs_by_tenant_with_bounded_labels_and_no_key_names(
@@ -569,51 +566,47 @@ def test_the_gauge_counts_waiting_runs_by_tenant_with_bounded_labels_and_no_key_
 
 
 def test_tenants_sharing_a_key_name_share_no_slot_and_see_nothing_of_each_other(
-    settings: Settings, rclient: redis.Redis
+    one_slot: Runtime,
 ) -> None:
-    s = replace(settings, key_concurrency=1)
-    model = SlowModel(0.0)
-    rt = Runtime.build(s, llm=model, pool_size=4)
-    register_agent(rt.agents)
-    try:
-        driver = rt.driver()
+    rt = one_slot
+    model = rt.llm
+    assert isinstance(model, SlowModel)
+    driver = rt.driver()
 
-        def keyed_run(text: str, tenant: str) -> Run:
-            run, _ = rt.store.create_run(
-                NewRun(
-                    agent="test-agent",
-                    input=text,
-                    model=MODEL,
-                    max_steps=10,
-                    token_budget=10_000,
-                    timeout_seconds=600,
-                    concurrency_key="shared",
-                    tenant=tenant,
-                )
+    def keyed_run(text: str, tenant: str) -> Run:
+        run, _ = rt.store.create_run(
+            NewRun(
+                agent="test-agent",
+                input=text,
+                model=MODEL,
+                max_steps=10,
+                token_budget=10_000,
+                timeout_seconds=600,
+                concurrency_key="shared",
+                tenant=tenant,
             )
-            return run
+        )
+        return run
 
-        blue = keyed_run("hold blue's step", "blue")
-        holder = threading.Thread(target=driver.drive, args=(blue.id, blue.dispatch_token))
-        holder.start()
-        try:
-            assert model.hold_entered.wait(10)
-            assert driver.keys is not None
-            assert driver.keys.in_steps(tenant_key("blue", "shared")) == 1
-            red = keyed_run("red runs", "red")
-            result = driver.drive(red.id, red.dispatch_token)
-            assert result.outcome is not Outcome.WAITING, rt.store.get_run(red.id).wait_reason
-            assert rt.store.get_run(red.id).wait_reason is None
-            # blue's second run waits for blue's slot, and its reason names only blue's key
-            second = keyed_run("blue again", "blue")
-            assert driver.drive(second.id, second.dispatch_token).outcome is Outcome.WAITING
-            reason = rt.store.get_run(second.id).wait_reason
-            assert reason == "concurrency key shared: 1 of 1 in steps"
-        finally:
-            model.hold_go.set()
-            holder.join(10)
+    blue = keyed_run("hold blue's step", "blue")
+    holder = threading.Thread(target=driver.drive, args=(blue.id, blue.dispatch_token))
+    holder.start()
+    try:
+        assert model.hold_entered.wait(10)
+        assert driver.keys is not None
+        assert driver.keys.in_steps(tenant_key("blue", "shared")) == 1
+        red = keyed_run("red runs", "red")
+        result = driver.drive(red.id, red.dispatch_token)
+        assert result.outcome is not Outcome.WAITING, rt.store.get_run(red.id).wait_reason
+        assert rt.store.get_run(red.id).wait_reason is None
+        # blue's second run waits for blue's slot, and its reason names only blue's key
+        second = keyed_run("blue again", "blue")
+        assert driver.drive(second.id, second.dispatch_token).outcome is Outcome.WAITING
+        reason = rt.store.get_run(second.id).wait_reason
+        assert reason == "concurrency key shared: 1 of 1 in steps"
     finally:
-        rt.close()
+        model.hold_go.set()
+        holder.join(10)
 
 
 # -- the API -----------------------------------------------------------------------------------
